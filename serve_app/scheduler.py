@@ -1,0 +1,72 @@
+"""vLLM scheduler with per-request compute accounting, used by both prefill and decode engines.
+
+vLLM's own prompt-token stats count a request's first scheduled prefill only; a streaming-input session
+is prefilled chunk by chunk, and a decode engine loads most of its prompt over NIXL. To show what each
+engine really computed, this scheduler counts, per request, the prompt tokens it scheduled for the model
+(each scheduled token is one computed KV slot). The counts are read from the frontend through an
+EngineCore utility call (`rtpd_compute_stats`), the same channel vLLM uses for its own utility methods.
+
+Configured with vLLM's extension point: `scheduler_cls="serve_app.scheduler.AccountingScheduler"`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+
+MAX_TRACKED_REQUESTS = 20_000
+
+
+class AccountingScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompt_tokens_computed: OrderedDict[str, int] = OrderedDict()
+        self.total_prompt_tokens_computed = 0
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            before = request.num_computed_tokens  # not yet advanced: super() does that
+            prompt = max(0, min(before + n, request.num_prompt_tokens) - before)
+            if prompt:
+                self.total_prompt_tokens_computed += prompt
+                self.prompt_tokens_computed[req_id] = self.prompt_tokens_computed.get(req_id, 0) + prompt
+                self.prompt_tokens_computed.move_to_end(req_id)
+                if len(self.prompt_tokens_computed) > MAX_TRACKED_REQUESTS:
+                    self.prompt_tokens_computed.popitem(last=False)
+        super()._update_after_schedule(scheduler_output)
+
+    def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
+        pool = self.kv_cache_manager.block_pool
+        running, waiting = self.get_request_counts()
+        stats: dict[str, Any] = {
+            "prompt_tokens_computed_total": self.total_prompt_tokens_computed,
+            "num_requests": len(self.requests),  # every request the scheduler still tracks
+            "num_running": running,
+            "num_waiting": waiting,
+            "kv_blocks_total": pool.num_gpu_blocks - 1,  # minus the null block
+            "kv_blocks_free": pool.get_num_free_blocks(),
+            "block_size": self.block_size,
+        }
+        if request_id_prefix is not None:
+            # vLLM appends a random suffix to the caller's request id.
+            stats["prompt_tokens_computed"] = sum(
+                n for rid, n in self.prompt_tokens_computed.items() if rid.startswith(request_id_prefix)
+            )
+        return stats
+
+
+def _rtpd_compute_stats(self: EngineCore, request_id_prefix: str | None = None) -> dict[str, Any]:
+    scheduler = self.scheduler
+    if not isinstance(scheduler, AccountingScheduler):
+        return {}
+    return scheduler.compute_stats(request_id_prefix)
+
+
+# EngineCore dispatches utility calls by attribute name; this module is imported in the engine-core
+# process when vLLM resolves `scheduler_cls`, so the method exists exactly where it is called.
+EngineCore.rtpd_compute_stats = _rtpd_compute_stats  # type: ignore[attr-defined]

@@ -1,0 +1,65 @@
+"""A vLLM stat logger that keeps running totals a replica can report (tests, metrics, /stats)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+
+@dataclass
+class EngineTotals:
+    kv_transfers: int = 0  # NIXL reads this engine completed (decode side)
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_expired_requests: int = 0  # prefill side: blocks freed because decode never read them
+    finished_requests: int = 0
+    preemptions: int = 0
+    generation_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TotalsStatLogger(StatLoggerBase):
+    """Accumulates into a shared `EngineTotals` (vLLM instantiates loggers itself, hence the factory)."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, totals: EngineTotals | None = None):
+        self.totals = totals if totals is not None else EngineTotals()
+
+    @classmethod
+    def factory(cls, totals: EngineTotals):
+        return lambda vllm_config, engine_index=0: cls(vllm_config, engine_index, totals)
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        t = self.totals
+        if scheduler_stats is not None:
+            t.kv_cache_usage = scheduler_stats.kv_cache_usage
+            t.num_running = scheduler_stats.num_running_reqs
+            t.num_waiting = scheduler_stats.num_waiting_reqs
+            data = scheduler_stats.kv_connector_stats or {}
+            t.kv_transfers += len(data.get("transfer_duration", ()))
+            t.kv_transfer_seconds += float(sum(data.get("transfer_duration", ())))
+            t.kv_transfer_bytes += int(sum(data.get("bytes_transferred", ())))
+            t.kv_transfer_failures += len(data.get("num_failed_transfers", ()))
+            t.kv_expired_requests += len(data.get("num_kv_expired_reqs", ()))
+        if iteration_stats is not None:
+            t.finished_requests += len(iteration_stats.finished_requests)
+            t.preemptions += iteration_stats.num_preempted_reqs
+            t.generation_tokens += iteration_stats.num_generation_tokens
+
+    def log_engine_initialized(self) -> None:
+        pass
