@@ -87,7 +87,12 @@ class Router:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "realtime-pd"}
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "realtime-pd",
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")

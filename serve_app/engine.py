@@ -51,9 +51,8 @@ def _node_ip() -> str:
 def build_engine_args(app: AppConfig, role: Role) -> Any:
     """The argparse namespace `vllm serve` would build, filled from the typed config."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cfg = app.engine_for(role)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", resolve_model(app.model)])
@@ -145,7 +144,11 @@ class Engine:
 
     async def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.client.engine_core.call_utility_async("rtpd_compute_stats", request_id_prefix)
-        return {**stats, **self.totals.as_dict(), "unfinished_requests": self.client.output_processor.get_num_unfinished_requests()}
+        return {
+            **stats,
+            **self.totals.as_dict(),
+            "unfinished_requests": self.client.output_processor.get_num_unfinished_requests(),
+        }
 
     async def check_health(self) -> None:
         await self.client.check_health()

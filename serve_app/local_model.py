@@ -107,9 +107,7 @@ def make_local_model(out: Path = DEFAULT_DIR, force: bool = False) -> Path:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
-    ).save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
     stamp.write_text(json.dumps({"version": VERSION, "fingerprint": _fingerprint(out)}))
     return out
 

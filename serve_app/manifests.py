@@ -156,9 +156,7 @@ def worker_group(name: str, role: str, shape: PodShape, image: str) -> dict[str,
 def head_group(name: str, router: PodShape, image: str) -> dict[str, Any]:
     params = {"dashboard-host": "0.0.0.0", "num-gpus": "0"}
     if router.custom:  # room for every router replica the config may run
-        params["resources"] = ray_resources_param(
-            _clean({k: v * router.max_pods for k, v in router.custom.items()})
-        )
+        params["resources"] = ray_resources_param(_clean({k: v * router.max_pods for k, v in router.custom.items()}))
     if router.cpus * router.max_pods > HEAD_CPU - 2:
         raise ValueError("the routers do not fit on the head pod next to the Serve controller and proxy")
     ports = [6379, 8265, 10001, SERVE_PORT]
@@ -248,9 +246,7 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def expected(
-    config_dir: Path = CONFIG_DIR, out_dir: Path = OUT_DIR, image: str = DEFAULT_IMAGE
-) -> dict[Path, str]:
+def expected(config_dir: Path = CONFIG_DIR, out_dir: Path = OUT_DIR, image: str = DEFAULT_IMAGE) -> dict[Path, str]:
     """Every manifest that should exist: path -> content."""
     return {out_dir / f"{p.stem}.yaml": render(p, image) for p in sorted(config_dir.glob("*.yaml"))}
 
@@ -268,9 +264,7 @@ def _generated(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m serve_app.manifests", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m serve_app.manifests", description=__doc__.splitlines()[0])
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="container image for every Ray pod")
     parser.add_argument("--configs", type=Path, default=CONFIG_DIR, help="directory of Serve config files")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="directory to write the manifests to")

@@ -53,9 +53,7 @@ def test_dashboard_is_valid_json() -> None:
     dashboard = load()
     assert dashboard["title"] and dashboard["uid"]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert (
-        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    )
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     ids = [p["id"] for p in panels(dashboard["panels"])]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
 
@@ -76,9 +74,7 @@ def test_every_expr_uses_known_metrics() -> None:
                 used.add(metric)
             for name in names:
                 if name.endswith("_bucket"):
-                    assert "histogram_quantile" in target["expr"], (
-                        f"{panel['title']}: buckets need a quantile"
-                    )
+                    assert "histogram_quantile" in target["expr"], f"{panel['title']}: buckets need a quantile"
     missing = (GAUGES_AND_COUNTERS | HISTOGRAMS) - used
     assert not missing, f"no panel for {sorted(missing)}"
     assert any(m.startswith("ray_serve_") for m in used)

@@ -119,14 +119,14 @@ def test_crd_validation_is_strict() -> None:
     bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3  # typo
     assert not validator(bad["apiVersion"]).is_valid(bad)
     bad = copy.deepcopy(service)
-    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
-        "limits"
-    ]["cpu"] = 8.5  # neither an integer nor a quantity string
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "cpu"
+    ] = 8.5  # neither an integer nor a quantity string
     assert not validator(bad["apiVersion"]).is_valid(bad)
     good = copy.deepcopy(service)
-    good["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"][
-        "limits"
-    ]["cpu"] = "8"  # int-or-string: a string passes too
+    good["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "cpu"
+    ] = "8"  # int-or-string: a string passes too
     assert validator(good["apiVersion"]).is_valid(good)
 
 
@@ -186,9 +186,7 @@ def test_pods_match_deployments(path: Path) -> None:
         assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
         token = [e for e in worker["env"] if e["name"] == "HF_TOKEN"]
-        assert token == [
-            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
-        ]
+        assert token == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}]
         pools.append(set(custom))
     assert pools[0] and pools[1] and not pools[0] & pools[1], "each role needs a custom resource of its own"
 
@@ -214,9 +212,7 @@ def test_check_detects_drift(tmp_path: Path) -> None:
     assert manifests.main([*argv, "--check"]) == 1  # missing
     assert manifests.main(argv) == 0
     assert manifests.main([*argv, "--check"]) == 0
-    (configs / "a.yaml").write_text(
-        (configs / "a.yaml").read_text().replace("max_replicas: 4", "max_replicas: 6")
-    )
+    (configs / "a.yaml").write_text((configs / "a.yaml").read_text().replace("max_replicas: 4", "max_replicas: 6"))
     assert manifests.main([*argv, "--check"]) == 1  # changed config
     assert manifests.main(argv) == 0
     (configs / "a.yaml").rename(configs / "b.yaml")
@@ -237,10 +233,7 @@ def test_names_are_dns_labels() -> None:
 
 def test_resources_param_format() -> None:
     # KubeRay's documented form: resources: '"{\"Custom1\": 1, \"Custom2\": 5}"'
-    assert (
-        manifests.ray_resources_param({"Custom1": 1, "Custom2": 5})
-        == '"{\\"Custom1\\": 1, \\"Custom2\\": 5}"'
-    )
+    assert manifests.ray_resources_param({"Custom1": 1, "Custom2": 5}) == '"{\\"Custom1\\": 1, \\"Custom2\\": 5}"'
     assert parse_resources_param(manifests.ray_resources_param({"prefill_pool": 1})) == {"prefill_pool": 1}
 
 

