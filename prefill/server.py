@@ -1,16 +1,29 @@
-"""Prefill replica: computes a prompt's KV and leaves it for a decode replica to pull over NIXL."""
+"""Prefill replica: computes prompts' KV and leaves it for a decode replica to pull over NIXL.
+
+Two kinds of work: a whole prompt (`prefill`, the router then calls decode), and streaming-input sessions
+that live here between chunks (their KV stays resident) and hand off to decode at end of input. A session's
+methods take `session_id` as a keyword: the session-affinity request router (router/placement.py) sends
+them to the replica named in the id, whichever router replica they come through.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
+from prefill.session import Answer, Session, SessionError, SessionLimits, SessionState, StartPolicy, new_session_id
+from prefill.streaming import StreamingPrefill
 from serve_app.config import AppConfig
-from serve_app.engine import Endpoint, Engine
-from serve_app.protocol import error_payload, validate_openai_body
+from serve_app.engine import Engine
+from serve_app.protocol import Endpoint, error_body, error_payload, validate_openai_body
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +37,7 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
+CLOSED_SESSION_RETENTION_S = 60.0
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -37,13 +51,31 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """Session errors become OpenAI error JSON (the router turns them into HTTP or Realtime errors)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: PrefillServer, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await method(self, *args, **kwargs)
+        except SessionError as e:
+            return error_body(e.status, e.message, e.param)
+
+    return wrapper
+
+
 @serve.deployment(name="prefill", max_ongoing_requests=1024, health_check_period_s=10)
 class PrefillServer:
-    async def __init__(self, app_config: dict[str, Any]) -> None:
+    async def __init__(self, app_config: dict[str, Any], decode: DeploymentHandle | None = None) -> None:
         self.config = AppConfig.model_validate(app_config)
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()
+        self.decode = decode.options(stream=True) if decode is not None else None
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.sessions: dict[str, Session] = {}
+        self._sweeper = asyncio.create_task(self._sweep())
 
+    # --- whole prompts -----------------------------------------------------------------------------
     async def prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         """Returns `{"kv_transfer_params", "prompt_tokens"}` or `{"error": ...}` (OpenAI error JSON)."""
         # Validate what the client sent in full before any KV exists, so that a request decode would
@@ -55,8 +87,302 @@ class PrefillServer:
             return error_payload(result)
         return {"kv_transfer_params": result.kv_transfer_params, "prompt_tokens": result.usage.prompt_tokens}
 
+    # --- sessions ----------------------------------------------------------------------------------
+    @session_api
+    async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:
+        request = dict(spec.get("request") or {})
+        endpoint: Endpoint = "chat" if "messages" in request else "completion"
+        probe = {**request, "stream": False}
+        if endpoint == "completion":
+            probe.setdefault("prompt", "")
+        if (err := validate_openai_body(endpoint, probe)) is not None:
+            raise SessionError(400, err["error"]["message"], err["error"]["param"])
+        if (request.get("n") or 1) != 1:
+            raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
+        session_id = new_session_id(self.replica)
+        session = Session(
+            session_id,
+            endpoint,
+            request,
+            StartPolicy.model_validate(spec.get("start_policy") or {}),
+            SessionLimits.model_validate(spec.get("limits") or {}),
+            StreamingPrefill(self.engine.client, session_id),
+        )
+        session.instructions = spec.get("instructions")
+        self.sessions[session_id] = session
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_chunk(
+        self, *, session_id: str, sequence_id: int, payload: str, end_of_input: bool = False
+    ) -> dict[str, Any]:
+        session = self._get(session_id)
+        try:
+            result = session.add_chunk(sequence_id, payload, end_of_input)
+        except SessionError as e:
+            if e.status == 413:
+                await self._close(session, "payload cap exceeded")
+            raise
+        if result["applied"]:
+            await self._prefill_stable(session)
+        if session.input_ended and result["applied"]:
+            await self._start_answer(session, {})
+        return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
+
+    @session_api
+    async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
+        session = self._get(session_id)
+        session.add_message(role, content)
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_buffer(self, *, session_id: str, op: str, text: str = "") -> dict[str, Any]:
+        """Realtime `input_text_buffer.*`: append to, commit or clear the in-progress user text."""
+        session = self._get(session_id)
+        session.check_open()
+        session.touch()
+        if op == "append":
+            session.buffer += text
+            session.payload_bytes += len(text.encode())
+            if session.payload_bytes > session.limits.max_payload_bytes:
+                await self._close(session, "payload cap exceeded")
+                raise SessionError(413, "session payload cap exceeded")
+        elif op == "commit":
+            session.commit_buffer()
+        elif op == "clear":
+            session.buffer = ""
+        else:
+            raise SessionError(400, f"unknown buffer operation {op!r}")
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_update(
+        self, *, session_id: str, instructions: str | None = None, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        session = self._get(session_id)
+        session.check_open()
+        if instructions is not None:
+            session.instructions = instructions or None
+        session.request.update(params or {})
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """End of input: hand the KV to decode and start the answer. Idempotent."""
+        session = self._get(session_id)
+        session.check_open()
+        if session.pending:
+            raise SessionError(409, f"chunks {sorted(session.pending)} wait for missing sequence id {session.next_seq}")
+        if not (session.input_ended and session.answers):
+            session.input_ended = True
+            await self._start_answer(session, overrides or {})
+        return {**session.describe(), "answer": session.answers[-1].summary()}
+
+    @session_api
+    async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Realtime `response.create`: answer the conversation so far (input may go on afterwards)."""
+        session = self._get(session_id)
+        session.check_open()
+        if session.answering:
+            raise SessionError(409, "a response is already in progress", "response")
+        session.input_ended = True
+        await self._start_answer(session, overrides or {})
+        return {**session.describe(), "answer": session.answers[-1].summary()}
+
+    async def session_events(self, *, session_id: str, turn: int | None = None) -> AsyncGenerator[Any, None]:
+        """The answer's decode SSE text as it arrives (replayed from the start), then `{"done": summary}`."""
+        try:
+            session = self._get(session_id)
+            answer = await self._wait_answer(session, turn)
+        except SessionError as e:
+            yield error_body(e.status, e.message, e.param)
+            return
+        yield {"turn": answer.turn, "endpoint": session.endpoint}
+        sent = 0
+        while True:
+            async with answer.changed:
+                await answer.changed.wait_for(lambda n=sent: len(answer.batches) > n or answer.done)
+                new = answer.batches[sent:]
+            sent += len(new)
+            if new:
+                yield "".join(new)
+            if answer.done and sent == len(answer.batches):
+                break
+        yield {"done": answer.summary()}
+
+    @session_api
+    async def session_result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:
+        session = self._get(session_id)
+        answer = await self._wait_answer(session, turn) if wait else (session.answers or [None])[-1]
+        if answer is None:
+            return {**session.describe(), "answer": None}
+        if wait:
+            async with answer.changed:
+                await answer.changed.wait_for(lambda: answer.done)
+        return {**session.describe(), "answer": answer.summary()}
+
+    @session_api
+    async def session_cancel(self, *, session_id: str) -> dict[str, Any]:
+        session = self._get(session_id)
+        if session.answering and (task := session.answers[-1].task) is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return {**session.describe(), "answer": session.answers[-1].summary() if session.answers else None}
+
+    @session_api
+    async def session_delete(self, *, session_id: str) -> dict[str, Any]:
+        session = self._get(session_id)
+        await self._close(session, "deleted")
+        self.sessions.pop(session_id, None)
+        return {"session_id": session_id, "deleted": True}
+
+    @session_api
+    async def session_info(self, *, session_id: str) -> dict[str, Any]:
+        session = self._get(session_id, allow_closed=True)
+        stats = await self.engine.compute_stats(session_id)
+        return {
+            **session.describe(),
+            "close_reason": session.close_reason,
+            "request_ids": session.streaming.request_ids,
+            "prompt_tokens_computed": stats["prompt_tokens_computed"],
+            "block_size": stats["block_size"],
+            "answers": [a.summary() for a in session.answers],
+        }
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _get(self, session_id: str, allow_closed: bool = False) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"session {session_id} not found", "session_id")
+        if not allow_closed:
+            session.check_open()
+        return session
+
+    async def _prefill_stable(self, session: Session) -> None:
+        """Stream the input's stable tokens to the engine, if the start policy allows it yet."""
+        if session.answering:
+            return  # the conversation grows again once the answer is in
+        tokens = session.stable_tokens(self.engine.tokenizer)
+        if len(tokens) >= self.engine.max_model_len:
+            await self._close(session, "input exceeds the model's context length")
+            raise SessionError(400, f"session input exceeds the context length of {self.engine.max_model_len} tokens")
+        if session.streaming.active or session.may_start(len(tokens)):
+            await session.streaming.sync(tokens)
+            if tokens:
+                session.state = SessionState.PREFILLING
+
+    async def _wait_answer(self, session: Session, turn: int | None) -> Answer:
+        deadline = time.monotonic() + session.limits.idle_timeout_s
+        while not session.answers or (turn is not None and turn >= len(session.answers)):
+            if session.state == SessionState.CLOSED or time.monotonic() > deadline:
+                raise SessionError(
+                    409, f"session {session.id} has no answer ({session.close_reason or 'no input end'})"
+                )
+            await asyncio.sleep(0.05)
+        return session.answers[-1 if turn is None else turn]
+
+    async def _start_answer(self, session: Session, overrides: dict[str, Any]) -> None:
+        if (overrides.get("n") or 1) != 1:
+            raise SessionError(400, "n must be 1", "n")
+        if session.endpoint == "chat":
+            session.commit_buffer()
+        else:
+            session.request["prompt"] = session.request.get("prompt", "") + session.buffer
+            session.buffer = ""
+        answer = Answer(turn=len(session.answers))
+        session.answers.append(answer)
+        answer.task = asyncio.create_task(self._answer(session, answer, overrides))
+
+    async def _answer(self, session: Session, answer: Answer, overrides: dict[str, Any]) -> None:
+        stream = None
+        try:
+            if session.streaming.active:
+                await session.streaming.wait_computed()  # so the hand-off finds every block cached
+            overrides = dict(overrides)
+            request = {**session.full_request(overrides.pop("instructions", None)), **overrides, "stream": True}
+            request["stream_options"] = {"include_usage": True}
+            request["request_id"] = f"{session.id}-t{answer.turn}"
+            handoff = await self.prefill(session.endpoint, request)
+            if "error" in handoff:
+                answer.error, answer.status = handoff["error"], "failed"
+                return
+            session.state = SessionState.ANSWERING
+            assert self.decode is not None, "sessions need a decode deployment"
+            request["kv_transfer_params"] = handoff["kv_transfer_params"]
+            stream = self.decode.generate.remote(session.endpoint, request)
+            async for item in stream:
+                async with answer.changed:
+                    if isinstance(item, dict):  # an error before any output
+                        answer.error = item.get("error", item)
+                    else:
+                        answer.absorb(item)
+                        answer.batches.append(item)
+                    answer.changed.notify_all()
+            answer.status = "failed" if answer.error else "completed"
+        except asyncio.CancelledError:
+            answer.status = "cancelled"
+            if stream is not None:
+                stream.cancel()
+        except Exception as e:
+            logger.exception("session %s answer failed", session.id)
+            answer.error, answer.status = {"message": str(e), "type": "InternalServerError", "code": 500}, "failed"
+        finally:
+            self._append_answer(session, answer)
+            async with answer.changed:
+                answer.changed.notify_all()
+            if session.state != SessionState.CLOSED:
+                session.state = SessionState.OPEN
+                session.touch()
+                # Keep the conversation resident: the next turn prefills only what is new.
+                try:
+                    await self._prefill_stable(session)
+                except Exception:
+                    logger.exception("session %s: re-prefill after answer failed", session.id)
+
+    @staticmethod
+    def _append_answer(session: Session, answer: Answer) -> None:
+        if not answer.text:
+            return
+        if session.endpoint == "chat":
+            session.request.setdefault("messages", []).append({"role": "assistant", "content": answer.text})
+        else:
+            session.request["prompt"] = session.request.get("prompt", "") + answer.text
+
+    async def _close(self, session: Session, reason: str) -> None:
+        if session.state == SessionState.CLOSED:
+            return
+        session.state = SessionState.CLOSED
+        session.close_reason = reason
+        session.closed_at = time.monotonic()
+        if session.answering and (task := session.answers[-1].task) is not None:
+            task.cancel()
+        await session.streaming.close()
+
+    async def _sweep(self) -> None:
+        """Expire idle sessions and sessions whose chunk gap never filled; forget closed ones."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                try:
+                    if session.state == SessionState.CLOSED:
+                        if now - (session.closed_at or now) > CLOSED_SESSION_RETENTION_S:
+                            self.sessions.pop(session.id, None)
+                    elif (gap := session.expired_gap(now)) is not None:
+                        await self._close(session, f"chunk {gap} never arrived")
+                    elif not session.answering and now - session.last_active > session.limits.idle_timeout_s:
+                        await self._close(session, "expired")
+                except Exception:
+                    logger.exception("sweeping session %s failed", session.id)
+
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
-        return await self.engine.compute_stats(request_id_prefix)
+        stats = await self.engine.compute_stats(request_id_prefix)
+        open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]
+        return {**stats, "sessions_open": len(open_sessions)}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

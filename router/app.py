@@ -19,12 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from router import realtime, sessions
+from router.ndjson import streaming_input_chat
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_status, sse
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="realtime-pd", version="0.1.0")
+app.include_router(sessions.api)
+app.include_router(realtime.api)
 
 
 class APIError(Exception):
@@ -80,6 +84,7 @@ class Router:
         self.prefill = prefill
         self.decode = decode.options(stream=True)
         self.created = int(time.time())
+        app.state.ingress = self  # the session and realtime routes reach the handles through it
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -97,20 +102,25 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        if request.headers.get("x-streaming-input", "").lower() == "true":
+            return await streaming_input_chat(self, request)
         return await self._disaggregated("chat", request)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._disaggregated("completion", request)
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        return await read_json_object(request)
+
+    def check_model(self, body: dict[str, Any]) -> None:
         model = body.setdefault("model", self.config.model_name)
         if model != self.config.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         body = await read_json_object(request)
-        self._check_model(body)
+        self.check_model(body)
         body["request_id"] = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
 
         prefilled = await self.prefill.prefill.remote(endpoint, body)

@@ -11,6 +11,8 @@ from prefill.server import PrefillServer
 from router.app import Router
 from serve_app.config import LOCAL_MODEL, AppConfig
 
+SESSION_ROUTER = "router.placement:SessionAffinityRouter"
+
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
@@ -20,6 +22,8 @@ def build_app(args: dict[str, Any]) -> Application:
 
         make_local_model()
     payload = config.model_dump(mode="json")
-    prefill = PrefillServer.options(**config.prefill.deployment).bind(payload)
     decode = DecodeServer.options(**config.decode.deployment).bind(payload)
+    # Streaming sessions live on one prefill replica: route their calls by session id.
+    prefill_options = {"request_router_config": {"request_router_class": SESSION_ROUTER}, **config.prefill.deployment}
+    prefill = PrefillServer.options(**prefill_options).bind(payload, decode)
     return Router.options(**config.router.deployment).bind(prefill, decode, payload)

@@ -74,3 +74,19 @@ def validate_openai_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, 
     except ValueError as e:
         return error_body(400, str(e))
     return None
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    """The JSON payloads of `data:` frames in `text` (whole frames only; `[DONE]` skipped)."""
+    frames = []
+    for frame in text.split("\n\n"):
+        if frame.startswith("data: ") and frame != "data: [DONE]":
+            frames.append(json.loads(frame[6:]))
+    return frames
+
+
+def choice_text(chunk: dict[str, Any]) -> tuple[str, str | None]:
+    """A completion or chat-completion chunk's first choice: (text delta, finish_reason)."""
+    for choice in chunk.get("choices", []):
+        return (choice.get("text") or (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"))
+    return "", None

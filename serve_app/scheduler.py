@@ -53,9 +53,9 @@ class AccountingScheduler(Scheduler):
             "block_size": self.block_size,
         }
         if request_id_prefix is not None:
-            # vLLM appends a random suffix to the caller's request id.
+            # vLLM appends a random suffix to the caller's id, and its serving layer a prefix.
             stats["prompt_tokens_computed"] = sum(
-                n for rid, n in self.prompt_tokens_computed.items() if rid.startswith(request_id_prefix)
+                n for rid, n in self.prompt_tokens_computed.items() if request_id_prefix in rid
             )
         return stats
 

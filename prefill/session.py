@@ -1,0 +1,266 @@
+"""A streaming-input session as its owner prefill replica holds it.
+
+The session keeps its whole input (chat messages or completion text, so it can be replayed), an ordered
+chunk log, a state (open → prefilling → answering → open … closed), an idle deadline and a size cap. Its
+input is always tokenised as a whole; only the *stable* part is streamed to the engine: everything but the
+in-progress text after its last whitespace, which a later chunk may still extend (a chunk boundary inside a
+word) — see `stable_tokens`. At end of input the whole input is rendered exactly as one ordinary request
+would be, and that request is the hand-off (see prefill/streaming.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefill.streaming import StreamingPrefill
+from serve_app.protocol import choice_text, parse_sse
+
+_MARK = "\ue000"  # a private-use character no input contains: marks the end of the stable text
+
+
+class SessionState(str, Enum):
+    OPEN = "open"  # accepting input, nothing prefilled yet (or start policy not met)
+    PREFILLING = "prefilling"  # input is being prefilled as it arrives
+    ANSWERING = "answering"  # KV handed to decode, the answer is streaming
+    CLOSED = "closed"
+
+
+class StartPolicy(BaseModel):
+    """When prefill starts (the vLLM-Omni streaming-input RFC's policies)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["on_first_chunk", "on_min_length", "on_end_only"] = "on_first_chunk"
+    min_tokens: int = Field(default=256, ge=1)  # for on_min_length
+
+
+class SessionLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    idle_timeout_s: float = Field(default=300.0, gt=0)
+    max_payload_bytes: int = Field(default=1_000_000, gt=0)
+    gap_timeout_s: float = Field(default=10.0, gt=0)  # how long an out-of-order chunk waits for its gap
+
+
+class SessionError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass
+class Answer:
+    """One response: the decode stream's SSE text as it arrives, plus what was parsed out of it."""
+
+    turn: int
+    batches: list[str] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    status: Literal["in_progress", "completed", "cancelled", "failed"] = "in_progress"
+    first_token_at: float | None = None
+    task: asyncio.Task[None] | None = None
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def done(self) -> bool:
+        return self.status != "in_progress"
+
+    def absorb(self, sse_text: str) -> None:
+        for data in parse_sse(sse_text):
+            if "error" in data:
+                self.error = data["error"]
+                continue
+            if data.get("usage"):
+                self.usage = data["usage"]
+            piece, finish_reason = choice_text(data)
+            if piece and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.text += piece
+            self.finish_reason = finish_reason or self.finish_reason
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "status": self.status,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "error": self.error,
+        }
+
+
+def new_session_id(owner: str) -> str:
+    """Unguessable, and names its owner replica so every router replica can route to it."""
+    return f"sess_{owner}_{secrets.token_urlsafe(18)}"
+
+
+def owner_of(session_id: str) -> str | None:
+    parts = session_id.split("_", 2)
+    return parts[1] if len(parts) == 3 and parts[0] == "sess" else None
+
+
+class Session:
+    def __init__(
+        self,
+        session_id: str,
+        endpoint: Literal["chat", "completion"],
+        request: dict[str, Any],
+        policy: StartPolicy,
+        limits: SessionLimits,
+        streaming: StreamingPrefill,
+    ) -> None:
+        self.id = session_id
+        self.endpoint = endpoint
+        # The OpenAI request the answer is made from; its messages/prompt grow with the input.
+        self.request = request
+        self.instructions: str | None = None
+        self.policy = policy
+        self.limits = limits
+        self.streaming = streaming
+        self.state = SessionState.OPEN
+        self.buffer = ""  # in-progress text: the current user turn (chat) or the prompt's tail (completion)
+        self.chunk_log: list[dict[str, Any]] = []
+        self.next_seq = 0
+        self.pending: dict[int, tuple[float, dict[str, Any]]] = {}
+        self.payload_bytes = 0
+        self.input_ended = False
+        self.answers: list[Answer] = []
+        self.last_active = time.monotonic()
+        self.last_chunk_at: float | None = None
+        self.close_reason: str | None = None
+        self.closed_at: float | None = None
+
+    # --- input -------------------------------------------------------------------------------------
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def check_open(self) -> None:
+        if self.state == SessionState.CLOSED:
+            raise SessionError(409, f"session {self.id} is closed ({self.close_reason})")
+
+    def add_chunk(self, seq: int, payload: str, end_of_input: bool) -> dict[str, Any]:
+        """Apply chunks in sequence order; hold a gap, apply a duplicate once. Returns what happened."""
+        self.check_open()
+        self.touch()
+        if self.answering:
+            raise SessionError(409, "input arrived while the answer is being generated", "sequence_id")
+        if seq < self.next_seq or seq in self.pending:
+            return {"duplicate": True, "applied": []}
+        size = len(payload.encode())
+        if self.payload_bytes + size > self.limits.max_payload_bytes:
+            raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
+        self.payload_bytes += size
+        self.pending[seq] = (time.monotonic(), {"payload": payload, "end_of_input": end_of_input})
+        applied = []
+        while self.next_seq in self.pending:
+            _, chunk = self.pending.pop(self.next_seq)
+            if self.input_ended:  # a new turn after an answer
+                self.input_ended = False
+            self.buffer += chunk["payload"]
+            self.chunk_log.append({"sequence_id": self.next_seq, **chunk})
+            self.last_chunk_at = time.monotonic()
+            applied.append(self.next_seq)
+            self.next_seq += 1
+            if chunk["end_of_input"]:
+                self.input_ended = True
+        return {"duplicate": False, "applied": applied, "pending": sorted(self.pending)}
+
+    def expired_gap(self, now: float) -> int | None:
+        """The first missing sequence id if a held chunk has waited past the gap timeout."""
+        if self.pending and min(t for t, _ in self.pending.values()) + self.limits.gap_timeout_s < now:
+            return self.next_seq
+        return None
+
+    def add_message(self, role: str, content: str) -> None:
+        """A whole conversation item (realtime `conversation.item.create`)."""
+        self.check_open()
+        self.touch()
+        self.commit_buffer()
+        self._messages().append({"role": role, "content": content})
+
+    def commit_buffer(self) -> None:
+        if self.endpoint == "chat" and self.buffer:
+            self._messages().append({"role": "user", "content": self.buffer})
+            self.buffer = ""
+
+    def _messages(self) -> list[dict[str, Any]]:
+        return self.request.setdefault("messages", [])
+
+    # --- rendering ---------------------------------------------------------------------------------
+    def full_request(self, instructions: str | None = None) -> dict[str, Any]:
+        """The ordinary OpenAI request equal to everything received so far (the buffer included);
+        `instructions` replace the session's for one response."""
+        request = json.loads(json.dumps(self.request))
+        if self.endpoint == "chat":
+            messages = request.setdefault("messages", [])
+            if self.buffer:
+                messages.append({"role": "user", "content": self.buffer})
+            if instructions := instructions if instructions is not None else self.instructions:
+                messages.insert(0, {"role": "system", "content": instructions})
+        else:
+            request["prompt"] = request.get("prompt", "") + self.buffer
+        return request
+
+    def stable_tokens(self, tokenizer: Any) -> list[int]:
+        """Tokens of the input that no later chunk can change: the render up to the in-progress text's
+        last whitespace, minus one token of margin (BPE may merge across the cut)."""
+        cut = max(self.buffer.rfind(" "), self.buffer.rfind("\n"))
+        stable_buffer = self.buffer[: max(cut, 0)]
+        request = self.full_request()
+        if self.endpoint == "chat":
+            messages = request["messages"]
+            if self.buffer:  # mark where the stable in-progress text ends; the template suffix follows it
+                messages[-1]["content"] = stable_buffer + _MARK
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            end = text.find(_MARK) if self.buffer else len(text)
+            if self.buffer and end < 0:  # the template rewrote the content: stream committed messages only
+                messages.pop()
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+                end = len(text)
+            text = text.replace(_MARK, "")
+            add_special = False
+        else:
+            text = request.get("prompt", "")
+            text = text[: len(text) - len(self.buffer) + len(stable_buffer)]
+            end = len(text)
+            add_special = True
+        enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        keep = 0
+        while keep < len(ids) and offsets[keep][1] <= end:
+            keep += 1
+        return list(ids[: max(keep - 1, 0)])
+
+    def may_start(self, num_stable: int) -> bool:
+        if self.policy.type == "on_end_only":
+            return False
+        return self.policy.type == "on_first_chunk" or num_stable >= self.policy.min_tokens
+
+    # --- answers -----------------------------------------------------------------------------------
+    @property
+    def answering(self) -> bool:
+        return bool(self.answers) and not self.answers[-1].done
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "session_id": self.id,
+            "state": self.state.value,
+            "endpoint": self.endpoint,
+            "next_sequence_id": self.next_seq,
+            "pending": sorted(self.pending),
+            "payload_bytes": self.payload_bytes,
+            "input_ended": self.input_ended,
+            "turns": len(self.answers),
+            "resident_tokens": len(self.streaming.sent),
+            "rewrites": self.streaming.rewrites,
+            "invalidated_tokens": self.streaming.invalidated_tokens,
+            "expires_in": max(0.0, self.limits.idle_timeout_s - (time.monotonic() - self.last_active)),
+        }

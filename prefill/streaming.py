@@ -1,0 +1,139 @@
+"""Keep a growing prompt's KV resident on a prefill engine while its input arrives.
+
+Built on vLLM's streaming input (`AsyncLLM.generate` over an async generator of `StreamingInput`): each
+appended chunk is prefilled on arrival, the request keeps its KV blocks between chunks, and nothing already
+computed is computed again. Each chunk produces one throw-away token (max_tokens=1); vLLM drops a chunk's
+last sampled token from the context, so the resident context is exactly the tokens sent.
+
+vLLM's streaming input is append-only. When retokenising the input changes tokens already sent (a rewrite,
+or a chunk boundary that fell inside a word), the request is replaced by a new one over the new tokens; with
+prefix caching on, the new request reuses every full KV block of the longest common prefix, so only the
+tokens after it (from the last full block) are recomputed.
+
+The hand-off to decode is a separate one-token request over the final prompt with `do_remote_decode`
+(vLLM does not return `kv_transfer_params` for a streaming request); it hits the prefix cache for every full
+block this session computed, so it computes at most the last partial block plus whatever input had not
+been streamed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class StreamingPrefill:
+    """One session's resident prompt on one engine: `sync(tokens)` makes the resident tokens equal `tokens`."""
+
+    def __init__(self, engine_client: Any, request_id: str) -> None:
+        self.client = engine_client
+        self.base_id = request_id
+        self.generation = 0  # bumped on every rewrite: each rewrite is a new engine request
+        self.sent: list[int] = []
+        self.request_ids: list[str] = []
+        self.rewrites = 0
+        self.invalidated_tokens = 0
+        self._queue: asyncio.Queue[Any] | None = None
+        self._consumer: asyncio.Task[None] | None = None
+        self._chunks_sent = 0
+        self._chunks_done = 0
+        self._progress = asyncio.Condition()
+        self._error: BaseException | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._consumer is not None and not self._consumer.done()
+
+    async def sync(self, tokens: list[int]) -> None:
+        """Append the new suffix of `tokens`, or replace the request when a sent token changed."""
+        if self._error is not None:
+            raise self._error
+        lcp = common_prefix_len(self.sent, tokens)
+        if lcp < len(self.sent):
+            self.rewrites += 1
+            self.invalidated_tokens += len(self.sent) - lcp
+            await self.close()
+            self.sent = []
+        new = tokens[len(self.sent) :]
+        if not new:
+            return
+        if not self.active:
+            self._start()
+        assert self._queue is not None
+        self._queue.put_nowait(self._chunk(list(new)))  # a copy: vLLM extends the list it is given
+        self.sent = list(tokens)
+        self._chunks_sent += 1
+
+    async def wait_computed(self, timeout: float | None = None) -> None:
+        """Wait until the engine has prefilled everything sent so far."""
+        async with self._progress:
+            await asyncio.wait_for(
+                self._progress.wait_for(lambda: self._chunks_done >= self._chunks_sent or self._error is not None),
+                timeout,
+            )
+        if self._error is not None:
+            raise self._error
+
+    async def close(self) -> None:
+        """End the engine request and free its KV blocks (full blocks stay in the prefix cache)."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None and not consumer.done():
+            consumer.cancel()  # closing vLLM's output generator aborts the request
+            await asyncio.gather(consumer, return_exceptions=True)
+        self._queue = None
+        async with self._progress:
+            self._chunks_done = self._chunks_sent
+            self._progress.notify_all()
+
+    def _chunk(self, token_ids: list[int]) -> Any:
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs import TokensPrompt
+
+        return StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids))
+
+    def _start(self) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.generation += 1
+        request_id = f"{self.base_id}-stream{self.generation}"
+        self.request_ids.append(request_id)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue = queue
+
+        async def inputs() -> AsyncGenerator[Any, None]:
+            while (item := await queue.get()) is not None:
+                yield item
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        outputs = self.client.generate(inputs(), params, request_id)
+        self._consumer = asyncio.create_task(self._consume(outputs))
+
+    async def _consume(self, outputs: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for out in outputs:
+                if out.outputs and out.outputs[0].finish_reason is not None:  # one chunk fully prefilled
+                    async with self._progress:
+                        self._chunks_done += 1
+                        self._progress.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the engine failed this request: surface it to the session
+            logger.exception("streaming prefill %s failed", self.base_id)
+            self._error = e
+            async with self._progress:
+                self._progress.notify_all()
+        finally:
+            await outputs.aclose()
