@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -93,20 +94,24 @@ class PrefillServer:
         request = dict(spec.get("request") or {})
         endpoint: Endpoint = "chat" if "messages" in request else "completion"
         probe = {**request, "stream": False}
-        if endpoint == "completion":
-            probe.setdefault("prompt", "")
+        if endpoint == "completion" and not probe.get("prompt"):
+            probe["prompt"] = " "  # the input is still to come; validate everything else now
         if (err := validate_openai_body(endpoint, probe)) is not None:
             raise SessionError(400, err["error"]["message"], err["error"]["param"])
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
+        try:
+            policy = StartPolicy.model_validate(spec.get("start_policy") or {})
+            limits = SessionLimits.model_validate(spec.get("limits") or {})
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(
+                str(p) for p in ("start_policy" if "policy" in e.title.lower() else "limits", *first["loc"])
+            )
+            raise SessionError(400, f"{param}: {first['msg']}", param) from None
         session_id = new_session_id(self.replica)
         session = Session(
-            session_id,
-            endpoint,
-            request,
-            StartPolicy.model_validate(spec.get("start_policy") or {}),
-            SessionLimits.model_validate(spec.get("limits") or {}),
-            StreamingPrefill(self.engine.client, session_id),
+            session_id, endpoint, request, policy, limits, StreamingPrefill(self.engine.client, session_id)
         )
         session.instructions = spec.get("instructions")
         self.sessions[session_id] = session

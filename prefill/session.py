@@ -217,6 +217,8 @@ class Session:
         request = self.full_request()
         if self.endpoint == "chat":
             messages = request["messages"]
+            if not messages:
+                return []
             if self.buffer:  # mark where the stable in-progress text ends; the template suffix follows it
                 messages[-1]["content"] = stable_buffer + _MARK
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)

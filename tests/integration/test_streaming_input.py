@@ -1,0 +1,386 @@
+"""Streaming input end to end: REST sessions, NDJSON chat, the realtime WebSocket; prefill while input
+arrives, KV handed to decode, answers identical to one request with the whole input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import websockets
+
+from tests.integration.conftest import engine_stats, wait_idle
+
+pytestmark = pytest.mark.integration
+
+SESSIONS = "/v1/streaming_input/sessions"
+TEXT = (
+    "Retrieved document one: the pipeline streams tokens as the crawler finds pages. "
+    "Retrieved document two: prefill starts before the prompt is complete, so time to first token "
+    "follows the last chunk closely. Question: what starts before the prompt is complete? "
+) * 3
+
+
+def split_inside_words(text: str, n: int) -> list[str]:
+    """`n` chunks whose boundaries fall mid-word (never on a space)."""
+    size = len(text) // n
+    cuts = [i * size + 3 for i in range(1, n)]
+    cuts = [c + 1 if text[c] == " " or text[c - 1] == " " else c for c in cuts]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def whole_chat(server: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def create(server: str, **body) -> dict:
+    r = httpx.post(f"{server}{SESSIONS}", json=body, timeout=60)
+    assert r.status_code == 201, r.text
+    data = r.json()
+    assert data["session_id"].startswith("sess_") and data["expires_in"] > 0
+    return data
+
+
+def send_chunk(server: str, sid: str, seq: int, payload: str, end: bool = False) -> httpx.Response:
+    body = {"sequence_id": seq, "modality": "text", "payload": payload, "end_of_input": end}
+    return httpx.post(f"{server}{SESSIONS}/{sid}/chunks", json=body, timeout=60)
+
+
+def info(server: str, sid: str) -> dict:
+    r = httpx.get(f"{server}{SESSIONS}/{sid}", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_compute_bounds(server: str, sid: str, prompt_tokens: int, extra: int = 0) -> None:
+    """Prefill computed each input token once (+ at most a block around the hand-off and the retokenised
+    tail); decode computed at most one block of the prompt."""
+    session = info(server, sid)
+    block = session["block_size"]
+    assert session["prompt_tokens_computed"] <= prompt_tokens + extra + block, session
+    decode = engine_stats("decode", sid)
+    assert 1 <= decode["prompt_tokens_computed"] <= block, decode
+
+
+@pytest.mark.parametrize("policy", ["on_first_chunk", "on_min_length", "on_end_only"])
+def test_rest_session_matches_whole_request(server, policy):
+    messages = [{"role": "system", "content": "Answer from the context."}, {"role": "user", "content": TEXT}]
+    expected = whole_chat(server, messages, 16)
+
+    extra = {"min_tokens": 64} if policy == "on_min_length" else {}
+    sid = create(server, messages=messages[:1], max_tokens=16, temperature=0, start_policy=policy, **extra)[
+        "session_id"
+    ]
+    chunks = split_inside_words(TEXT, 12)
+    started = []
+    for seq, piece in enumerate(chunks):
+        r = send_chunk(server, sid, seq, piece)
+        assert r.status_code == 202, r.text
+        started.append(r.json()["started"])
+    assert started[0] is (policy == "on_first_chunk")
+    assert started[-1] is (policy != "on_end_only")
+    if policy != "on_end_only":
+        assert info(server, sid)["resident_tokens"] > 0  # prefilled while input arrived
+    r = httpx.post(f"{server}{SESSIONS}/{sid}/finish", timeout=60)
+    assert r.status_code == 202, r.text
+    assert httpx.post(f"{server}{SESSIONS}/{sid}/finish", timeout=60).status_code == 202  # idempotent
+
+    result = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()
+    answer = result["answer"]
+    assert answer["status"] == "completed"
+    assert answer["text"] == expected["choices"][0]["message"]["content"]
+    assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    assert info(server, sid)["turns"] == 1  # the second finish did not start another answer
+    assert_compute_bounds(server, sid, expected["usage"]["prompt_tokens"])
+
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    assert httpx.get(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 404
+    wait_idle("prefill")
+
+
+def test_rest_session_events_stream_and_completion_prompt(server):
+    prompt = "def stream_prefill(chunks):\n    " + TEXT
+    whole = httpx.post(
+        f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=120
+    ).json()
+    sid = create(server, prompt="", max_tokens=12, temperature=0)["session_id"]
+    pieces = split_inside_words(prompt, 8)
+    for seq, piece in enumerate(pieces):
+        assert send_chunk(server, sid, seq, piece, end=seq == len(pieces) - 1).status_code == 202
+    events = []
+    with httpx.stream("GET", f"{server}{SESSIONS}/{sid}/events", timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert parsed[-1]["type"] == "done" and parsed[-1]["status"] == "completed"
+    text = "".join(e["delta"] for e in parsed if e["type"] == "delta")
+    assert text == whole["choices"][0]["text"] == parsed[-1]["text"]
+    assert_compute_bounds(server, sid, whole["usage"]["prompt_tokens"])
+    httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
+
+
+def test_out_of_order_and_duplicate_chunks(server):
+    messages = [{"role": "user", "content": TEXT}]
+    expected = whole_chat(server, messages, 8)["choices"][0]["message"]["content"]
+    sid = create(server, messages=[], max_tokens=8, temperature=0)["session_id"]
+    pieces = split_inside_words(TEXT, 4)
+    r = send_chunk(server, sid, 1, pieces[1]).json()
+    assert r["applied"] == [] and r["pending"] == [1]
+    r = send_chunk(server, sid, 0, pieces[0]).json()
+    assert r["applied"] == [0, 1] and r["pending"] == []
+    assert send_chunk(server, sid, 1, pieces[1]).json()["duplicate"] is True  # applied once
+    r = send_chunk(server, sid, 3, pieces[3], end=True).json()
+    assert r["pending"] == [3]
+    assert send_chunk(server, sid, 3, pieces[3], end=True).json()["duplicate"] is True
+    r = send_chunk(server, sid, 2, pieces[2]).json()
+    assert r["applied"] == [2, 3]
+    answer = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()["answer"]
+    assert answer["text"] == expected
+    httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
+
+
+def test_gap_that_never_fills_closes_the_session(server):
+    sid = create(server, messages=[], max_tokens=4, limits={"gap_timeout_s": 1.0})["session_id"]
+    assert send_chunk(server, sid, 0, TEXT[:200]).status_code == 202
+    assert send_chunk(server, sid, 2, "later").json()["pending"] == [2]
+    time.sleep(2.5)
+    r = send_chunk(server, sid, 3, "more")
+    assert r.status_code == 409 and "chunk 1 never arrived" in r.json()["error"]["message"]
+    wait_idle("prefill")
+
+
+def test_session_expiry_frees_kv(server):
+    sid = create(server, messages=[], max_tokens=4, limits={"idle_timeout_s": 1.0})["session_id"]
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert info(server, sid)["resident_tokens"] > 0
+    assert engine_stats("prefill")["kv_blocks_free"] < engine_stats("prefill")["kv_blocks_total"]
+    time.sleep(2.5)
+    r = send_chunk(server, sid, 1, "too late")
+    assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
+    wait_idle("prefill")
+
+
+def test_payload_cap(server):
+    sid = create(server, messages=[], limits={"max_payload_bytes": 100})["session_id"]
+    assert send_chunk(server, sid, 0, "x" * 60).status_code == 202
+    r = send_chunk(server, sid, 1, "y" * 60)
+    assert r.status_code == 413
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert send_chunk(server, sid, 2, "z").status_code == 409  # closed
+    wait_idle("prefill")
+
+
+def test_bad_session_requests(server):
+    assert httpx.post(f"{server}{SESSIONS}", json={"model": "nope", "messages": []}).status_code == 404
+    assert httpx.post(f"{server}{SESSIONS}", json={"messages": [], "start_policy": "sometimes"}).status_code == 400
+    assert send_chunk(server, "sess_nobody_abc", 0, "hi").status_code == 404
+    sid = create(server, messages=[])["session_id"]
+    r = httpx.post(f"{server}{SESSIONS}/{sid}/chunks", json={"sequence_id": -1, "payload": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sequence_id"
+    r = httpx.post(f"{server}{SESSIONS}/{sid}/chunks", json={"sequence_id": 0, "modality": "audio", "payload": "x"})
+    assert r.status_code == 400
+    httpx.delete(f"{server}{SESSIONS}/{sid}")
+
+
+def test_ndjson_streaming_body_matches_whole_request(server, model_name):
+    messages = [{"role": "user", "content": TEXT}]
+    expected = whole_chat(server, messages, 12)["choices"][0]["message"]["content"]
+    pieces = split_inside_words(TEXT, 10)
+
+    async def body():
+        first = {"model": model_name, "messages": [{"role": "user", "content": pieces[0]}], "max_tokens": 12}
+        yield (json.dumps({**first, "temperature": 0, "stream": True}) + "\n").encode()
+        for piece in pieces[1:]:
+            await asyncio.sleep(0.02)
+            yield (json.dumps({"payload": piece}) + "\n").encode()
+        yield b'{"end_of_input": true}\n'
+
+    async def run() -> list[dict]:
+        headers = {"X-Streaming-Input": "true", "Content-Type": "application/x-ndjson"}
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{server}/v1/chat/completions", content=body(), headers=headers) as r,
+        ):
+            assert r.status_code == 200
+            frames = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]"
+        return [json.loads(f) for f in frames[:-1]]
+
+    chunks = asyncio.run(run())
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert all(c["choices"] for c in chunks)  # no usage chunk: the client did not ask
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == expected
+    wait_idle("prefill")
+
+
+class Realtime:
+    """A minimal raw-WebSocket Realtime client for the tests."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+
+    async def send(self, **event) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def until(self, type_: str, timeout: float = 60) -> tuple[dict, list[dict]]:
+        seen = []
+        while True:
+            event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+            seen.append(event)
+            if event["type"] == type_:
+                return event, seen
+
+
+def ws_url(server: str) -> str:
+    return server.replace("http://", "ws://") + "/v1/realtime"
+
+
+def test_realtime_turns_match_whole_requests_and_reuse_kv(server, model_name):
+    instructions = "You are a helpful assistant."
+    turn1 = TEXT
+    turn2 = "And a follow-up question about the second document, typed piece by piece."
+
+    async def run() -> tuple[list[str], list[dict], str]:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
+            rt = Realtime(ws)
+            created, _ = await rt.until("session.created")
+            sid = created["session"]["id"]
+            await rt.send(type="session.update", session={"instructions": instructions, "temperature": 0})
+            await rt.until("session.updated")
+            answers, usages = [], []
+            for turn in (turn1, turn2):
+                for piece in split_inside_words(turn, 6):
+                    await rt.send(type="input_text_buffer.append", delta=piece)
+                await rt.send(type="input_text_buffer.commit")
+                await rt.until("conversation.item.created")
+                await rt.send(type="response.create", response={"max_output_tokens": 10})
+                done, seen = await rt.until("response.done")
+                deltas = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+                text_done = next(e for e in seen if e["type"] == "response.output_text.done")
+                assert text_done["text"] == deltas
+                order = [e["type"] for e in seen if e["type"].startswith("response.") and "delta" not in e["type"]]
+                assert order[:3] == ["response.created", "response.output_item.added", "response.content_part.added"]
+                assert order[-4:] == [
+                    "response.output_text.done",
+                    "response.content_part.done",
+                    "response.output_item.done",
+                    "response.done",
+                ]
+                assert done["response"]["status"] in ("completed", "incomplete")
+                answers.append(deltas)
+                usages.append(done["response"]["usage"])
+                if len(answers) == 1:
+                    first_turn = info(server, sid)
+        return answers, usages, sid, first_turn
+
+    answers, usages, sid, first_turn = asyncio.run(run())
+    convo = [{"role": "system", "content": instructions}, {"role": "user", "content": turn1}]
+    first = whole_chat(server, convo, 10)
+    assert answers[0] == first["choices"][0]["message"]["content"]
+    convo += [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": turn2}]
+    second = whole_chat(server, convo, 10)
+    assert answers[1] == second["choices"][0]["message"]["content"]
+    assert usages[1]["input_tokens"] == second["usage"]["prompt_tokens"]
+
+    # The second turn's prefill did not recompute the first turn: it computed the first answer, the new
+    # input and at most one block more.
+    block = first_turn["block_size"]
+    assert first_turn["prompt_tokens_computed"] <= first["usage"]["prompt_tokens"] + block
+    new_tokens = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    decode = engine_stats("decode", sid)
+    assert decode["prompt_tokens_computed"] <= 2 * block  # one block at most per turn
+    wait_idle("prefill")  # the socket closed: the session's KV is gone
+    assert new_tokens > 0
+
+
+def test_realtime_errors_keep_the_session_open(server, model_name):
+    async def run() -> None:
+        async with websockets.connect(ws_url(server)) as ws:
+            rt = Realtime(ws)
+            await rt.until("session.created")
+            await ws.send("{not json")
+            error, _ = await rt.until("error")
+            assert error["error"]["code"] == "invalid_json"
+            await rt.send(type="no.such.event", event_id="evt_1")
+            error, _ = await rt.until("error")
+            assert error["error"]["code"] == "unknown_event" and error["error"]["event_id"] == "evt_1"
+            await rt.send(type="session.update", session={"output_modalities": ["audio"]})
+            error, _ = await rt.until("error")
+            assert error["error"]["code"] == "unsupported_modality"
+            await rt.send(type="response.cancel")
+            await rt.until("error")
+            # still usable
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
+            await rt.send(type="conversation.item.create", item=item)
+            await rt.until("conversation.item.created")
+            await rt.send(type="response.create", response={"max_output_tokens": 3})
+            done, _ = await rt.until("response.done")
+            assert done["response"]["usage"]["output_tokens"] == 3
+
+    asyncio.run(run())
+
+
+def test_realtime_cancel_and_beta_names(server, model_name):
+    async def run() -> None:
+        headers = {"OpenAI-Beta": "realtime=v1"}
+        async with websockets.connect(ws_url(server), additional_headers=headers) as ws:
+            rt = Realtime(ws)
+            created, _ = await rt.until("session.created")
+            assert created["session"]["modalities"] == ["text"]
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": TEXT}]}
+            await rt.send(type="conversation.item.create", item=item)
+            await rt.send(type="response.create", response={"max_output_tokens": 1500})
+            await rt.until("response.text.delta")  # beta name
+            await rt.send(type="response.cancel")
+            done, _ = await rt.until("response.done")
+            assert done["response"]["status"] == "cancelled"
+            assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            assert done["response"]["usage"]["output_tokens"] < 1500
+
+    asyncio.run(run())
+    wait_idle("decode")
+    wait_idle("prefill")
+
+
+def test_realtime_disconnect_mid_session_frees_kv(server):
+    async def run() -> None:
+        async with websockets.connect(ws_url(server)) as ws:
+            rt = Realtime(ws)
+            await rt.until("session.created")
+            await rt.send(type="input_text_buffer.append", delta=TEXT)
+            await asyncio.sleep(0.5)
+        # closed without a response
+
+    asyncio.run(run())
+    wait_idle("prefill")
+
+
+def test_official_openai_realtime_client(server, model_name):
+    from openai import AsyncOpenAI
+
+    async def run() -> str:
+        client = AsyncOpenAI(base_url=f"{server}/v1", api_key="unused")
+        async with client.realtime.connect(model=model_name) as conn:
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hi"}]}
+            )
+            await conn.response.create(response={"max_output_tokens": 8})
+            text = ""
+            async for event in conn:
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                if event.type == "response.done":
+                    assert event.response.status in ("completed", "incomplete")
+                    break
+            return text
+
+    assert asyncio.run(run())
