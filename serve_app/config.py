@@ -53,12 +53,16 @@ class EngineConfig(_Strict):
     enforce_eager: bool | None = None
     # Any other AsyncEngineArgs field, verbatim.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Environment for the engine's processes (set before they start): CPU thread binding
+    # (VLLM_CPU_OMP_THREADS_BIND), UCX transport selection (UCX_TLS, UCX_NET_DEVICES), ...
+    env: dict[str, str] = Field(default_factory=dict)
 
     def merged_over(self, base: EngineConfig) -> EngineConfig:
         data = base.model_dump(exclude_none=True)
         own = self.model_dump(exclude_none=True)
         kwargs = {**data.pop("engine_kwargs", {}), **own.pop("engine_kwargs", {})}
-        return EngineConfig(**{**data, **own, "engine_kwargs": kwargs})
+        env = {**data.pop("env", {}), **own.pop("env", {})}
+        return EngineConfig(**{**data, **own, "engine_kwargs": kwargs, "env": env})
 
 
 class RoleConfig(_Strict):

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 SCHEDULER_CLS = "serve_app.scheduler.AccountingScheduler"
+WORKER_EXTENSION_CLS = "serve_app.worker_ext.WorkerExtension"  # NIXL tuning, see serve_app/worker_ext.py
 
 
 def resolve_model(model: str) -> str:
@@ -61,6 +62,7 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
         args.tokenizer = app.tokenizer
     args.disable_log_stats = False  # our stat logger needs them
     args.scheduler_cls = SCHEDULER_CLS
+    args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.kv_transfer_config = app.kv_transfer.to_vllm(current_platform.device_type)
     simple = {
         "max_model_len": cfg.max_model_len,
@@ -102,6 +104,7 @@ class Engine:
         # Every replica gets its own NIXL side channel: a free port on this node, reachable by IP so that
         # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
         host, port = _node_ip(), _free_port()
+        os.environ.update(self.app.engine_for(self.role).env)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self.side_channel = (host, port)

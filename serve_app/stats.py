@@ -20,6 +20,8 @@ class EngineTotals:
     finished_requests: int = 0
     preemptions: int = 0
     generation_tokens: int = 0
+    engine_itl_seconds_sum: float = 0.0  # inter-token latency as the engine core saw it
+    engine_itl_count: int = 0
     kv_cache_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
@@ -60,6 +62,8 @@ class TotalsStatLogger(StatLoggerBase):
             t.finished_requests += len(iteration_stats.finished_requests)
             t.preemptions += iteration_stats.num_preempted_reqs
             t.generation_tokens += iteration_stats.num_generation_tokens
+            t.engine_itl_seconds_sum += sum(iteration_stats.inter_token_latencies_iter)
+            t.engine_itl_count += len(iteration_stats.inter_token_latencies_iter)
 
     def log_engine_initialized(self) -> None:
         pass
