@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from prefill.session import Answer, Session, SessionError, SessionLimits, SessionState, StartPolicy, new_session_id
 from prefill.streaming import StreamingPrefill
+from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.engine import Engine
 from serve_app.protocol import Endpoint, error_body, error_payload, validate_openai_body
@@ -60,6 +61,7 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
         try:
             return await method(self, *args, **kwargs)
         except SessionError as e:
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
             return error_body(e.status, e.message, e.param)
 
     return wrapper
@@ -130,6 +132,8 @@ class PrefillServer:
                 await self._close(session, "payload cap exceeded")
             raise
         if result["applied"]:
+            metrics.inc(metrics.SESSION_CHUNKS, len(result["applied"]), "session input chunks applied")
+            metrics.inc(metrics.SESSION_INPUT_BYTES, len(payload.encode()), "session input bytes")
             await self._prefill_stable(session)
         if session.input_ended and result["applied"]:
             await self._start_answer(session, {})
@@ -139,6 +143,8 @@ class PrefillServer:
     async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
         session = self._get(session_id)
         session.add_message(role, content)
+        metrics.inc(metrics.SESSION_CHUNKS, 1, "session input chunks applied")
+        metrics.inc(metrics.SESSION_INPUT_BYTES, len(content.encode()), "session input bytes")
         await self._prefill_stable(session)
         return session.describe()
 
@@ -149,6 +155,8 @@ class PrefillServer:
         session.check_open()
         session.touch()
         if op == "append":
+            metrics.inc(metrics.SESSION_CHUNKS, 1, "session input chunks applied")
+            metrics.inc(metrics.SESSION_INPUT_BYTES, len(text.encode()), "session input bytes")
             session.buffer += text
             session.payload_bytes += len(text.encode())
             if session.payload_bytes > session.limits.max_payload_bytes:
@@ -324,10 +332,18 @@ class PrefillServer:
                     if isinstance(item, dict):  # an error before any output
                         answer.error = item.get("error", item)
                     else:
+                        first = answer.first_token_at is None
                         answer.absorb(item)
                         answer.batches.append(item)
+                        if first and answer.first_token_at is not None and session.last_chunk_at is not None:
+                            waited = answer.first_token_at - session.last_chunk_at
+                            metrics.observe(
+                                metrics.LAST_CHUNK_TO_FIRST_TOKEN, waited, "last input chunk to first token"
+                            )
                     answer.changed.notify_all()
             answer.status = "failed" if answer.error else "completed"
+            if answer.error:
+                metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
         except asyncio.CancelledError:
             answer.status = "cancelled"
             if stream is not None:
@@ -372,6 +388,9 @@ class PrefillServer:
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            for state in SessionState:
+                count = sum(s.state == state for s in self.sessions.values())
+                metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
             for session in list(self.sessions.values()):
                 try:
                     if session.state == SessionState.CLOSED:

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from router import realtime, sessions
 from router.ndjson import streaming_input_chat
+from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_status, sse
 
@@ -42,6 +43,7 @@ class APIError(Exception):
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{exc.status}")
     return exc.response()
 
 
@@ -70,6 +72,7 @@ async def relay(first: str, stream: DeploymentResponseGenerator) -> AsyncGenerat
             yield text
     except Exception as e:  # the decode replica failed mid-stream
         logger.exception("decode stream failed")
+        metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
         yield sse(error_body(500, f"decode failed mid-stream: {e}"))
         yield SSE_DONE
     finally:
@@ -119,12 +122,14 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
+        started = time.perf_counter()
         body = await read_json_object(request)
         self.check_model(body)
         body["request_id"] = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
 
         prefilled = await self.prefill.prefill.remote(endpoint, body)
         if "error" in prefilled:
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{error_status(prefilled)}")
             return JSONResponse(prefilled, status_code=error_status(prefilled))
 
         stream = self.decode.generate.remote(endpoint, {**body, "kv_transfer_params": prefilled["kv_transfer_params"]})
@@ -134,7 +139,10 @@ class Router:
             raise APIError(500, "decode returned nothing") from None
         if isinstance(first, dict):  # an error before any output, or a complete non-streaming answer
             status = error_status(first) if "error" in first else 200
+            if status != 200:
+                metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{status}")
             return JSONResponse(first, status_code=status)
+        metrics.observe(metrics.TTFT, time.perf_counter() - started, "time to first token", endpoint=endpoint)
         return StreamingResponse(
             relay(first, stream),
             media_type="text/event-stream",

@@ -49,6 +49,33 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray
+        return "local"
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray
+        return "local"
+
+
+def _replica_tag() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica
+        return "local"
+
+
 def build_engine_args(app: AppConfig, role: Role) -> Any:
     """The argparse namespace `vllm serve` would build, filled from the typed config."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -115,7 +142,7 @@ class Engine:
         self.client = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[TotalsStatLogger.factory(self.totals)],
+            stat_loggers=[TotalsStatLogger.factory(self.totals, {"role": self.role, "replica": _replica_tag()})],
             disable_log_stats=False,
         )
         state = State()
@@ -151,6 +178,7 @@ class Engine:
             **stats,
             **self.totals.as_dict(),
             "unfinished_requests": self.client.output_processor.get_num_unfinished_requests(),
+            "node_id": _node_id(),
         }
 
     async def check_health(self) -> None:

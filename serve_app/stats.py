@@ -9,6 +9,8 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
+from serve_app import metrics
+
 
 @dataclass
 class EngineTotals:
@@ -33,12 +35,19 @@ class EngineTotals:
 class TotalsStatLogger(StatLoggerBase):
     """Accumulates into a shared `EngineTotals` (vLLM instantiates loggers itself, hence the factory)."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, totals: EngineTotals | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_index: int = 0,
+        totals: EngineTotals | None = None,
+        tags: dict[str, str] | None = None,
+    ):
         self.totals = totals if totals is not None else EngineTotals()
+        self.tags = tags or {}  # role and replica, for the Prometheus metrics
 
     @classmethod
-    def factory(cls, totals: EngineTotals):
-        return lambda vllm_config, engine_index=0: cls(vllm_config, engine_index, totals)
+    def factory(cls, totals: EngineTotals, tags: dict[str, str]):
+        return lambda vllm_config, engine_index=0: cls(vllm_config, engine_index, totals, tags)
 
     def record(
         self,
@@ -58,12 +67,24 @@ class TotalsStatLogger(StatLoggerBase):
             t.kv_transfer_bytes += int(sum(data.get("bytes_transferred", ())))
             t.kv_transfer_failures += len(data.get("num_failed_transfers", ()))
             t.kv_expired_requests += len(data.get("num_kv_expired_reqs", ()))
+            role = {"role": self.tags.get("role", "")}
+            metrics.set_gauge(metrics.KV_CACHE_USAGE, t.kv_cache_usage, "KV cache usage (0-1)", **self.tags)
+            metrics.inc(metrics.KV_TRANSFERS, len(data.get("transfer_duration", ())), "NIXL KV reads", **role)
+            metrics.inc(metrics.KV_TRANSFER_BYTES, sum(data.get("bytes_transferred", ())), "NIXL KV bytes", **role)
+            for seconds in data.get("transfer_duration", ()):
+                metrics.observe(metrics.KV_TRANSFER_SECONDS, seconds, "NIXL KV read time", **role)
         if iteration_stats is not None:
             t.finished_requests += len(iteration_stats.finished_requests)
             t.preemptions += iteration_stats.num_preempted_reqs
             t.generation_tokens += iteration_stats.num_generation_tokens
             t.engine_itl_seconds_sum += sum(iteration_stats.inter_token_latencies_iter)
             t.engine_itl_count += len(iteration_stats.inter_token_latencies_iter)
+            role = {"role": self.tags.get("role", "")}
+            admitted = len(iteration_stats.time_to_first_tokens_iter)
+            metrics.inc(metrics.SCHEDULER_ADMISSIONS, admitted, "requests the scheduler admitted", **role)
+            metrics.inc(metrics.SCHEDULER_EVICTIONS, iteration_stats.num_preempted_reqs, "preemptions", **role)
+            for itl in iteration_stats.inter_token_latencies_iter:
+                metrics.observe(metrics.ITL, itl, "inter-token latency at the engine", **role)
 
     def log_engine_initialized(self) -> None:
         pass

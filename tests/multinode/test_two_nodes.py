@@ -1,0 +1,29 @@
+"""The P/D path across two Ray nodes (a head and a worker started on this machine): NIXL between nodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_prefill_and_decode_on_different_nodes():
+    # Its own Ray cluster, so its own process: the session's single-node cluster stays as it is.
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.multinode.two_nodes"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(seen["nodes"]) == 2
+    assert seen["prefill_node"] != seen["decode_node"]
+    assert set(seen["nodes"]) == {seen["prefill_node"], seen["decode_node"]}
+    assert len(seen["answer_tokens"]) == 12
+    assert seen["decode_kv_transfers"] == 1  # the KV crossed nodes over NIXL
+    assert seen["prompt_tokens"] > seen["block_size"]
+    assert seen["decode_prompt_tokens_computed"] <= seen["block_size"]
