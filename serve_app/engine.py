@@ -58,15 +58,6 @@ def _node_id() -> str:
         return "local"
 
 
-def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # outside Ray
-        return "local"
-
-
 def _replica_tag() -> str:
     try:
         from ray import serve

@@ -19,6 +19,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[2]
 APP = "realtime-pd"
 PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
+METRICS_PORT = int(os.environ.get("RTPD_TEST_METRICS_PORT", "8767"))
 
 
 def app_args() -> dict[str, Any]:
@@ -36,6 +37,8 @@ def server() -> Iterator[str]:
         include_dashboard=False,
         log_to_driver=bool(os.environ.get("RTPD_TEST_LOGS")),
         runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}},
+        _metrics_export_port=METRICS_PORT,  # Prometheus text, as a cluster's scraper reads it
+        _system_config={"metrics_report_interval_ms": 1000},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(app_args()), name=APP, route_prefix="/")

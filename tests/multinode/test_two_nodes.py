@@ -19,7 +19,9 @@ def test_prefill_and_decode_on_different_nodes():
         [sys.executable, "-m", "tests.multinode.two_nodes"], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    lines = [line for line in run.stdout.splitlines() if line.startswith('{"answer_tokens"')]
+    assert lines, run.stdout[-2000:] + run.stderr[-4000:]
+    seen = json.loads(lines[-1])
     assert len(seen["nodes"]) == 2
     assert seen["prefill_node"] != seen["decode_node"]
     assert set(seen["nodes"]) == {seen["prefill_node"], seen["decode_node"]}
