@@ -71,8 +71,8 @@ def validate_openai_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, 
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
         return error_body(400, f"{loc or 'request'}: {first.get('msg', str(e))}", param=loc)
-    except ValueError as e:
-        return error_body(400, str(e))
+    except Exception as e:  # vLLM's own validation errors (VLLMValidationError) name the parameter
+        return error_body(400, str(e), getattr(e, "parameter", None))
     return None
 
 

@@ -1,0 +1,109 @@
+"""Protocol helpers, the prefill request transform, config merging and stream coalescing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefill.server import prefill_body
+from router.sessions import session_spec
+from serve_app.config import AppConfig
+from serve_app.engine import coalesce
+from serve_app.protocol import choice_text, error_body, error_status, parse_sse, sse, validate_openai_body
+
+
+def test_error_body_is_openai_shaped():
+    body = error_body(404, "no such model", "model")
+    assert body == {"error": {"message": "no such model", "type": "NotFoundError", "param": "model", "code": 404}}
+    assert error_status(body) == 404
+    assert error_status({"error": {"code": "weird"}}) == 500
+
+
+def test_validation_uses_vllms_request_models():
+    assert validate_openai_body("chat", {"messages": [{"role": "user", "content": "hi"}]}) is None
+    err = validate_openai_body("chat", {"messages": "nope"})
+    assert err["error"]["code"] == 400 and err["error"]["param"] == "messages"
+    assert validate_openai_body("completion", {"prompt": "x", "logprobs": -3}) is not None
+
+
+def test_prefill_body_asks_for_one_token_and_remote_decode():
+    body = {
+        "messages": [],
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 3,
+        "logprobs": True,
+        "request_id": "r1",
+    }
+    out = prefill_body(body)
+    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["n"] == 1
+    assert out["stream"] is False and "stream_options" not in out and "logprobs" not in out
+    assert out["kv_transfer_params"]["do_remote_decode"] is True
+    assert out["request_id"] == "r1-prefill"
+    assert body["max_tokens"] == 50  # the client's request is untouched
+
+
+def test_sse_parsing():
+    text = sse({"choices": [{"delta": {"content": "he"}, "finish_reason": None}]}) + sse(
+        {"choices": [{"text": "llo", "finish_reason": "stop"}]}
+    )
+    frames = parse_sse(text + "data: [DONE]\n\n")
+    assert [choice_text(f) for f in frames] == [("he", None), ("llo", "stop")]
+    assert choice_text({"choices": []}) == ("", None)
+
+
+def test_session_spec_splits_request_and_session_settings():
+    spec = session_spec({"messages": [], "max_tokens": 5, "start_policy": "on_min_length", "min_tokens": 9})
+    assert spec["request"] == {"messages": [], "max_tokens": 5}
+    assert spec["start_policy"] == {"type": "on_min_length", "min_tokens": 9}
+
+
+def test_role_engine_config_merges_over_shared():
+    config = AppConfig.model_validate(
+        {
+            "engine": {"max_model_len": 1024, "env": {"A": "1"}, "engine_kwargs": {"seed": 1}},
+            "prefill": {"engine": {"max_model_len": 2048, "env": {"B": "2"}}},
+        }
+    )
+    # round-trips through Ray as JSON, then merges the same way
+    config = AppConfig.model_validate(config.model_dump(mode="json"))
+    prefill, decode = config.engine_for("prefill"), config.engine_for("decode")
+    assert prefill.max_model_len == 2048 and decode.max_model_len == 1024
+    assert prefill.env == {"A": "1", "B": "2"} and decode.env == {"A": "1"}
+    assert prefill.engine_kwargs == {"seed": 1}
+
+
+def test_prefill_prefix_cache_cannot_be_disabled():
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({"prefill": {"engine": {"enable_prefix_caching": False}}})
+
+
+def test_coalesce_joins_what_is_ready_and_keeps_order():
+    async def source():
+        for i in range(5):
+            yield f"{i},"
+        await asyncio.sleep(0.01)
+        for i in range(5, 8):
+            yield f"{i},"
+
+    async def run():
+        return [item async for item in coalesce(source())]
+
+    items = asyncio.run(run())
+    assert "".join(items) == "0,1,2,3,4,5,6,7,"
+    assert len(items) < 8  # frames ready together crossed as one item
+
+
+def test_coalesce_propagates_errors():
+    async def source():
+        yield "a"
+        raise RuntimeError("engine died")
+
+    async def run():
+        return [item async for item in coalesce(source())]
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(run())

@@ -1,0 +1,123 @@
+"""Session logic without an engine: stable tokenisation, chunk ordering, limits, session ids."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from prefill.session import Session, SessionError, SessionLimits, StartPolicy, new_session_id, owner_of
+from prefill.streaming import StreamingPrefill, common_prefix_len
+from serve_app.local_model import make_local_model
+
+TEXT = (
+    "Retrieved document: prefill starts before the prompt is complete.\n\nIt keeps the KV resident "
+    "between chunks; numbers like 12345 and punctuation (commas, dots...) must survive any split."
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(make_local_model())
+
+
+def session(endpoint="chat", request=None, **limits) -> Session:
+    request = request if request is not None else ({"messages": []} if endpoint == "chat" else {"prompt": ""})
+    return Session(
+        new_session_id("abc123"),
+        endpoint,
+        request,
+        StartPolicy(),
+        SessionLimits(**limits),
+        StreamingPrefill(None, "x"),
+    )
+
+
+def final_tokens(s: Session, tokenizer) -> list[int]:
+    """What vLLM's serving layer computes for the whole input (chat: template + generation prompt)."""
+    request = s.full_request()
+    if s.endpoint == "chat":
+        text = tokenizer.apply_chat_template(request["messages"], tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(request["prompt"], add_special_tokens=True)["input_ids"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+@pytest.mark.parametrize("seed", range(8))
+def test_stable_tokens_are_always_a_prefix_of_the_final_tokens(tokenizer, endpoint, seed):
+    rng = random.Random(seed)
+    s = session(endpoint, {"messages": [{"role": "system", "content": "Be brief."}]} if endpoint == "chat" else None)
+    cuts = sorted(rng.sample(range(1, len(TEXT)), 15))
+    previous: list[int] = []
+    for seq, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(TEXT)], strict=True)):
+        s.add_chunk(seq, TEXT[a:b], end_of_input=False)
+        stable = s.stable_tokens(tokenizer)
+        # stable tokens only grow: what was streamed to the engine never has to be taken back
+        assert stable[: len(previous)] == previous
+        previous = stable
+    final = final_tokens(s, tokenizer)
+    assert final[: len(previous)] == previous
+    # and they cover all but the last word or so: the hand-off computes a short tail only
+    assert len(final) - len(previous) < 16
+
+
+def test_stable_tokens_with_committed_messages(tokenizer):
+    s = session()
+    s.add_message("user", "first turn")
+    s.add_message("assistant", "an answer")
+    stable = s.stable_tokens(tokenizer)
+    s.add_chunk(0, "second turn continues", end_of_input=False)
+    assert s.stable_tokens(tokenizer)[: len(stable)] == stable
+    assert final_tokens(s, tokenizer)[: len(stable)] == stable
+
+
+def test_empty_session_streams_nothing(tokenizer):
+    assert session().stable_tokens(tokenizer) == []
+    assert session("completion").stable_tokens(tokenizer) == []
+
+
+def test_chunks_apply_in_order_once():
+    s = session()
+    assert s.add_chunk(1, "b", False) == {"duplicate": False, "applied": [], "pending": [1]}
+    assert s.add_chunk(1, "b", False)["duplicate"] is True
+    assert s.add_chunk(0, "a", False)["applied"] == [0, 1]
+    assert s.add_chunk(0, "a", False)["duplicate"] is True
+    assert s.buffer == "ab"
+    assert [c["sequence_id"] for c in s.chunk_log] == [0, 1]
+    s.add_chunk(2, "c", True)
+    assert s.input_ended
+
+
+def test_payload_cap_and_gap_timeout():
+    s = session(max_payload_bytes=10, gap_timeout_s=0.05)
+    s.add_chunk(0, "12345", False)
+    with pytest.raises(SessionError) as e:
+        s.add_chunk(1, "123456", False)
+    assert e.value.status == 413
+    s.add_chunk(2, "x", False)
+    assert s.expired_gap(time.monotonic()) is None
+    assert s.expired_gap(time.monotonic() + 1) == 1
+
+
+def test_start_policy():
+    assert session().may_start(1)
+    s = session()
+    s.policy = StartPolicy(type="on_min_length", min_tokens=100)
+    assert not s.may_start(99) and s.may_start(100)
+    s.policy = StartPolicy(type="on_end_only")
+    assert not s.may_start(10_000)
+
+
+def test_session_ids_name_their_owner_and_are_unguessable():
+    a, b = new_session_id("r1x"), new_session_id("r1x")
+    assert a != b and owner_of(a) == "r1x" == owner_of(b)
+    assert len(a.split("_", 2)[2]) >= 24
+    assert owner_of("not-a-session") is None
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
