@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from prefill.session import Answer, Session, SessionError, SessionLimits, SessionState, StartPolicy, new_session_id
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
+from serve_app.autoscaling import OPEN_SESSIONS
 from serve_app.config import AppConfig
 from serve_app.engine import Engine
 from serve_app.protocol import Endpoint, error_body, error_payload, validate_openai_body
@@ -402,6 +403,10 @@ class PrefillServer:
                         await self._close(session, "expired")
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Open sessions hold KV between chunks: load for the autoscaler (serve_app/autoscaling.py)."""
+        return {OPEN_SESSIONS: float(sum(s.state != SessionState.CLOSED for s in self.sessions.values()))}
 
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.engine.compute_stats(request_id_prefix)
