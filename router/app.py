@@ -7,6 +7,7 @@ frames are vLLM's own; this router relays them, several frames per Ray item when
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -137,6 +138,9 @@ class Router:
             first = await stream.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "decode returned nothing") from None
+        except asyncio.CancelledError:  # the client left before the first token: stop decode too
+            stream.cancel()
+            raise
         if isinstance(first, dict):  # an error before any output, or a complete non-streaming answer
             status = error_status(first) if "error" in first else 200
             if status != 200:
