@@ -105,7 +105,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=40)
-    parser.add_argument("--words", type=int, default=1500, help="input size (about 2.3 tokens per word here)")
+    parser.add_argument("--words", type=int, default=700, help="input size (about 4.7 tokens per word here)")
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--sessions", type=int, default=5, help="sessions per policy")
     parser.add_argument("--max-tokens", type=int, default=8)
