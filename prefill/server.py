@@ -20,7 +20,16 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from prefill.session import Answer, Session, SessionError, SessionLimits, SessionState, StartPolicy, new_session_id
+from prefill.session import (
+    Answer,
+    Session,
+    SessionError,
+    SessionLimits,
+    SessionState,
+    StartPolicy,
+    new_session_id,
+    owner_of,
+)
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
 from serve_app.autoscaling import OPEN_SESSIONS
@@ -75,8 +84,11 @@ class PrefillServer:
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()
         self.decode = decode.options(stream=True) if decode is not None else None
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        self.app_name, self.deployment = context.app_name, context.deployment
         self.sessions: dict[str, Session] = {}
+        self.adopted_owners: set[str] = set()  # drained replicas whose sessions this one took over
         self._sweeper = asyncio.create_task(self._sweep())
 
     # --- whole prompts -----------------------------------------------------------------------------
@@ -271,6 +283,10 @@ class PrefillServer:
     def _get(self, session_id: str, allow_closed: bool = False) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
+            owner = owner_of(session_id)
+            if owner is not None and owner != self.replica and owner not in self.adopted_owners:
+                # Its owner is draining or gone, and routers have not yet learnt who adopted it.
+                raise SessionError(503, f"session {session_id} is being handed over; retry", "session_id")
             raise SessionError(404, f"session {session_id} not found", "session_id")
         if not allow_closed:
             session.check_open()
@@ -404,6 +420,36 @@ class PrefillServer:
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)
 
+    # --- draining: finish answers, hand open sessions over -----------------------------------------
+    async def adopt_sessions(self, owner: str, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Take over a draining replica's sessions: re-prefill each one's kept input here."""
+        for state in states:
+            session = Session.adopt(state, StreamingPrefill(self.engine.client, state["id"]))
+            self.sessions[session.id] = session
+            try:
+                await self._prefill_stable(session)
+            except SessionError:
+                logger.exception("adopting session %s", session.id)
+        self.adopted_owners.add(owner)
+        logger.info("adopted %d sessions from drained replica %s", len(states), owner)
+        return {"adopted": [s["id"] for s in states], "by": self.replica}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Tells the session-affinity router whose sessions this replica adopted."""
+        return {"adopted_owners": sorted(self.adopted_owners)}
+
+    async def drain(self) -> None:
+        """Before this replica stops: let running answers finish, then hand every open session to another
+        replica of the deployment (Serve no longer routes to a stopping replica)."""
+        answers = [s.answers[-1].task for s in self.sessions.values() if s.answering and s.answers[-1].task]
+        await asyncio.gather(*answers, return_exceptions=True)
+        states = [s.export() for s in self.sessions.values() if s.state != SessionState.CLOSED]
+        if not states:
+            return
+        handle = serve.get_deployment_handle(self.deployment, self.app_name)
+        result = await handle.adopt_sessions.remote(self.replica, states)
+        logger.info("handed %d sessions to replica %s", len(result["adopted"]), result["by"])
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Open sessions hold KV between chunks: load for the autoscaler (serve_app/autoscaling.py)."""
         return {OPEN_SESSIONS: float(sum(s.state != SessionState.CLOSED for s in self.sessions.values()))}
@@ -411,10 +457,16 @@ class PrefillServer:
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.engine.compute_stats(request_id_prefix)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]
-        return {**stats, "sessions_open": len(open_sessions)}
+        return {**stats, "sessions_open": len(open_sessions), "replica": self.replica}
 
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    def __del__(self) -> None:
-        self.engine.shutdown()
+    async def __del__(self) -> None:
+        # Serve awaits an async destructor during graceful shutdown (scale-down, redeploy).
+        try:
+            await self.drain()
+        except Exception:
+            logger.exception("handing sessions over failed")
+        finally:
+            self.engine.shutdown()

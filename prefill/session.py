@@ -246,6 +246,49 @@ class Session:
             return False
         return self.policy.type == "on_first_chunk" or num_stable >= self.policy.min_tokens
 
+    # --- hand-over ---------------------------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        """Everything another replica needs to take the session over: its input, not its KV (the adopter
+        prefills the input again — the input is kept for exactly this)."""
+        return {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "request": self.request,
+            "instructions": self.instructions,
+            "policy": self.policy.model_dump(),
+            "limits": self.limits.model_dump(),
+            "buffer": self.buffer,
+            "chunk_log": self.chunk_log,
+            "next_seq": self.next_seq,
+            "pending": [[seq, chunk] for seq, (_, chunk) in self.pending.items()],
+            "payload_bytes": self.payload_bytes,
+            "input_ended": self.input_ended,
+            "answers": [a.summary() for a in self.answers if a.done],
+        }
+
+    @classmethod
+    def adopt(cls, state: dict[str, Any], streaming: StreamingPrefill) -> Session:
+        session = cls(
+            state["id"],
+            state["endpoint"],
+            state["request"],
+            StartPolicy.model_validate(state["policy"]),
+            SessionLimits.model_validate(state["limits"]),
+            streaming,
+        )
+        session.instructions = state["instructions"]
+        session.buffer = state["buffer"]
+        session.chunk_log = state["chunk_log"]
+        session.next_seq = state["next_seq"]
+        session.pending = {seq: (time.monotonic(), chunk) for seq, chunk in state["pending"]}
+        session.payload_bytes = state["payload_bytes"]
+        session.input_ended = state["input_ended"]
+        for summary in state["answers"]:
+            answer = Answer(turn=summary["turn"], text=summary["text"], finish_reason=summary["finish_reason"])
+            answer.usage, answer.error, answer.status = summary["usage"], summary["error"], summary["status"]
+            session.answers.append(answer)
+        return session
+
     # --- answers -----------------------------------------------------------------------------------
     @property
     def answering(self) -> bool:

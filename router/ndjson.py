@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.sessions import session_spec
+from router.sessions import session_call, session_spec
 from serve_app.protocol import SSE_DONE, error_body, error_status, parse_sse, sse
 
 
@@ -56,8 +56,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     prefill = ingress.prefill
 
     async def chunk(seq: int, payload: str, end: bool) -> None:
-        result = await prefill.session_chunk.remote(
-            session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
+        result = await session_call(
+            ingress, "session_chunk", session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
         )
         if "error" in result:
             raise InputError(json.dumps(result))

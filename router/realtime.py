@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from router.sessions import answer_events
+from router.sessions import answer_events, session_call
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class RealtimeConnection:
 
     async def call(self, method: str, **kwargs: Any) -> dict[str, Any] | None:
         """A session call on the owner prefill replica; an `error` event (and None) if it failed."""
-        result = await getattr(self.prefill, method).remote(session_id=self.session_id, **kwargs)
+        result = await session_call(self.ingress, method, session_id=self.session_id, **kwargs)
         if "error" in result:
             err = result["error"]
             await self.error(err["message"], str(err.get("type") or "session_error"), self._event_id, err.get("param"))

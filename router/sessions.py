@@ -13,6 +13,7 @@ The session lives on its owner prefill replica; every call here is forwarded the
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
@@ -37,6 +38,21 @@ class Chunk(BaseModel):
 
 def _ingress(request: Request) -> Any:
     return request.app.state.ingress
+
+
+HANDOVER_RETRY_S = 0.25
+HANDOVER_WAIT_S = 10.0  # a drained replica's sessions reappear on their adopter within a few seconds
+
+
+async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
+    """A call on the session's owner replica, retried while the session is being handed over (503)."""
+    waited = 0.0
+    while True:
+        result = await getattr(ingress.prefill, method).remote(**kwargs)
+        if "error" not in result or error_status(result) != 503 or waited >= HANDOVER_WAIT_S:
+            return result
+        await asyncio.sleep(HANDOVER_RETRY_S)
+        waited += HANDOVER_RETRY_S
 
 
 def _reply(result: dict[str, Any], status: int = 200) -> JSONResponse:
@@ -77,7 +93,9 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"])
         return JSONResponse(error_body(400, f"{param}: {first['msg']}", param), status_code=400)
-    result = await ingress.prefill.session_chunk.remote(
+    result = await session_call(
+        ingress,
+        "session_chunk",
         session_id=session_id,
         sequence_id=chunk.sequence_id,
         payload=chunk.payload,
@@ -88,30 +106,47 @@ async def add_chunk(session_id: str, request: Request) -> Response:
 
 @api.post("/{session_id}/finish")
 async def finish(session_id: str, request: Request) -> Response:
-    return _reply(await _ingress(request).prefill.session_finish.remote(session_id=session_id), 202)
+    return _reply(await session_call(_ingress(request), "session_finish", session_id=session_id), 202)
 
 
 @api.get("/{session_id}")
 async def describe(session_id: str, request: Request) -> Response:
-    return _reply(await _ingress(request).prefill.session_info.remote(session_id=session_id))
+    return _reply(await session_call(_ingress(request), "session_info", session_id=session_id))
 
 
 @api.get("/{session_id}/result")
 async def result(session_id: str, request: Request, wait: bool = True) -> Response:
-    return _reply(await _ingress(request).prefill.session_result.remote(session_id=session_id, wait=wait))
+    return _reply(await session_call(_ingress(request), "session_result", session_id=session_id, wait=wait))
 
 
 @api.delete("/{session_id}")
 async def delete(session_id: str, request: Request) -> Response:
-    return _reply(await _ingress(request).prefill.session_delete.remote(session_id=session_id))
+    return _reply(await session_call(_ingress(request), "session_delete", session_id=session_id))
 
 
 async def answer_events(ingress: Any, session_id: str) -> AsyncGenerator[Any, None]:
     """The owner's answer stream as (kind, payload): `("start", header)`, `("delta", text)`, `("done", summary)`,
     or one `("error", payload)`."""
-    stream = ingress.prefill.options(stream=True).session_events.remote(session_id=session_id)
-    try:
+    waited = 0.0
+    while True:  # a session being handed over answers 503 until its adopter is known
+        stream = ingress.prefill.options(stream=True).session_events.remote(session_id=session_id)
+        first = await anext(stream)
+        if (
+            not (isinstance(first, dict) and error_status(first) == 503 and "error" in first)
+            or waited >= HANDOVER_WAIT_S
+        ):
+            break
+        stream.cancel()
+        await asyncio.sleep(HANDOVER_RETRY_S)
+        waited += HANDOVER_RETRY_S
+
+    async def items() -> AsyncGenerator[Any, None]:
+        yield first
         async for item in stream:
+            yield item
+
+    try:
+        async for item in items():
             if isinstance(item, dict):
                 kind = "error" if "error" in item else "done" if "done" in item else "start"
                 yield kind, item.get("done", item)

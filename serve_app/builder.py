@@ -21,9 +21,12 @@ def build_app(args: dict[str, Any]) -> Application:
         from serve_app.local_model import make_local_model
 
         make_local_model()
-    payload = config.model_dump(mode="json")
+    # Replicas get the config without deployment options, so that scaling (num_replicas, autoscaling) is a
+    # lightweight update in Serve rather than a restart of every replica.
+    payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in ("router", "prefill", "decode")})
     decode = DecodeServer.options(**config.decode.deployment).bind(payload)
     # Streaming sessions live on one prefill replica: route their calls by session id.
-    prefill_options = {"request_router_config": {"request_router_class": SESSION_ROUTER}, **config.prefill.deployment}
+    router_config = {"request_router_class": SESSION_ROUTER, "request_routing_stats_period_s": 1.0}
+    prefill_options = {"request_router_config": router_config, **config.prefill.deployment}
     prefill = PrefillServer.options(**prefill_options).bind(payload, decode)
     return Router.options(**config.router.deployment).bind(prefill, decode, payload)
