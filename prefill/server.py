@@ -125,6 +125,7 @@ class PrefillServer:
             )
             raise SessionError(400, f"{param}: {first['msg']}", param) from None
         session_id = new_session_id(self.replica)
+        logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(
             session_id, endpoint, request, policy, limits, StreamingPrefill(self.engine.client, session_id)
         )
@@ -395,6 +396,7 @@ class PrefillServer:
             return
         session.state = SessionState.CLOSED
         session.close_reason = reason
+        logger.info("session %s closed: %s", session.id, reason)
         session.closed_at = time.monotonic()
         if session.answering and (task := session.answers[-1].task) is not None:
             task.cancel()

@@ -41,7 +41,17 @@ def _ingress(request: Request) -> Any:
 
 
 HANDOVER_RETRY_S = 0.25
-HANDOVER_WAIT_S = 10.0  # a drained replica's sessions reappear on their adopter within a few seconds
+HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
+
+
+def _handing_over(result: Any) -> bool:
+    return isinstance(result, dict) and "error" in result and error_status(result) == 503
+
+
+def _not_found(result: dict[str, Any]) -> dict[str, Any]:
+    """No replica owns or adopted the session after the hand-over window: it does not exist (any more)."""
+    message = result["error"]["message"].replace("is being handed over; retry", "not found")
+    return error_body(404, message, "session_id")
 
 
 async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
@@ -49,8 +59,10 @@ async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, An
     waited = 0.0
     while True:
         result = await getattr(ingress.prefill, method).remote(**kwargs)
-        if "error" not in result or error_status(result) != 503 or waited >= HANDOVER_WAIT_S:
+        if not _handing_over(result):
             return result
+        if waited >= HANDOVER_WAIT_S:
+            return _not_found(result)
         await asyncio.sleep(HANDOVER_RETRY_S)
         waited += HANDOVER_RETRY_S
 
@@ -131,10 +143,10 @@ async def answer_events(ingress: Any, session_id: str) -> AsyncGenerator[Any, No
     while True:  # a session being handed over answers 503 until its adopter is known
         stream = ingress.prefill.options(stream=True).session_events.remote(session_id=session_id)
         first = await anext(stream)
-        if (
-            not (isinstance(first, dict) and error_status(first) == 503 and "error" in first)
-            or waited >= HANDOVER_WAIT_S
-        ):
+        if not _handing_over(first):
+            break
+        if waited >= HANDOVER_WAIT_S:
+            first = _not_found(first)
             break
         stream.cancel()
         await asyncio.sleep(HANDOVER_RETRY_S)
