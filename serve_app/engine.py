@@ -130,6 +130,13 @@ class Engine:
         args = build_engine_args(self.app, self.role)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        # Tensor parallel over Ray (`distributed_executor_backend: ray`): the GPU workers must use the
+        # replica's own placement group (`placement_group_bundles`); the engine-core process vLLM spawns is
+        # not a Ray worker and cannot find it by itself.
+        if vllm_config.parallel_config.distributed_executor_backend == "ray":
+            import ray
+
+            vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
         self.client = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
