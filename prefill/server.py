@@ -72,6 +72,8 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
             return await method(self, *args, **kwargs)
         except SessionError as e:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
+            if e.status == 413 and (session := self.sessions.get(kwargs.get("session_id", ""))) is not None:
+                await self._close(session, "payload cap exceeded")  # past its cap a session ends
             return error_body(e.status, e.message, e.param)
 
     return wrapper
@@ -139,15 +141,11 @@ class PrefillServer:
         self, *, session_id: str, sequence_id: int, payload: str, end_of_input: bool = False
     ) -> dict[str, Any]:
         session = self._get(session_id)
-        try:
-            result = session.add_chunk(sequence_id, payload, end_of_input)
-        except SessionError as e:
-            if e.status == 413:
-                await self._close(session, "payload cap exceeded")
-            raise
+        result = session.add_chunk(sequence_id, payload, end_of_input)
         if result["applied"]:
             metrics.inc(metrics.SESSION_CHUNKS, len(result["applied"]), "session input chunks applied")
-            metrics.inc(metrics.SESSION_INPUT_BYTES, len(payload.encode()), "session input bytes")
+            applied_bytes = sum(len(c["payload"].encode()) for c in session.chunk_log[-len(result["applied"]) :])
+            metrics.inc(metrics.SESSION_INPUT_BYTES, applied_bytes, "session input bytes")
             await self._prefill_stable(session)
         if session.input_ended and result["applied"]:
             await self._start_answer(session, {})
@@ -169,13 +167,9 @@ class PrefillServer:
         session.check_open()
         session.touch()
         if op == "append":
+            session.append_text(text)
             metrics.inc(metrics.SESSION_CHUNKS, 1, "session input chunks applied")
             metrics.inc(metrics.SESSION_INPUT_BYTES, len(text.encode()), "session input bytes")
-            session.buffer += text
-            session.payload_bytes += len(text.encode())
-            if session.payload_bytes > session.limits.max_payload_bytes:
-                await self._close(session, "payload cap exceeded")
-                raise SessionError(413, "session payload cap exceeded")
         elif op == "commit":
             session.commit_buffer()
         elif op == "clear":

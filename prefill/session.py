@@ -154,10 +154,7 @@ class Session:
             raise SessionError(409, "input arrived while the answer is being generated", "sequence_id")
         if seq < self.next_seq or seq in self.pending:
             return {"duplicate": True, "applied": []}
-        size = len(payload.encode())
-        if self.payload_bytes + size > self.limits.max_payload_bytes:
-            raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
-        self.payload_bytes += size
+        self._count_payload(payload)
         self.pending[seq] = (time.monotonic(), {"payload": payload, "end_of_input": end_of_input})
         applied = []
         while self.next_seq in self.pending:
@@ -172,6 +169,19 @@ class Session:
             if chunk["end_of_input"]:
                 self.input_ended = True
         return {"duplicate": False, "applied": applied, "pending": sorted(self.pending)}
+
+    def append_text(self, text: str) -> None:
+        """Text typed within the current turn (realtime `input_text_buffer.append`)."""
+        self.check_open()
+        self.touch()
+        self._count_payload(text)
+        self.buffer += text
+
+    def _count_payload(self, text: str) -> None:
+        size = len(text.encode())
+        if self.payload_bytes + size > self.limits.max_payload_bytes:
+            raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
+        self.payload_bytes += size
 
     def expired_gap(self, now: float) -> int | None:
         """The first missing sequence id if a held chunk has waited past the gap timeout."""
