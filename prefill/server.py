@@ -63,6 +63,20 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(spec.get(field) or {})
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in (field, *first["loc"]))
+        raise SessionError(400, f"{param}: {first['msg']}", param) from None
+
+
+def _count_input(chunks: int, nbytes: int) -> None:
+    metrics.inc(metrics.SESSION_CHUNKS, chunks, "session input chunks applied")
+    metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
+
+
 def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """Session errors become OpenAI error JSON (the router turns them into HTTP or Realtime errors)."""
 
@@ -117,15 +131,8 @@ class PrefillServer:
             raise SessionError(400, err["error"]["message"], err["error"]["param"])
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
-        try:
-            policy = StartPolicy.model_validate(spec.get("start_policy") or {})
-            limits = SessionLimits.model_validate(spec.get("limits") or {})
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(
-                str(p) for p in ("start_policy" if "policy" in e.title.lower() else "limits", *first["loc"])
-            )
-            raise SessionError(400, f"{param}: {first['msg']}", param) from None
+        policy = _validated(StartPolicy, "start_policy", spec)
+        limits = _validated(SessionLimits, "limits", spec)
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(
@@ -143,9 +150,8 @@ class PrefillServer:
         session = self._get(session_id)
         result = session.add_chunk(sequence_id, payload, end_of_input)
         if result["applied"]:
-            metrics.inc(metrics.SESSION_CHUNKS, len(result["applied"]), "session input chunks applied")
-            applied_bytes = sum(len(c["payload"].encode()) for c in session.chunk_log[-len(result["applied"]) :])
-            metrics.inc(metrics.SESSION_INPUT_BYTES, applied_bytes, "session input bytes")
+            applied = session.chunk_log[-len(result["applied"]) :]
+            _count_input(len(applied), sum(len(c["payload"].encode()) for c in applied))
             await self._prefill_stable(session)
         if session.input_ended and result["applied"]:
             await self._start_answer(session, {})
@@ -155,8 +161,7 @@ class PrefillServer:
     async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
         session = self._get(session_id)
         session.add_message(role, content)
-        metrics.inc(metrics.SESSION_CHUNKS, 1, "session input chunks applied")
-        metrics.inc(metrics.SESSION_INPUT_BYTES, len(content.encode()), "session input bytes")
+        _count_input(1, len(content.encode()))
         await self._prefill_stable(session)
         return session.describe()
 
@@ -164,12 +169,10 @@ class PrefillServer:
     async def session_buffer(self, *, session_id: str, op: str, text: str = "") -> dict[str, Any]:
         """Realtime `input_text_buffer.*`: append to, commit or clear the in-progress user text."""
         session = self._get(session_id)
-        session.check_open()
         session.touch()
         if op == "append":
             session.append_text(text)
-            metrics.inc(metrics.SESSION_CHUNKS, 1, "session input chunks applied")
-            metrics.inc(metrics.SESSION_INPUT_BYTES, len(text.encode()), "session input bytes")
+            _count_input(1, len(text.encode()))
         elif op == "commit":
             session.commit_buffer()
         elif op == "clear":
@@ -184,7 +187,6 @@ class PrefillServer:
         self, *, session_id: str, instructions: str | None = None, params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         session = self._get(session_id)
-        session.check_open()
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
@@ -195,7 +197,6 @@ class PrefillServer:
     async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """End of input: hand the KV to decode and start the answer. Idempotent."""
         session = self._get(session_id)
-        session.check_open()
         if session.pending:
             raise SessionError(409, f"chunks {sorted(session.pending)} wait for missing sequence id {session.next_seq}")
         if not (session.input_ended and session.answers):
@@ -207,7 +208,6 @@ class PrefillServer:
     async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Realtime `response.create`: answer the conversation so far (input may go on afterwards)."""
         session = self._get(session_id)
-        session.check_open()
         if session.answering:
             raise SessionError(409, "a response is already in progress", "response")
         session.input_ended = True
@@ -313,11 +313,7 @@ class PrefillServer:
     async def _start_answer(self, session: Session, overrides: dict[str, Any]) -> None:
         if (overrides.get("n") or 1) != 1:
             raise SessionError(400, "n must be 1", "n")
-        if session.endpoint == "chat":
-            session.commit_buffer()
-        else:
-            session.request["prompt"] = session.request.get("prompt", "") + session.buffer
-            session.buffer = ""
+        session.commit_buffer()
         answer = Answer(turn=len(session.answers))
         session.answers.append(answer)
         answer.task = asyncio.create_task(self._answer(session, answer, overrides))
@@ -364,7 +360,7 @@ class PrefillServer:
             logger.exception("session %s answer failed", session.id)
             answer.error, answer.status = {"message": str(e), "type": "InternalServerError", "code": 500}, "failed"
         finally:
-            self._append_answer(session, answer)
+            session.add_answer(answer.text)
             async with answer.changed:
                 answer.changed.notify_all()
             if session.state != SessionState.CLOSED:
@@ -375,15 +371,6 @@ class PrefillServer:
                     await self._prefill_stable(session)
                 except Exception:
                     logger.exception("session %s: re-prefill after answer failed", session.id)
-
-    @staticmethod
-    def _append_answer(session: Session, answer: Answer) -> None:
-        if not answer.text:
-            return
-        if session.endpoint == "chat":
-            session.request.setdefault("messages", []).append({"role": "assistant", "content": answer.text})
-        else:
-            session.request["prompt"] = session.request.get("prompt", "") + answer.text
 
     async def _close(self, session: Session, reason: str) -> None:
         if session.state == SessionState.CLOSED:

@@ -197,9 +197,23 @@ class Session:
         self._messages().append({"role": role, "content": content})
 
     def commit_buffer(self) -> None:
-        if self.endpoint == "chat" and self.buffer:
+        """The in-progress text becomes part of the input: a user message (chat) or the prompt's tail."""
+        if not self.buffer:
+            return
+        if self.endpoint == "chat":
             self._messages().append({"role": "user", "content": self.buffer})
-            self.buffer = ""
+        else:
+            self.request["prompt"] = self.request.get("prompt", "") + self.buffer
+        self.buffer = ""
+
+    def add_answer(self, text: str) -> None:
+        """The assistant's answer joins the conversation, so the next turn builds on it."""
+        if not text:
+            return
+        if self.endpoint == "chat":
+            self._messages().append({"role": "assistant", "content": text})
+        else:
+            self.request["prompt"] = self.request.get("prompt", "") + text
 
     def _messages(self) -> list[dict[str, Any]]:
         return self.request.setdefault("messages", [])
