@@ -34,7 +34,11 @@ async def ndjson_lines(request: Request) -> AsyncGenerator[dict[str, Any], None]
 
 
 class InputError(Exception):
-    pass
+    """The input could not be applied; `payload` is the OpenAI error JSON for the client."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        super().__init__(payload["error"]["message"])
+        self.payload = payload
 
 
 async def streaming_input_chat(ingress: Any, request: Request) -> Response:
@@ -60,7 +64,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             ingress, "session_chunk", session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
         )
         if "error" in result:
-            raise InputError(json.dumps(result))
+            raise InputError(result)
 
     try:
         seq, ended = 0, False
@@ -71,22 +75,21 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             async for line in lines:
                 payload = line.get("payload", line.get("delta", "")) if isinstance(line, dict) else None
                 if not isinstance(payload, str):
-                    raise InputError(json.dumps(error_body(400, 'each NDJSON line is {"payload": str}', "payload")))
+                    raise InputError(error_body(400, 'each NDJSON line is {"payload": str}', "payload"))
                 ended = bool(line.get("end_of_input"))
                 await chunk(seq, payload, ended)
                 seq += 1
                 if ended:
                     break
         except ValueError as e:
-            raise InputError(json.dumps(error_body(400, f"invalid NDJSON line: {e}"))) from None
+            raise InputError(error_body(400, f"invalid NDJSON line: {e}")) from None
         if not ended:
             finished = await prefill.session_finish.remote(session_id=session_id)
             if "error" in finished:
-                raise InputError(json.dumps(finished))
+                raise InputError(finished)
     except InputError as e:
         await prefill.session_delete.remote(session_id=session_id)
-        payload = json.loads(str(e))
-        return JSONResponse(payload, status_code=error_status(payload))
+        return JSONResponse(e.payload, status_code=error_status(e.payload))
 
     events = prefill.options(stream=True).session_events.remote(session_id=session_id)
     header = await anext(events)
