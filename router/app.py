@@ -24,7 +24,7 @@ from router import realtime, sessions
 from router.ndjson import streaming_input_chat
 from serve_app import metrics
 from serve_app.config import AppConfig
-from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_status, sse
+from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Router:
         prefilled = await self.prefill.prefill.remote(endpoint, body)
         if "error" in prefilled:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{error_status(prefilled)}")
-            return JSONResponse(prefilled, status_code=error_status(prefilled))
+            return error_response(prefilled)
 
         stream = self.decode.generate.remote(endpoint, {**body, "kv_transfer_params": prefilled["kv_transfer_params"]})
         try:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.sessions import session_call, session_spec
-from serve_app.protocol import SSE_DONE, error_body, error_status, parse_sse, sse
+from serve_app.protocol import SSE_DONE, error_body, error_response, parse_sse, sse
 
 
 async def ndjson_lines(request: Request) -> AsyncGenerator[dict[str, Any], None]:
@@ -55,7 +55,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     partial = messages.pop()["content"] if messages and messages[-1].get("role") == "user" else ""
     created = await ingress.prefill.create_session.remote(session_spec(first))
     if "error" in created:
-        return JSONResponse(created, status_code=error_status(created))
+        return error_response(created)
     session_id = created["session_id"]
     prefill = ingress.prefill
 
@@ -89,12 +89,12 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
                 raise InputError(finished)
     except InputError as e:
         await prefill.session_delete.remote(session_id=session_id)
-        return JSONResponse(e.payload, status_code=error_status(e.payload))
+        return error_response(e.payload)
 
     events = prefill.options(stream=True).session_events.remote(session_id=session_id)
     header = await anext(events)
     if "error" in header:
-        return JSONResponse(header, status_code=error_status(header))
+        return error_response(header)
 
     async def frames() -> AsyncGenerator[str, None]:
         try:
@@ -123,7 +123,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         await prefill.session_delete.remote(session_id=session_id)
     if summary.get("error"):
         err = {"error": summary["error"]}
-        return JSONResponse(err, status_code=error_status(err))
+        return error_response(err)
     message = {"role": "assistant", "content": summary.get("text", "")}
     body = {
         "id": f"chatcmpl-{session_id}",

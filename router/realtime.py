@@ -166,6 +166,16 @@ class RealtimeConnection:
         if await self.call("session_buffer", op="append", text=text):
             self.buffer += text
 
+    async def buffer_replace(self, event: dict[str, Any]) -> None:
+        """Update mode: the buffer's text from character `offset` (default 0) on becomes `text`."""
+        text, offset = event.get("text", event.get("delta")), event.get("offset", 0)
+        if not isinstance(text, str):
+            raise ValueError("`text` must be a string")
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= len(self.buffer):
+            raise ValueError(f"`offset` must be an integer from 0 to the buffer's length ({len(self.buffer)})")
+        if await self.call("session_buffer", op="replace", text=text, offset=offset):
+            self.buffer = self.buffer[:offset] + text
+
     async def buffer_commit(self, event: dict[str, Any]) -> None:
         if not self.buffer:
             await self.error("the input text buffer is empty", "input_text_buffer_empty", self._event_id)
@@ -258,6 +268,7 @@ HANDLERS = {
     "session.update": RealtimeConnection.session_update,
     "conversation.item.create": RealtimeConnection.item_create,
     "input_text_buffer.append": RealtimeConnection.buffer_append,
+    "input_text_buffer.replace": RealtimeConnection.buffer_replace,
     "input_text_buffer.commit": RealtimeConnection.buffer_commit,
     "input_text_buffer.clear": RealtimeConnection.buffer_clear,
     "response.create": RealtimeConnection.response_create,

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, parse_sse, sse
+from serve_app.protocol import SSE_DONE, choice_text, error_body, error_response, error_status, parse_sse, sse
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -69,7 +69,7 @@ async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, An
 
 def _reply(result: dict[str, Any], status: int = 200) -> JSONResponse:
     if "error" in result:
-        return JSONResponse(result, status_code=error_status(result))
+        return error_response(result)
     return JSONResponse(result, status_code=status)
 
 
@@ -181,7 +181,7 @@ async def events(session_id: str, request: Request) -> Response:
     kind, first = await anext(source)
     if kind == "error":
         await source.aclose()
-        return JSONResponse(first, status_code=error_status(first))
+        return error_response(first)
 
     async def frames() -> AsyncGenerator[str, None]:
         turn = first.get("turn")

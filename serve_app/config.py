@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from prefill.scheduler.config import SchedulerSettings
+
 LOCAL_MODEL = "local:tiny-llama"  # the model `python -m serve_app.local_model` makes
 
 
@@ -72,6 +74,12 @@ class RoleConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
 
 
+class PrefillConfig(RoleConfig):
+    """The prefill pool: a role, plus its streaming scheduler (prefill/scheduler/)."""
+
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+
+
 class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
 
@@ -85,7 +93,7 @@ class AppConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
-    prefill: RoleConfig = Field(default_factory=RoleConfig)
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
 
     @model_validator(mode="after")

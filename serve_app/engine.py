@@ -14,6 +14,7 @@ import socket
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
+from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
 from serve_app.config import LOCAL_MODEL, AppConfig
 from serve_app.protocol import Endpoint, request_model
 from serve_app.stats import EngineTotals, TotalsStatLogger
@@ -21,7 +22,10 @@ from serve_app.stats import EngineTotals, TotalsStatLogger
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
-SCHEDULER_CLS = "serve_app.scheduler.AccountingScheduler"
+SCHEDULER_CLS = {
+    "prefill": "prefill.scheduler.core.StreamingScheduler",  # streaming-aware admission and eviction
+    "decode": "serve_app.scheduler.AccountingScheduler",
+}
 WORKER_EXTENSION_CLS = "serve_app.worker_ext.WorkerExtension"  # NIXL tuning, see serve_app/worker_ext.py
 
 
@@ -79,7 +83,9 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
     if app.tokenizer:
         args.tokenizer = app.tokenizer
     args.disable_log_stats = False  # our stat logger needs them
-    args.scheduler_cls = SCHEDULER_CLS
+    args.scheduler_cls = SCHEDULER_CLS[role]
+    if role == "prefill":
+        args.additional_config = {ADDITIONAL_CONFIG_KEY: app.prefill.scheduler.model_dump()}
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.kv_transfer_config = app.kv_transfer.to_vllm(current_platform.device_type)
     simple = {
@@ -149,7 +155,23 @@ class Engine:
         self._completion = state.openai_serving_completion
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
+        if self.role == "prefill":
+            await self._start_scheduler()
         logger.info("%s engine ready: model=%s side channel %s:%d", self.role, args.model, host, port)
+
+    async def _start_scheduler(self) -> None:
+        """Hand the streaming scheduler its workers (swap) and, for `cost` eviction, its latency model."""
+        from prefill.scheduler.profile import load_or_profile
+
+        await self.utility("rtpd_attach")
+        settings = self.app.prefill.scheduler
+        if settings.cost_model or settings.profile_on_start or settings.eviction == "cost":
+            model = await load_or_profile(self, settings)
+            await self.utility("rtpd_set_latency_model", model.to_json())
+
+    async def utility(self, method: str, *args: Any) -> Any:
+        """Call one of the engine core's utility methods (vLLM's own, or the `rtpd_*` ones we add)."""
+        return await self.client.engine_core.call_utility_async(method, *args)
 
     @property
     def tokenizer(self) -> Any:
@@ -171,7 +193,7 @@ class Engine:
             return serving.create_error_response(e)
 
     async def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
-        stats = await self.client.engine_core.call_utility_async("rtpd_compute_stats", request_id_prefix)
+        stats = await self.utility("rtpd_compute_stats", request_id_prefix)
         return {
             **stats,
             **self.totals.as_dict(),

@@ -1,22 +1,36 @@
-"""Make the small local model used for development and tests.
+"""Make the project's generated local models, used for development, tests and benchmarks.
 
-A Llama-architecture checkpoint with seeded random weights and a byte-level BPE tokenizer trained on
+Llama-architecture checkpoints with seeded random weights and a byte-level BPE tokenizer trained on
 Python's own standard library sources (text that is on every machine that runs this project), with a
-ChatML chat template, saved in Hugging Face format. vLLM loads it with exactly the code that loads any real
-model; users name a real model (hub id or path) in the config instead.
+ChatML chat template, saved in Hugging Face format. vLLM loads them with exactly the code that loads any
+real model; users name a real model (hub id or path) in the config instead.
 
-    python -m serve_app.local_model [--out models/tiny-llama]
+- `local:tiny-llama` (models/tiny-llama): 2 layers, 128 wide, float32. Fast enough for every test.
+- `local:medium-llama` (models/medium-llama): 8 layers, 512 wide, bfloat16. Big enough that prefill costs
+  real time on vLLM's CPU backend (a 3,000-token prompt takes about a second on one core), for benchmarks
+  where compute and KV memory matter (bench/pressure.py).
+
+Both share the tokenizer (same training, same vocabulary) and the chat template.
+
+    python -m serve_app.local_model [--model tiny-llama|medium-llama|all] [--out DIR] [--force]
+
+From code: `make_local_model()` (tiny-llama), `make_local_model("medium-llama")`, or by config name:
+`LOCAL_MODELS["local:medium-llama"]()` returns the model's directory, built on first use.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sysconfig
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_DIR = MODELS_DIR / "tiny-llama"
 VERSION = 1  # bump when the recipe changes, so stale copies are rebuilt
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -29,6 +43,73 @@ CHAT_TEMPLATE = (
 VOCAB_SIZE = 2048
 CORPUS_BYTES = 4_000_000
 SEED = 1234
+
+
+@dataclass(frozen=True)
+class LocalModelSpec:
+    """The shape of one generated model. The tokenizer and chat template are the same for all."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    dtype: str  # what the weights are saved in, and the dtype to serve them in
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.5  # wide weights: greedy output varies instead of repeating one token
+    version: int = VERSION
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token: K and V, every layer, every KV head."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
+
+
+SPECS: dict[str, LocalModelSpec] = {
+    "tiny-llama": LocalModelSpec(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        dtype="float32",
+    ),
+    # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
+    # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see bench/README.md for the measurement.
+    "medium-llama": LocalModelSpec(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        dtype="bfloat16",
+        initializer_range=0.05,
+    ),
+}
+
+
+def model_dir(name: str) -> Path:
+    """Where `make_local_model(name)` puts the model (default location)."""
+    return MODELS_DIR / _short(name)
+
+
+def spec(name: str) -> LocalModelSpec:
+    return SPECS[_short(name)]
+
+
+def _short(name: str) -> str:
+    short = name.removeprefix("local:")
+    if short not in SPECS:
+        raise ValueError(f"unknown local model {name!r}; known: {', '.join(SPECS)}")
+    return short
 
 
 def _corpus() -> list[str]:
@@ -76,49 +157,82 @@ def _fingerprint(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def make_local_model(out: Path = DEFAULT_DIR, force: bool = False) -> Path:
-    """Build the model into `out` unless an up-to-date copy is there. Returns `out`."""
+def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, out: Path | None = None) -> Path:
+    """Build the named local model into `out` (default models/<name>) unless an up-to-date copy is there.
+
+    `name` is "tiny-llama" or "medium-llama" (a "local:" prefix is accepted). For backward compatibility a
+    Path as the first argument is taken as `out` for tiny-llama. Returns the model's directory.
+    """
+    if isinstance(name, Path):
+        name, out = "tiny-llama", name
+    short = _short(name)
+    s = SPECS[short]
+    out = Path(out) if out is not None else MODELS_DIR / short
+
+    stamp = out / "local_model.json"
+    if not force and stamp.exists() and json.loads(stamp.read_text()).get("version") == s.version:
+        return out
+
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    stamp = out / "local_model.json"
-    if not force and stamp.exists() and json.loads(stamp.read_text()).get("version") == VERSION:
-        return out
     out.mkdir(parents=True, exist_ok=True)
-
     tokenizer = _train_tokenizer()
     tokenizer.save_pretrained(out)
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.5,  # wide weights: greedy output varies instead of repeating one token
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        max_position_embeddings=s.max_position_embeddings,
+        initializer_range=s.initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype=s.dtype,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # Initialise in float32 (the same random stream for every dtype), then cast for saving.
+    model = LlamaForCausalLM(config).to(torch.float32).to(getattr(torch, s.dtype))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
-    stamp.write_text(json.dumps({"version": VERSION, "fingerprint": _fingerprint(out)}))
+    stamp.write_text(
+        json.dumps(
+            {
+                "version": s.version,
+                "name": f"local:{short}",
+                "fingerprint": _fingerprint(out),
+                "kv_bytes_per_token": s.kv_bytes_per_token,
+                "spec": asdict(s),
+            }
+        )
+    )
     return out
+
+
+# Config name -> a callable that builds (if needed) and returns the model's directory. `resolve_model` can
+# serve every generated model with: `if model in LOCAL_MODELS: return str(LOCAL_MODELS[model]())`.
+LOCAL_MODELS: dict[str, Callable[[], Path]] = {
+    f"local:{short}": functools.partial(make_local_model, short) for short in SPECS
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--model", default="tiny-llama", choices=[*SPECS, "all"], help="which model to make")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default models/<model>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args()
-    path = make_local_model(args.out, force=args.force)
-    print(f"local model ready at {path} ({json.loads((path / 'local_model.json').read_text())})")
+    names = list(SPECS) if args.model == "all" else [args.model]
+    if args.out is not None and len(names) > 1:
+        parser.error("--out needs a single --model")
+    for name in names:
+        path = make_local_model(name, force=args.force, out=args.out)
+        print(f"local model ready at {path} ({json.loads((path / 'local_model.json').read_text())})")
 
 
 if __name__ == "__main__":

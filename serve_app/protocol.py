@@ -39,6 +39,20 @@ def error_payload(response: Any) -> dict[str, Any]:
     return {"error": response.error.model_dump()}
 
 
+def error_headers(payload: dict[str, Any]) -> dict[str, str]:
+    """`Retry-After` for refusals under load (429) and hand-overs (503), as OpenAI clients expect."""
+    if error_status(payload) in (429, 503):
+        return {"Retry-After": str(payload["error"].get("retry_after", 1))}
+    return {}
+
+
+def error_response(payload: dict[str, Any]) -> Any:
+    """An OpenAI error JSON as the HTTP response: its status, and `Retry-After` where it applies."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(payload, status_code=error_status(payload), headers=error_headers(payload))
+
+
 def error_status(payload: dict[str, Any]) -> int:
     code = payload.get("error", {}).get("code")
     return code if isinstance(code, int) and 400 <= code < 600 else 500

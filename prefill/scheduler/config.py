@@ -1,0 +1,40 @@
+"""Settings of the prefill replicas' streaming scheduler (`prefill.scheduler` in the app config).
+
+They reach the engine-core process through vLLM's `additional_config` (key `rtpd_scheduler`), the config
+field vLLM keeps for plug-ins, and can be changed on a running replica (`PrefillServer.configure_scheduler`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Policy = Literal["fcfs", "lcas", "mcps", "vllm"]
+Eviction = Literal["recompute", "swap", "cost"]
+ADDITIONAL_CONFIG_KEY = "rtpd_scheduler"
+
+
+class SchedulerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Admission order (Stream2LLM): fcfs = complete inputs first, then partial ones, each by arrival;
+    # lcas = by the arrival of the latest chunk; mcps = most computed tokens first; vllm = the engine's
+    # own order and victims (the baseline).
+    policy: Policy = "fcfs"
+    # How an evicted holder gives its blocks back: recompute (free; full blocks stay in the prefix cache
+    # while nothing overwrites them), swap (copy to a bounded host pool and back), or cost (the cheaper
+    # of the two per eviction, from latency models profiled on this machine).
+    eviction: Eviction = "recompute"
+    # Host memory for swapped-out KV blocks (GiB). On a CPU platform this is a second DRAM pool.
+    swap_gb: float = Field(default=0.5, ge=0)
+    # A saved latency model (`python -m prefill.scheduler.profile`); with `cost` and none given, the
+    # replica profiles itself at start-up.
+    cost_model: str | None = None
+    profile_on_start: bool = False
+    # How long a prefill (a whole prompt, a chunk, a hand-off) may wait for KV memory before the client
+    # gets 429 with Retry-After: no wait is unbounded.
+    admission_timeout_s: float = Field(default=60.0, gt=0)
+    # Requests queued in the engine beyond this are refused at once (429).
+    max_queued_requests: int = Field(default=512, ge=1)
+    retry_after_s: int = Field(default=1, ge=0)

@@ -1,0 +1,466 @@
+"""The prefill engine's streaming scheduler: vLLM's scheduler with Stream2LLM's two phases in front of it.
+
+vLLM keeps a streaming-input session's blocks while it waits for its next chunk and never preempts it
+(only running requests are preempted); a waiting request whose allocation fails blocks everything queued
+behind it. With more open sessions than the cache holds, nothing is ever served again. Before each vLLM
+step this scheduler:
+
+1. ranks every unfinished request by the policy (policy.py) and orders vLLM's queues by that rank;
+2. plans: walks the ranking and takes what fits the token budget and the block capacity;
+3. evicts, lowest-ranked first and never a planned request, until the planned requests' new blocks are
+   free: idle sessions first (they hold blocks and have nothing to compute), then unplanned holders.
+   An eviction recomputes (frees the blocks; full blocks stay in the prefix cache until overwritten) or
+   swaps (copies the blocks to a bounded host pool first; swap.py), or picks the cheaper (cost_model.py);
+4. swaps planned requests back in: prefix-cache hits first (free), host copies for the rest.
+
+vLLM then schedules as usual. Evicted sessions resume transparently: their tokens are untouched, so the
+KV they get back, by copy or by recompute, is the KV they had.
+
+Also here: longest-common-prefix invalidation for rewritten input (`invalidate`), and the counters that
+metrics and the session API report. Configured with `scheduler_cls="prefill.scheduler.core.StreamingScheduler"`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request, RequestStatus, StreamingUpdate
+
+from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
+from prefill.scheduler.cost_model import LatencyModel
+from prefill.scheduler.policy import RankView, rank_key, victim_key
+from prefill.scheduler.swap import HostSlots
+from serve_app.scheduler import AccountingScheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
+ACTIVE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
+SESSION_ARG, ARRIVAL_ARG = "rtpd_session", "rtpd_arrival"  # SamplingParams.extra_args set by the prefill server
+MAX_TRACKED_SESSIONS = 20_000
+
+
+@dataclass
+class Evicted:
+    kind: str  # "recompute" | "swap"
+    tokens: int  # tokens whose KV the request had
+    slots: list[int] = field(default_factory=list)  # host slots of its blocks 0..n (swap)
+    idle: bool = False  # evicted while waiting for its next chunk (its token counts are left as they were)
+
+
+@dataclass
+class SessionTrack:
+    arrival: float
+    last_chunk: float
+    stats: Counter[str] = field(default_factory=Counter)
+
+
+class StreamingScheduler(AccountingScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self.vllm_config.additional_config
+        settings = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        self.settings = SchedulerSettings.model_validate(settings or {})
+        self.executor: Any = None  # attached after start-up (rtpd_attach): swap needs the workers
+        self.host = HostSlots(0)
+        self.latency: LatencyModel | None = None
+        self.evicted: dict[str, Evicted] = {}
+        self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
+        self.req_session: dict[str, str] = {}
+        self.counters: Counter[str] = Counter()
+        config = self.kv_cache_config
+        self.block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)
+        self._swap_ok = not self.vllm_config.scheduler_config.async_scheduling and (
+            self.vllm_config.parallel_config.pipeline_parallel_size == 1
+        )
+
+    # --- configuration ------------------------------------------------------------------------------
+    def attach(self, executor: Any) -> dict[str, Any]:
+        """Give the scheduler the workers (for swap) and size the host pool."""
+        self.executor = executor
+        slots = int(self.settings.swap_gb * 2**30 // max(self.block_bytes, 1)) if self._swap_ok else 0
+        if slots and not self.host.num_slots:
+            executor.collective_rpc("rtpd_swap_init", args=(slots,))
+            self.host = HostSlots(slots)
+        logger.info("streaming scheduler: %s, %d host slots", self.settings, self.host.num_slots)
+        return {"host_slots": self.host.num_slots, "block_bytes": self.block_bytes}
+
+    def configure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        self.settings = SchedulerSettings.model_validate({**self.settings.model_dump(), **changes})
+        return self.settings.model_dump()
+
+    # --- the two phases ----------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._forget_gone()
+        held_back: list[Request] = []
+        if any(r.status in ACTIVE for r in self.requests.values()):
+            held_back = self._plan_and_evict()
+        try:
+            return super().schedule(throttle_prefills)
+        finally:
+            # Running requests left out of the plan sat this step out (vLLM schedules `running` before
+            # anything waiting, whatever the rank): they rejoin at the back, as the lowest-ranked.
+            self.running.extend(r for r in held_back if r.status == RequestStatus.RUNNING)
+
+    def _plan_and_evict(self) -> list[Request]:
+        """Phases 1 and 2; returns the running requests held back from this step."""
+        policy = self.settings.policy
+        views = self._views()
+        key = rank_key(policy)
+        live = [r for r in self.requests.values() if not r.is_finished() and r.request_id in views]
+        active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
+        if policy != "vllm":
+            self._order_queues({r.request_id: i for i, r in enumerate(active)})
+
+        # Phase 1: what fits the token budget and the blocks this scheduler can reassign.
+        holders = [r for r in live if r.status in ACTIVE or r.status == IDLE]
+        held = {b for r in holders for b in self._block_ids(r)}
+        capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() + len(held)
+        budget, used, need = self.max_num_scheduled_tokens, 0, 0
+        planned: list[Request] = []
+        for r in active:
+            computed = r.num_computed_tokens or self._swapped_tokens(r)
+            todo = min(r.num_tokens_with_spec - computed, budget)
+            if todo <= 0:
+                continue
+            blocks = math.ceil((computed + todo) / self.block_size)
+            if used + blocks > capacity:
+                if policy == "vllm":
+                    break  # the engine's own queue: nothing passes a request that does not fit
+                continue
+            used += blocks
+            budget -= todo
+            planned.append(r)
+            need += blocks - len(self._block_ids(r)) - self._hits_in_use(r)
+            self.counters["planned"] += 1
+
+        # Phase 2: make the planned requests' new blocks free, lowest-ranked holders first.
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        if need > free:
+            self._evict_for(need, planned, live, views)
+        for r in planned:
+            if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
+                self._swap_in(r)
+        if policy == "vllm":
+            return []
+        planned_ids = {r.request_id for r in planned}
+        held_back = [r for r in self.running if r.request_id not in planned_ids]
+        if held_back:
+            self.running = [r for r in self.running if r.request_id in planned_ids]
+        return held_back
+
+    def _evict_for(
+        self, need: int, planned: list[Request], live: list[Request], views: dict[str, RankView]
+    ) -> None:
+        policy = self.settings.policy
+        planned_ids = {r.request_id for r in planned}
+        busy_sessions = {self.req_session.get(r.request_id) for r in live if r.status in ACTIVE}
+        candidates = []
+        for r in live:
+            if r.request_id in planned_ids or not self._block_ids(r):
+                continue
+            idle = r.status == IDLE
+            if idle and self.req_session.get(r.request_id) in busy_sessions:
+                continue  # its blocks are its own hand-off's prefix: evicting them frees nothing
+            if policy == "vllm" and not idle:
+                continue  # the baseline preempts as vLLM does; only idle sessions are added as victims
+            if not idle and r.status not in ACTIVE:
+                continue
+            candidates.append((victim_key(policy, idle, views[r.request_id]), r))
+        candidates.sort(key=lambda c: c[0])
+        pool = self.kv_cache_manager.block_pool
+        for _, victim in candidates:
+            if pool.get_num_free_blocks() >= need:
+                return
+            self._evict(victim)
+
+    # --- eviction and its undoing -------------------------------------------------------------------
+    def _evict(self, r: Request) -> None:
+        blocks = self._block_ids(r)
+        tokens = r.num_computed_tokens
+        n_copy = min(math.ceil(tokens / self.block_size), len(blocks))
+        kind = self._eviction_kind(tokens, n_copy)
+        slots = self.host.alloc(n_copy) if kind == "swap" else None
+        if kind == "swap" and slots is None:
+            kind = "recompute"
+            self._count(r, "swap_fallbacks")
+        if slots:
+            took = self.executor.collective_rpc("rtpd_swap_out", args=(blocks[:n_copy], slots))[0]
+            self._count(r, "swapped_out_blocks", n_copy)
+            self._count(r, "swapped_out_bytes", n_copy * self.block_bytes)
+            self.counters["swap_out_seconds_x1e6"] += int(took * 1e6)
+        idle = r.status == IDLE
+        self.evicted[r.request_id] = Evicted(kind, tokens, slots or [], idle)
+        self._count(r, f"evictions_{kind}")
+        self._count(r, "evictions_idle" if idle else "evictions_active")
+        if r.status == RequestStatus.RUNNING:
+            self.running.remove(r)
+            self._preempt_request(r, time.monotonic())
+        else:
+            self._free_request_blocks(r)
+            if not idle:  # a waiting session chunk: it resumes from the prefix cache
+                r.num_computed_tokens = 0
+        logger.debug("evicted %s (%s, %d tokens, %d blocks)", r.request_id, kind, tokens, len(blocks))
+
+    def _eviction_kind(self, tokens: int, blocks: int) -> str:
+        mode = self.settings.eviction
+        if mode != "cost":
+            return mode if (mode == "recompute" or self.host.num_slots) else "recompute"
+        if self.latency is None or not self.host.num_slots:
+            return "recompute"
+        return "swap" if self.latency.prefer_swap(tokens, blocks) else "recompute"
+
+    def _swap_in(self, r: Request) -> None:
+        """Give a swapped-out request its KV back: prefix-cache hits for free, host copies for the rest."""
+        ev = self.evicted[r.request_id]
+        if r.num_computed_tokens or r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return
+        target = min(ev.tokens, r.num_tokens - 1)  # at least one token is computed to sample from
+        cached, hit, _ = self.kv_cache_manager.get_computed_blocks(r)
+        if hit < target:
+            new = self.kv_cache_manager.allocate_slots(
+                r, target - hit, num_new_computed_tokens=hit, new_computed_blocks=cached
+            )
+            if new is None:
+                return  # no room yet; the next step tries again
+            blocks = self._block_ids(r)
+            first, last = hit // self.block_size, math.ceil(target / self.block_size)
+            took = self.executor.collective_rpc("rtpd_swap_in", args=(ev.slots[first:last], blocks[first:last]))[0]
+            r.num_computed_tokens = target
+            self._count(r, "swapped_in_blocks", last - first)
+            self.counters["swap_in_seconds_x1e6"] += int(took * 1e6)
+        self._count(r, "tokens_back_from_prefix_cache", min(hit, target))
+        self.host.free(ev.slots)
+        del self.evicted[r.request_id]
+
+    def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
+        super()._update_request_as_session(session, update)
+        self._track(session, chunk=True)
+        ev = self.evicted.get(session.request_id)
+        if ev is not None and ev.idle:
+            # Evicted while idle: the new chunk is appended to the tokens it had, and the KV comes back
+            # through the waiting path (prefix cache, then recompute) or through swap-in.
+            ev.idle = False
+            session.num_computed_tokens = 0
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.num_scheduled_tokens:
+            ev = self.evicted.pop(req_id, None)
+            if ev is None:
+                continue
+            r = self.requests[req_id]
+            before = r.num_computed_tokens  # what the prefix cache gave back; vLLM advances it below
+            self._count(r, "tokens_back_from_prefix_cache", min(before, ev.tokens))
+            self._count(r, "recomputed_tokens", max(0, ev.tokens - before))
+            if ev.slots:  # scheduled by vLLM before a swap-in could be made: recomputed instead
+                self.host.free(ev.slots)
+                self._count(r, "swap_fallbacks")
+        super()._update_after_schedule(scheduler_output)
+
+    # --- longest-common-prefix invalidation ----------------------------------------------------------
+    def invalidate(self, session_key: str, keep: int) -> int | None:
+        """A session's input was rewritten from token `keep` on: drop its KV after the common prefix.
+
+        Applies to the session's streaming request while it waits for its next chunk. Blocks wholly after
+        `keep` are freed (and host slots, if swapped out); the block holding the divergence point is kept
+        when the request owns it alone (its cached hash is dropped, since it will be rewritten), otherwise
+        it is recomputed from its start. Returns the tokens kept, or None if there is no idle request.
+        """
+        r = next(
+            (
+                q
+                for rid, q in self.requests.items()
+                if self.req_session.get(rid) == session_key and q.resumable and q.status == IDLE
+            ),
+            None,
+        )
+        if r is None:
+            return None
+        keep = max(0, min(keep, r.num_prompt_tokens))
+        bs = self.block_size
+        ev = self.evicted.get(r.request_id)
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        blocks = manager.req_to_blocks.get(r.request_id, [])
+        n_keep = math.ceil(keep / bs)
+        if blocks and keep % bs and n_keep <= len(blocks):
+            edge = blocks[n_keep - 1]
+            if edge.ref_cnt > 1:  # shared through the prefix cache: recompute this block
+                n_keep -= 1
+                keep = n_keep * bs
+            elif edge.block_hash is not None:
+                self.kv_cache_manager.evict_blocks({edge.block_id})
+        dropped = blocks[n_keep:]
+        if dropped:
+            del blocks[n_keep:]
+            self.kv_cache_manager.block_pool.free_blocks(reversed(dropped))
+        if r.request_id in manager.num_cached_block:
+            manager.num_cached_block[r.request_id] = min(manager.num_cached_block[r.request_id], keep // bs)
+        if ev is not None:
+            if ev.slots:
+                self.host.free(ev.slots[n_keep:])
+                ev.slots = ev.slots[:n_keep]
+            ev.tokens = min(ev.tokens, keep)
+        invalidated = r.num_computed_tokens - keep
+        assert r.prompt_token_ids is not None
+        del r.prompt_token_ids[keep:]
+        del r._all_token_ids[keep:]
+        del r.block_hashes[keep // self.hash_block_size :]
+        r.num_prompt_tokens = keep
+        r.num_computed_tokens = keep
+        self._count(r, "invalidated_tokens", max(0, invalidated))
+        self._count(r, "invalidated_blocks", len(dropped))
+        return keep
+
+    # --- bookkeeping --------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        existing = request.request_id in self.requests
+        super().add_request(request)
+        if not existing:
+            self._track(self.requests[request.request_id], chunk=False)
+            self.counters["admissions"] += 1
+
+    def _track(self, r: Request, chunk: bool) -> None:
+        args = (r.sampling_params.extra_args if r.sampling_params else None) or {}
+        key = str(args.get(SESSION_ARG) or r.request_id)
+        self.req_session[r.request_id] = key
+        now = time.time()
+        track = self.sessions.get(key)
+        if track is None:
+            track = self.sessions[key] = SessionTrack(float(args.get(ARRIVAL_ARG) or r.arrival_time), now)
+            if len(self.sessions) > MAX_TRACKED_SESSIONS:
+                self.sessions.popitem(last=False)
+        self.sessions.move_to_end(key)
+        if chunk or not r.resumable:
+            track.last_chunk = now
+
+    def _forget_gone(self) -> None:
+        for req_id in [rid for rid in self.evicted if rid not in self.requests]:
+            self.host.free(self.evicted.pop(req_id).slots)
+        if len(self.req_session) > len(self.requests) + 1024:
+            self.req_session = {rid: k for rid, k in self.req_session.items() if rid in self.requests}
+
+    def _count(self, r: Request, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        if (key := self.req_session.get(r.request_id)) in self.sessions:
+            self.sessions[key].stats[name] += n
+
+    def _views(self) -> dict[str, RankView]:
+        order = {r.request_id: i for i, r in enumerate([*self.running, *self.kv_holding_waiting, *self.waiting])}
+        computed: Counter[str] = Counter()
+        for rid, r in self.requests.items():
+            key = self.req_session.get(rid, rid)
+            computed[key] = max(computed[key], r.num_computed_tokens)
+        views = {}
+        for rid, r in self.requests.items():
+            key = self.req_session.get(rid, rid)
+            track = self.sessions.get(key)
+            views[rid] = RankView(
+                complete=not r.resumable,
+                arrival=track.arrival if track else r.arrival_time,
+                last_chunk=track.last_chunk if track else r.arrival_time,
+                computed=computed[key],
+                has_work=r.status in ACTIVE and r.num_tokens_with_spec > r.num_computed_tokens,
+                order=order.get(rid, len(order)),
+            )
+        return views
+
+    def _order_queues(self, rank: dict[str, int]) -> None:
+        """vLLM's queues in the policy's order. Runnable waiting requests go to one queue so that vLLM
+        admits them strictly by rank (it otherwise drains KV-holding requests first)."""
+        last = len(rank)
+        self.running.sort(key=lambda r: rank.get(r.request_id, last))
+        movable = [r for r in self.kv_holding_waiting if r.status in ACTIVE or r.status == IDLE]
+        if movable:
+            self.kv_holding_waiting.remove_requests(movable)
+        queued = [*movable, *self.waiting]
+        self.waiting.clear()
+        queued.sort(key=lambda r: rank.get(r.request_id, last))
+        for r in queued:
+            self.waiting.add_request(r)
+
+    def _block_ids(self, r: Request) -> list[int]:
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        return [b.block_id for b in manager.req_to_blocks.get(r.request_id, ())]
+
+    def _hits_in_use(self, r: Request) -> int:
+        """Blocks a fresh waiting request will share with their current holders (no new allocation)."""
+        if r.num_computed_tokens or r.status == RequestStatus.RUNNING:
+            return 0
+        cached, _, _ = self.kv_cache_manager.get_computed_blocks(r)
+        return sum(b.ref_cnt > 0 for b in cached.blocks[0])
+
+    def _swapped_tokens(self, r: Request) -> int:
+        ev = self.evicted.get(r.request_id)
+        return min(ev.tokens, r.num_tokens - 1) if ev is not None and ev.kind == "swap" else 0
+
+    # --- what the frontend reads --------------------------------------------------------------------
+    def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
+        stats = super().compute_stats(request_id_prefix)
+        live = [r for r in self.requests.values() if not r.is_finished()]
+        stats["scheduler"] = {
+            **self.settings.model_dump(include={"policy", "eviction"}),
+            **dict(self.counters),
+            "queue_running": len(self.running),
+            "queue_waiting": sum(r.status in ACTIVE and r.status != RequestStatus.RUNNING for r in live),
+            "idle_sessions": sum(r.status == IDLE for r in live),
+            "evicted_now": len(self.evicted),
+            "host_slots": self.host.num_slots,
+            "host_slots_free": self.host.num_free,
+            "block_bytes": self.block_bytes,
+        }
+        if request_id_prefix is not None and request_id_prefix in self.sessions:
+            stats["session_scheduler"] = dict(self.sessions[request_id_prefix].stats)
+        return stats
+
+
+# --- EngineCore utility calls (dispatched by name; this module is imported in the engine-core process) ---
+def _scheduler(core: EngineCore) -> StreamingScheduler:
+    if not isinstance(core.scheduler, StreamingScheduler):
+        raise RuntimeError("the engine does not run the streaming scheduler")
+    return core.scheduler
+
+
+def _rtpd_attach(self: EngineCore) -> dict[str, Any]:
+    return _scheduler(self).attach(self.model_executor)
+
+
+def _rtpd_configure(self: EngineCore, changes: dict[str, Any]) -> dict[str, Any]:
+    return _scheduler(self).configure(changes)
+
+
+def _rtpd_set_latency_model(self: EngineCore, model: dict[str, Any]) -> None:
+    _scheduler(self).latency = LatencyModel.from_json(model)
+
+
+def _rtpd_invalidate(self: EngineCore, session_key: str, keep: int) -> int | None:
+    return _scheduler(self).invalidate(session_key, keep)
+
+
+def _rtpd_profile_swap(self: EngineCore, sizes: list[int], repeats: int) -> dict[str, dict[int, list[float]]]:
+    """Time swap-out and swap-in of `n` blocks for each n: the blocks are copied out and the same bytes
+    copied back, so whatever they hold is unchanged."""
+    scheduler = _scheduler(self)
+    out: dict[int, list[float]] = {}
+    back: dict[int, list[float]] = {}
+    for n in sizes:
+        slots = scheduler.host.alloc(n)
+        if slots is None:
+            break
+        blocks = list(range(1, n + 1))  # block 0 is vLLM's null block
+        for _ in range(repeats):
+            out.setdefault(n, []).append(self.model_executor.collective_rpc("rtpd_swap_out", args=(blocks, slots))[0])
+            back.setdefault(n, []).append(self.model_executor.collective_rpc("rtpd_swap_in", args=(slots, blocks))[0])
+        scheduler.host.free(slots)
+    return {"swap_out": out, "swap_in": back}
+
+
+for _name, _fn in list(globals().items()):
+    if _name.startswith("_rtpd_"):
+        setattr(EngineCore, _name[1:], _fn)

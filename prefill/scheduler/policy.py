@@ -1,0 +1,60 @@
+"""Who is prefilled first, and who gives blocks back first: the Stream2LLM ranking policies.
+
+A policy ranks requests by a sort key (lower = served first). Eviction walks the other way: idle sessions
+(waiting for their next chunk, nothing to compute) go first, then holders with work, lowest-ranked first;
+a request that was planned for this step is never a victim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefill.scheduler.config import Policy
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What a policy sees of one engine request."""
+
+    complete: bool  # its input is whole (an ordinary request or a session's hand-off), not a partial stream
+    arrival: float  # when its session (or the request itself) arrived
+    last_chunk: float  # when its latest input arrived
+    computed: int  # tokens whose KV its session holds
+    has_work: bool  # tokens left to prefill now
+    order: int  # its position in the engine's own queues (the `vllm` policy)
+
+
+RankKey = tuple[float, ...]
+
+
+def _fcfs(v: RankView) -> RankKey:
+    return (0 if v.complete else 1, v.arrival if v.has_work else math.inf, v.order)
+
+
+def _lcas(v: RankView) -> RankKey:
+    return (0 if v.complete else 1, v.last_chunk if v.has_work else math.inf, v.order)
+
+
+def _mcps(v: RankView) -> RankKey:
+    return (0 if v.has_work else 1, -v.computed, v.arrival, v.order)
+
+
+def _vllm(v: RankView) -> RankKey:
+    return (v.order,)
+
+
+RANKERS: dict[str, Callable[[RankView], RankKey]] = {"fcfs": _fcfs, "lcas": _lcas, "mcps": _mcps, "vllm": _vllm}
+
+
+def rank_key(policy: Policy) -> Callable[[RankView], RankKey]:
+    return RANKERS[policy]
+
+
+def victim_key(policy: Policy, idle: bool, view: RankView) -> tuple[object, ...]:
+    """Sort key for eviction (lower = evicted first)."""
+    if policy == "vllm":
+        return (-view.arrival,)  # the engine's own choice: the latest arrival goes first (LIFO)
+    inverted = tuple(-x for x in rank_key(policy)(view))
+    return (0 if idle else 1, *inverted)
