@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from prefill.scheduler.config import SchedulerSettings
 from prefill.session import (
     Answer,
     Session,
@@ -77,6 +78,14 @@ def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
 
 
+def overloaded(retry_after: int, what: str = "prefill") -> dict[str, Any]:
+    """429 with `Retry-After`: the engine's KV memory is taken by work that cannot be evicted."""
+    metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="overloaded")
+    body = error_body(429, f"{what} capacity exhausted: no KV memory could be freed in time; retry later")
+    body["error"]["retry_after"] = retry_after
+    return body
+
+
 def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """Session errors become OpenAI error JSON (the router turns them into HTTP or Realtime errors)."""
 
@@ -86,9 +95,11 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
             return await method(self, *args, **kwargs)
         except SessionError as e:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
-            if e.status == 413 and (session := self.sessions.get(kwargs.get("session_id", ""))) is not None:
-                await self._close(session, "payload cap exceeded")  # past its cap a session ends
+            if (e.status == 413 or e.close) and (session := self.sessions.get(kwargs.get("session_id", ""))):
+                await self._close(session, "payload cap exceeded" if e.status == 413 else e.message)
             return error_body(e.status, e.message, e.param)
+        except TimeoutError:  # a bounded wait on the engine ran out: the input is kept, the client retries
+            return overloaded(self.settings.retry_after_s)
 
     return wrapper
 
@@ -105,16 +116,38 @@ class PrefillServer:
         self.app_name, self.deployment = context.app_name, context.deployment
         self.sessions: dict[str, Session] = {}
         self.adopted_owners: set[str] = set()  # drained replicas whose sessions this one took over
+        self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
         self._sweeper = asyncio.create_task(self._sweep())
 
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self.config.prefill.scheduler
+
+    def _streaming(self, session_id: str) -> StreamingPrefill:
+        return StreamingPrefill(self.engine, session_id, self.settings.admission_timeout_s)
+
     # --- whole prompts -----------------------------------------------------------------------------
-    async def prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
-        """Returns `{"kv_transfer_params", "prompt_tokens"}` or `{"error": ...}` (OpenAI error JSON)."""
+    async def prefill(
+        self, endpoint: Endpoint, body: dict[str, Any], session: StreamingPrefill | None = None
+    ) -> dict[str, Any]:
+        """Returns `{"kv_transfer_params", "prompt_tokens"}` or `{"error": ...}` (OpenAI error JSON).
+
+        Bounded: a prefill that cannot get KV memory within the admission timeout is aborted and
+        answered 429, and with too many requests already queued it is refused at once.
+        """
         # Validate what the client sent in full before any KV exists, so that a request decode would
         # reject never strands blocks on this replica.
         if (err := validate_openai_body(endpoint, body)) is not None:
             return err
-        result = await self.engine.openai(endpoint, prefill_body(body))
+        if self._scheduler_stats.get("queue_waiting", 0) >= self.settings.max_queued_requests:
+            return overloaded(self.settings.retry_after_s)
+        request = prefill_body(body)
+        if session is not None:  # a session's hand-off ranks with its session (prefill/scheduler/policy.py)
+            request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), **session.extra_args}
+        try:
+            result = await asyncio.wait_for(self.engine.openai(endpoint, request), self.settings.admission_timeout_s)
+        except TimeoutError:  # cancelling vLLM's generator aborted the request and freed its blocks
+            return overloaded(self.settings.retry_after_s)
         if hasattr(result, "error"):
             return error_payload(result)
         return {"kv_transfer_params": result.kv_transfer_params, "prompt_tokens": result.usage.prompt_tokens}
@@ -135,9 +168,7 @@ class PrefillServer:
         limits = _validated(SessionLimits, "limits", spec)
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
-        session = Session(
-            session_id, endpoint, request, policy, limits, StreamingPrefill(self.engine.client, session_id)
-        )
+        session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
         session.instructions = spec.get("instructions")
         self.sessions[session_id] = session
         await self._prefill_stable(session)
@@ -145,10 +176,17 @@ class PrefillServer:
 
     @session_api
     async def session_chunk(
-        self, *, session_id: str, sequence_id: int, payload: str, end_of_input: bool = False
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        payload: str,
+        end_of_input: bool = False,
+        mode: str = "append",
+        offset: int | None = None,
     ) -> dict[str, Any]:
         session = self._get(session_id)
-        result = session.add_chunk(sequence_id, payload, end_of_input)
+        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset)
         if result["applied"]:
             applied = session.chunk_log[-len(result["applied"]) :]
             _count_input(len(applied), sum(len(c["payload"].encode()) for c in applied))
@@ -166,12 +204,16 @@ class PrefillServer:
         return session.describe()
 
     @session_api
-    async def session_buffer(self, *, session_id: str, op: str, text: str = "") -> dict[str, Any]:
-        """Realtime `input_text_buffer.*`: append to, commit or clear the in-progress user text."""
+    async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+        """Realtime `input_text_buffer.*`: append to, replace from `offset`, commit or clear the in-progress
+        user text."""
         session = self._get(session_id)
         session.touch()
         if op == "append":
             session.append_text(text)
+            _count_input(1, len(text.encode()))
+        elif op == "replace":
+            session.replace_text(offset, text)
             _count_input(1, len(text.encode()))
         elif op == "commit":
             session.commit_buffer()
@@ -272,7 +314,26 @@ class PrefillServer:
             "prompt_tokens_computed": stats["prompt_tokens_computed"],
             "block_size": stats["block_size"],
             "answers": [a.summary() for a in session.answers],
+            # This session's admissions, evictions by kind, swapped blocks and bytes, tokens recomputed after
+            # eviction or given back by the prefix cache, invalidated tokens; and the replica's scheduler.
+            "scheduler": {
+                **stats.get("session_scheduler", {}),
+                "replica": {"replica": self.replica, **stats.get("scheduler", {})},
+            },
         }
+
+    async def configure_scheduler(self, **changes: Any) -> dict[str, Any]:
+        """Change the streaming scheduler's settings on this replica (policy, eviction, limits)."""
+        settings = SchedulerSettings.model_validate({**self.settings.model_dump(), **changes})
+        applied = await self.engine.utility("rtpd_configure", settings.model_dump())
+        if settings.eviction == "cost" and self.settings.eviction != "cost":
+            from prefill.scheduler.profile import load_or_profile
+
+            model = await load_or_profile(self.engine, settings)
+            await self.engine.utility("rtpd_set_latency_model", model.to_json())
+        self.config.prefill.scheduler = settings
+        logger.info("scheduler settings now %s", applied)
+        return applied
 
     # --- internals ---------------------------------------------------------------------------------
     def _get(self, session_id: str, allow_closed: bool = False) -> Session:
@@ -327,7 +388,7 @@ class PrefillServer:
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides, "stream": True}
             request["stream_options"] = {"include_usage": True}
             request["request_id"] = f"{session.id}-t{answer.turn}"
-            handoff = await self.prefill(session.endpoint, request)
+            handoff = await self.prefill(session.endpoint, request, session.streaming)
             if "error" in handoff:
                 answer.error, answer.status = handoff["error"], "failed"
                 return
@@ -356,6 +417,8 @@ class PrefillServer:
             answer.status = "cancelled"
             if stream is not None:
                 stream.cancel()
+        except TimeoutError:  # the session's input could not be prefilled in time
+            answer.error, answer.status = overloaded(self.settings.retry_after_s)["error"], "failed"
         except Exception as e:
             logger.exception("session %s answer failed", session.id)
             answer.error, answer.status = {"message": str(e), "type": "InternalServerError", "code": 500}, "failed"
@@ -384,9 +447,14 @@ class PrefillServer:
         await session.streaming.close()
 
     async def _sweep(self) -> None:
-        """Expire idle sessions and sessions whose chunk gap never filled; forget closed ones."""
+        """Expire idle sessions and sessions whose chunk gap never filled; forget closed ones; export the
+        scheduler's figures."""
+        ticks = 0
         while True:
             await asyncio.sleep(0.5)
+            ticks += 1
+            if ticks % 2 == 0:
+                await self._export_scheduler_stats()
             now = time.monotonic()
             for state in SessionState:
                 count = sum(s.state == state for s in self.sessions.values())
@@ -403,11 +471,20 @@ class PrefillServer:
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)
 
+    async def _export_scheduler_stats(self) -> None:
+        try:
+            stats = (await self.engine.compute_stats())["scheduler"]
+        except Exception:
+            logger.exception("reading scheduler stats failed")
+            return
+        previous, self._scheduler_stats = self._scheduler_stats, stats
+        metrics.export_scheduler(stats, previous, self.replica)
+
     # --- draining: finish answers, hand open sessions over -----------------------------------------
     async def adopt_sessions(self, owner: str, states: list[dict[str, Any]]) -> dict[str, Any]:
         """Take over a draining replica's sessions: re-prefill each one's kept input here."""
         for state in states:
-            session = Session.adopt(state, StreamingPrefill(self.engine.client, state["id"]))
+            session = Session.adopt(state, self._streaming(state["id"]))
             self.sessions[session.id] = session
             try:
                 await self._prefill_stable(session)

@@ -49,9 +49,11 @@ class SessionLimits(BaseModel):
 
 
 class SessionError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    """An error for the client; `close` ends the session too (its input can no longer be made whole)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.close = status, message, param, close
 
 
 @dataclass
@@ -146,22 +148,41 @@ class Session:
         if self.state == SessionState.CLOSED:
             raise SessionError(409, f"session {self.id} is closed ({self.close_reason})")
 
-    def add_chunk(self, seq: int, payload: str, end_of_input: bool) -> dict[str, Any]:
-        """Apply chunks in sequence order; hold a gap, apply a duplicate once. Returns what happened."""
+    def add_chunk(
+        self, seq: int, payload: str, end_of_input: bool, mode: str = "append", offset: int | None = None
+    ) -> dict[str, Any]:
+        """Apply chunks in sequence order; hold a gap, apply a duplicate once. Returns what happened.
+
+        `mode: "replace"` (update mode) replaces the current turn's input from character `offset` (default 0)
+        with `payload`, as a vector search replaces documents."""
         self.check_open()
         self.touch()
         if self.answering:
             raise SessionError(409, "input arrived while the answer is being generated", "sequence_id")
         if seq < self.next_seq or seq in self.pending:
             return {"duplicate": True, "applied": []}
+        if mode == "replace" and seq == self.next_seq:
+            self._check_offset(offset or 0)  # applies now: refuse it before anything changes
         self._count_payload(payload)
-        self.pending[seq] = (time.monotonic(), {"payload": payload, "end_of_input": end_of_input})
+        chunk: dict[str, Any] = {"payload": payload, "end_of_input": end_of_input}
+        if mode == "replace":
+            chunk.update(mode="replace", offset=offset or 0)
+        self.pending[seq] = (time.monotonic(), chunk)
         applied = []
         while self.next_seq in self.pending:
             _, chunk = self.pending.pop(self.next_seq)
             if self.input_ended:  # a new turn after an answer
                 self.input_ended = False
-            self.buffer += chunk["payload"]
+            if chunk.get("mode") == "replace":
+                try:
+                    self._check_offset(chunk["offset"])
+                except SessionError as e:  # held out of order and invalid once its turn came: input is broken
+                    e.message = f"chunk {self.next_seq}: {e.message}"
+                    e.close = True
+                    raise
+                self._replace(chunk["offset"], chunk["payload"])
+            else:
+                self.buffer += chunk["payload"]
             self.chunk_log.append({"sequence_id": self.next_seq, **chunk})
             self.last_chunk_at = time.monotonic()
             applied.append(self.next_seq)
@@ -176,6 +197,25 @@ class Session:
         self.touch()
         self._count_payload(text)
         self.buffer += text
+
+    def replace_text(self, offset: int, text: str) -> None:
+        """The current turn's text from character `offset` on becomes `text` (realtime
+        `input_text_buffer.replace`)."""
+        self.check_open()
+        self.touch()
+        self._check_offset(offset)
+        self._count_payload(text)
+        self._replace(offset, text)
+
+    def _check_offset(self, offset: int) -> None:
+        if not 0 <= offset <= len(self.buffer):
+            raise SessionError(
+                400, f"offset {offset} is beyond the current input ({len(self.buffer)} characters)", "offset"
+            )
+
+    def _replace(self, offset: int, text: str) -> None:
+        self.payload_bytes -= len(self.buffer[offset:].encode())  # the cap bounds the input held, not sent
+        self.buffer = self.buffer[:offset] + text
 
     def _count_payload(self, text: str) -> None:
         size = len(text.encode())

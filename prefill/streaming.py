@@ -5,10 +5,14 @@ appended chunk is prefilled on arrival, the request keeps its KV blocks between 
 computed is computed again. Each chunk produces one throw-away token (max_tokens=1); vLLM drops a chunk's
 last sampled token from the context, so the resident context is exactly the tokens sent.
 
-vLLM's streaming input is append-only. When retokenising the input changes tokens already sent (a rewrite,
-or a chunk boundary that fell inside a word), the request is replaced by a new one over the new tokens; with
-prefix caching on, the new request reuses every full KV block of the longest common prefix, so only the
-tokens after it (from the last full block) are recomputed.
+vLLM's streaming input is append-only. When retokenising the input changes tokens already sent (a rewrite in
+update mode, or a chunk boundary that fell inside a word), the prefill scheduler truncates the idle request
+to the longest common prefix of the old and new tokens, freeing exactly the KV after it (on the device and
+in the swap pool; prefill/scheduler/core.py `invalidate`), and the new suffix is appended. Should the
+request not be idle, it is replaced by a new one, and the prefix cache gives back the LCP's full blocks.
+
+Every request of the session carries its session id and arrival time (`extra_args`), which the scheduler's
+policies rank by. Waits on the engine are bounded: past `timeout` the caller gets `TimeoutError`.
 
 The hand-off to decode is a separate one-token request over the final prompt with `do_remote_decode`
 (vLLM does not return `kv_transfer_params` for a streaming request); it hits the prefix cache for every full
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -37,9 +42,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class StreamingPrefill:
     """One session's resident prompt on one engine: `sync(tokens)` makes the resident tokens equal `tokens`."""
 
-    def __init__(self, engine_client: Any, request_id: str) -> None:
-        self.client = engine_client
+    def __init__(self, engine: Any, request_id: str, timeout: float = 60.0) -> None:
+        self.engine = engine  # serve_app.engine.Engine
         self.base_id = request_id
+        self.arrival = time.time()
+        self.timeout = timeout
         self.generation = 0  # bumped on every rewrite: each rewrite is a new engine request
         self.sent: list[int] = []
         self.request_ids: list[str] = []
@@ -64,8 +71,15 @@ class StreamingPrefill:
         if lcp < len(self.sent):
             self.rewrites += 1
             self.invalidated_tokens += len(self.sent) - lcp
-            await self.close()
-            self.sent = []
+            kept = None
+            if self.active:
+                await self.wait_computed()  # the engine request must be idle to be truncated
+                kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)
+            if kept is None:
+                await self.close()
+                self.sent = []
+            else:
+                self.sent = self.sent[:kept]
         new = tokens[len(self.sent) :]
         if not new:
             return
@@ -76,12 +90,18 @@ class StreamingPrefill:
         self.sent = list(tokens)
         self._chunks_sent += 1
 
+    @property
+    def extra_args(self) -> dict[str, Any]:
+        """What the prefill scheduler ranks this session's requests by (prefill/scheduler/core.py)."""
+        return {"rtpd_session": self.base_id, "rtpd_arrival": self.arrival}
+
     async def wait_computed(self, timeout: float | None = None) -> None:
-        """Wait until the engine has prefilled everything sent so far."""
+        """Wait until the engine has prefilled everything sent so far (at most `timeout`, default the
+        session's admission timeout; then `TimeoutError`)."""
         async with self._progress:
             await asyncio.wait_for(
                 self._progress.wait_for(lambda: self._chunks_done >= self._chunks_sent or self._error is not None),
-                timeout,
+                timeout or self.timeout,
             )
         if self._error is not None:
             raise self._error
@@ -117,8 +137,14 @@ class StreamingPrefill:
             while (item := await queue.get()) is not None:
                 yield item
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.DELTA)
-        outputs = self.client.generate(inputs(), params, request_id)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=self.extra_args,
+        )
+        outputs = self.engine.client.generate(inputs(), params, request_id)
         self._consumer = asyncio.create_task(self._consume(outputs))
 
     async def _consume(self, outputs: AsyncGenerator[Any, None]) -> None:

@@ -34,6 +34,9 @@ class Chunk(BaseModel):
     modality: Literal["text"] = "text"
     payload: str
     end_of_input: bool = False
+    # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.
+    mode: Literal["append", "replace"] = "append"
+    offset: int | None = Field(default=None, ge=0)
 
 
 def _ingress(request: Request) -> Any:
@@ -112,6 +115,8 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         sequence_id=chunk.sequence_id,
         payload=chunk.payload,
         end_of_input=chunk.end_of_input,
+        mode=chunk.mode,
+        offset=chunk.offset,
     )
     return _reply(result, 202)
 

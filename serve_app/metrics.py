@@ -85,3 +85,49 @@ ALL = [
     KV_CACHE_USAGE,
     ERRORS,
 ]
+
+# The prefill streaming scheduler (prefill/scheduler/), per replica and policy. Evictions and swaps happen only
+# under KV pressure, so these stay at zero in an unpressured run.
+PREFILL_ADMISSIONS = "rtpd_prefill_admissions_total"
+PREFILL_EVICTIONS = "rtpd_prefill_evictions_total"
+PREFILL_SWAP_BLOCKS = "rtpd_prefill_swap_blocks_total"
+PREFILL_SWAP_BYTES = "rtpd_prefill_swap_bytes_total"
+PREFILL_INVALIDATED_TOKENS = "rtpd_prefill_invalidated_tokens_total"
+PREFILL_RECOMPUTED_TOKENS = "rtpd_prefill_recomputed_tokens_total"
+PREFILL_CACHE_RETURNED_TOKENS = "rtpd_prefill_prefix_cache_returned_tokens_total"
+PREFILL_QUEUE = "rtpd_prefill_queue"
+
+SCHEDULER_ALL = [
+    PREFILL_ADMISSIONS,
+    PREFILL_EVICTIONS,
+    PREFILL_SWAP_BLOCKS,
+    PREFILL_SWAP_BYTES,
+    PREFILL_INVALIDATED_TOKENS,
+    PREFILL_RECOMPUTED_TOKENS,
+    PREFILL_CACHE_RETURNED_TOKENS,
+    PREFILL_QUEUE,
+]
+
+# scheduler counter -> (metric, description, extra tags)
+_SCHEDULER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "admissions": (PREFILL_ADMISSIONS, "requests admitted by the prefill scheduler", {}),
+    "evictions_recompute": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "recompute"}),
+    "evictions_swap": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "swap"}),
+    "swap_fallbacks": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "swap_fallback"}),
+    "swapped_out_blocks": (PREFILL_SWAP_BLOCKS, "KV blocks swapped to or from host", {"direction": "out"}),
+    "swapped_in_blocks": (PREFILL_SWAP_BLOCKS, "KV blocks swapped to or from host", {"direction": "in"}),
+    "swapped_out_bytes": (PREFILL_SWAP_BYTES, "KV bytes swapped to host", {"direction": "out"}),
+    "invalidated_tokens": (PREFILL_INVALIDATED_TOKENS, "tokens invalidated by input rewrites", {}),
+    "recomputed_tokens": (PREFILL_RECOMPUTED_TOKENS, "tokens recomputed after an eviction", {}),
+    "tokens_back_from_prefix_cache": (PREFILL_CACHE_RETURNED_TOKENS, "evicted tokens the prefix cache gave back", {}),
+}
+
+
+@_safe
+def export_scheduler(stats: dict[str, Any], previous: dict[str, Any], replica: str) -> None:
+    """Counters as deltas since the last export, queue lengths as gauges."""
+    tags = {"replica": replica, "policy": str(stats.get("policy"))}
+    for key, (name, description, extra) in _SCHEDULER_COUNTERS.items():
+        inc(name, max(0, stats.get(key, 0) - previous.get(key, 0)), description, **tags, **extra)
+    for queue in ("queue_running", "queue_waiting", "idle_sessions", "evicted_now"):
+        set_gauge(PREFILL_QUEUE, stats.get(queue, 0), "prefill scheduler queues", **tags, queue=queue)

@@ -156,9 +156,7 @@ class StreamingScheduler(AccountingScheduler):
             self.running = [r for r in self.running if r.request_id in planned_ids]
         return held_back
 
-    def _evict_for(
-        self, need: int, planned: list[Request], live: list[Request], views: dict[str, RankView]
-    ) -> None:
+    def _evict_for(self, need: int, planned: list[Request], live: list[Request], views: dict[str, RankView]) -> None:
         policy = self.settings.policy
         planned_ids = {r.request_id for r in planned}
         busy_sessions = {self.req_session.get(r.request_id) for r in live if r.status in ACTIVE}

@@ -56,7 +56,8 @@ class HostKVPool:
             shape = list(t.shape)
             shape[dim] = num_slots
             self.host.append(torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin))
-        self.block_bytes = sum(t.element_size() * t.numel() // t.shape[d] for t, d in zip(kv_caches, self.dims, strict=True))
+        pairs = zip(kv_caches, self.dims, strict=True)
+        self.block_bytes = sum(t.element_size() * t.numel() // t.shape[d] for t, d in pairs)
 
     def swap_out(self, block_ids: list[int], slots: list[int]) -> float:
         """Copy device blocks into host slots; returns the seconds it took."""
