@@ -27,6 +27,10 @@ class KVTransferConfig(_Strict):
     # "auto": DRAM on the CPU platform, device memory on CUDA (vLLM's own default per platform).
     kv_buffer_device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
     backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    # How long a prefill replica keeps a finished prefill's KV for a decode replica that has not read it
+    # (decode's heartbeats extend it while it waits): a request abandoned after its prefill frees its blocks
+    # after this, not after the old 480 s abort timeout (NIXL's `kv_lease_duration`).
+    lease_s: int = Field(default=30, ge=6)
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
     def to_vllm(self, platform_device: str) -> dict[str, Any]:
@@ -35,7 +39,11 @@ class KVTransferConfig(_Strict):
             "kv_connector": self.connector,
             "kv_role": "kv_both",  # NIXL ignores the role; the router decides who prefills
             "kv_buffer_device": device,
-            "kv_connector_extra_config": {"backends": self.backends, **self.extra_config},
+            "kv_connector_extra_config": {
+                "backends": self.backends,
+                "kv_lease_duration": self.lease_s,
+                **self.extra_config,
+            },
         }
 
 

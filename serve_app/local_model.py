@@ -56,12 +56,15 @@ class LocalModelSpec:
     num_key_value_heads: int
     dtype: str  # what the weights are saved in, and the dtype to serve them in
     max_position_embeddings: int = 4096
+    # Per-head width; default hidden_size // num_attention_heads. Set it to make attention narrower than the
+    # residual stream (fewer heads of the usual width), as Mistral/Gemma-style configs do.
+    attention_head_dim: int | None = None
     initializer_range: float = 0.5  # wide weights: greedy output varies instead of repeating one token
     version: int = VERSION
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def dtype_bytes(self) -> int:
@@ -187,6 +190,7 @@ def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, ou
         num_hidden_layers=s.num_hidden_layers,
         num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_key_value_heads,
+        **({"head_dim": s.attention_head_dim} if s.attention_head_dim else {}),
         max_position_embeddings=s.max_position_embeddings,
         initializer_range=s.initializer_range,
         bos_token_id=tokenizer.bos_token_id,

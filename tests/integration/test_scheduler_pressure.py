@@ -35,6 +35,7 @@ WORDS = ["crawler", "page", "vector", "search", "document", "result", "answer", 
 def pressure_args() -> dict[str, Any]:
     args = copy.deepcopy(app_args())
     args["prefill"]["engine"]["kv_cache_gb"] = 0.01  # about 40 blocks of 128 tokens on the local model
+    args["kv_transfer"]["lease_s"] = 6
     return args
 
 
@@ -153,3 +154,17 @@ async def test_sessions_beyond_kv_capacity_all_answer(server: str, pressure: str
     assert invalidated > 0, "replace chunks free the KV after the common prefix"
     await wait_idle("prefill")
     await wait_idle("decode")
+
+
+async def test_prefill_abandoned_before_decode_frees_its_blocks(pressure: str) -> None:
+    """A prefill whose decode never comes (the client left between the two) holds its KV for the NIXL lease,
+    not for the old 480 s abort timeout."""
+    await wait_idle("prefill")
+    body = {"messages": [{"role": "user", "content": text_of(99, 300)}], "max_tokens": 4, "request_id": "abandoned"}
+    result = await handle("prefill").prefill.remote("chat", body)
+    assert "kv_transfer_params" in result, result
+    held = await stats("prefill")
+    assert held["kv_blocks_free"] < held["kv_blocks_total"], "the KV waits for decode"
+    started = time.monotonic()
+    await wait_idle("prefill", timeout=30)
+    assert time.monotonic() - started < 20
