@@ -144,10 +144,17 @@ class PrefillServer:
         request = prefill_body(body)
         if session is not None:  # a session's hand-off ranks with its session (prefill/scheduler/policy.py)
             request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), **session.extra_args}
+        task = asyncio.ensure_future(self.engine.openai(endpoint, request))
         try:
-            result = await asyncio.wait_for(self.engine.openai(endpoint, request), self.settings.admission_timeout_s)
-        except TimeoutError:  # cancelling vLLM's generator aborted the request and freed its blocks
+            done, _ = await asyncio.wait({task}, timeout=self.settings.admission_timeout_s)
+        except asyncio.CancelledError:  # the caller left: so does the engine request
+            task.cancel()
+            raise
+        if not done:  # cancelling vLLM's generator aborts the request and frees its blocks
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
             return overloaded(self.settings.retry_after_s)
+        result = task.result()
         if hasattr(result, "error"):
             return error_payload(result)
         return {"kv_transfer_params": result.kv_transfer_params, "prompt_tokens": result.usage.prompt_tokens}

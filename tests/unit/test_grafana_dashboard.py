@@ -21,6 +21,14 @@ GAUGES_AND_COUNTERS = {
     "ray_rtpd_scheduler_evictions_total",
     "ray_rtpd_kv_cache_usage",
     "ray_rtpd_errors_total",
+    "ray_rtpd_prefill_admissions_total",
+    "ray_rtpd_prefill_evictions_total",
+    "ray_rtpd_prefill_swap_blocks_total",
+    "ray_rtpd_prefill_swap_bytes_total",
+    "ray_rtpd_prefill_invalidated_tokens_total",
+    "ray_rtpd_prefill_recomputed_tokens_total",
+    "ray_rtpd_prefill_prefix_cache_returned_tokens_total",
+    "ray_rtpd_prefill_queue",
 }
 HISTOGRAMS = {
     "ray_rtpd_ttft_seconds",
