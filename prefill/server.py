@@ -173,6 +173,9 @@ class PrefillServer:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
         policy = _validated(StartPolicy, "start_policy", spec)
         limits = _validated(SessionLimits, "limits", spec)
+        open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
+        if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
+            return overloaded(self.settings.retry_after_s, "session")
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))

@@ -155,6 +155,7 @@ class Engine:
         self._completion = state.openai_serving_completion
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         if self.role == "prefill":
             await self._start_scheduler()
         logger.info("%s engine ready: model=%s side channel %s:%d", self.role, args.model, host, port)

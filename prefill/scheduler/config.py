@@ -38,3 +38,11 @@ class SchedulerSettings(BaseModel):
     # Requests queued in the engine beyond this are refused at once (429).
     max_queued_requests: int = Field(default=512, ge=1)
     retry_after_s: int = Field(default=1, ge=0)
+    # Open sessions per replica. vLLM counts a session waiting for its next chunk against `max_num_seqs`
+    # even when its KV is evicted, so sessions must leave slots for hand-offs and plain requests: at most
+    # three quarters of the engine's slots (and this, if lower). Past it new sessions get 429.
+    max_open_sessions: int | None = Field(default=None, ge=1)
+
+    def session_capacity(self, max_num_seqs: int) -> int:
+        cap = max(1, max_num_seqs - max(1, max_num_seqs // 4))
+        return min(cap, self.max_open_sessions) if self.max_open_sessions else cap

@@ -72,6 +72,7 @@ class StreamingScheduler(AccountingScheduler):
         self.host = HostSlots(0)
         self.latency: LatencyModel | None = None
         self.evicted: dict[str, Evicted] = {}
+        self._protected: set[str] = set()  # unplanned this step but ranked above planned requests
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -102,9 +103,14 @@ class StreamingScheduler(AccountingScheduler):
         held_back: list[Request] = []
         if any(r.status in ACTIVE for r in self.requests.values()):
             held_back = self._plan_and_evict()
+        # Held-back requests keep their engine slots. (Idle sessions keep theirs too, in vLLM's accounting
+        # and in its model runner's state; the prefill server caps open sessions below max_num_seqs.)
+        slots = self.max_num_active_reqs
+        self.max_num_active_reqs -= len(held_back)
         try:
             return super().schedule(throttle_prefills)
         finally:
+            self.max_num_active_reqs = slots
             # Running requests left out of the plan sat this step out (vLLM schedules `running` before
             # anything waiting, whatever the rank): they rejoin at the back, as the lowest-ranked.
             self.running.extend(r for r in held_back if r.status == RequestStatus.RUNNING)
@@ -125,16 +131,28 @@ class StreamingScheduler(AccountingScheduler):
         capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() + len(held)
         budget, used, need = self.max_num_scheduled_tokens, 0, 0
         planned: list[Request] = []
+        self._protected: set[str] = set()
         for r in active:
             computed = r.num_computed_tokens or self._swapped_tokens(r)
             todo = min(r.num_tokens_with_spec - computed, budget)
             if todo <= 0:
                 continue
-            blocks = math.ceil((computed + todo) / self.block_size)
+            end = computed + todo
+            if self.scheduler_reserve_full_isl and r.status != RequestStatus.RUNNING:
+                end = max(end, min(r.num_tokens, self.max_model_len))  # vLLM admits whole inputs only
+            blocks = math.ceil(end / self.block_size)
             if used + blocks > capacity:
                 if policy == "vllm":
                     break  # the engine's own queue: nothing passes a request that does not fit
+                capacity -= len(self._block_ids(r))  # ranked above what follows: not their victim
+                self._protected.add(r.request_id)
                 continue
+            if (
+                r.status == RequestStatus.RUNNING
+                and todo < r.num_tokens_with_spec - computed
+                and any(q.status != RequestStatus.RUNNING for q in planned)
+            ):
+                continue  # vLLM serves running requests first, up to the whole budget: it would take more
             used += blocks
             budget -= todo
             planned.append(r)
@@ -151,6 +169,9 @@ class StreamingScheduler(AccountingScheduler):
         if policy == "vllm":
             return []
         planned_ids = {r.request_id for r in planned}
+        self._order_queues(
+            {r.request_id: i for i, r in enumerate([*planned, *(q for q in active if q.request_id not in planned_ids)])}
+        )
         held_back = [r for r in self.running if r.request_id not in planned_ids]
         if held_back:
             self.running = [r for r in self.running if r.request_id in planned_ids]
@@ -162,7 +183,7 @@ class StreamingScheduler(AccountingScheduler):
         busy_sessions = {self.req_session.get(r.request_id) for r in live if r.status in ACTIVE}
         candidates = []
         for r in live:
-            if r.request_id in planned_ids or not self._block_ids(r):
+            if r.request_id in planned_ids or r.request_id in self._protected or not self._block_ids(r):
                 continue
             idle = r.status == IDLE
             if idle and self.req_session.get(r.request_id) in busy_sessions:
@@ -201,6 +222,8 @@ class StreamingScheduler(AccountingScheduler):
         if r.status == RequestStatus.RUNNING:
             self.running.remove(r)
             self._preempt_request(r, time.monotonic())
+            self.waiting.remove_request(r)  # _preempt_request put it first: it goes behind the planned
+            self.waiting.add_request(r)
         else:
             self._free_request_blocks(r)
             if not idle:  # a waiting session chunk: it resumes from the prefix cache

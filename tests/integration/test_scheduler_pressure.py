@@ -168,3 +168,35 @@ async def test_prefill_abandoned_before_decode_frees_its_blocks(pressure: str) -
     started = time.monotonic()
     await wait_idle("prefill", timeout=30)
     assert time.monotonic() - started < 20
+
+
+async def test_no_evictable_memory_is_refused_with_429_then_served(pressure: str) -> None:
+    """When every block belongs to prefills waiting for their decode (nothing the scheduler may evict), a new
+    request is refused with 429 and Retry-After once the admission timeout passes, never left hanging; when
+    the KV is released, requests are served again."""
+    await wait_idle("prefill")
+    await handle("prefill").configure_scheduler.remote(policy="fcfs", eviction="recompute", admission_timeout_s=3)
+    try:
+        total = (await stats("prefill"))["kv_blocks_total"]
+        held = 0
+        for k in range(12):  # abandoned hand-offs: their KV stays for a decode that never comes
+            body = {"messages": [{"role": "user", "content": text_of(500 + k, 300)}], "max_tokens": 1}
+            result = await handle("prefill").prefill.remote("chat", body)
+            s = await stats("prefill")
+            held = total - s["kv_blocks_free"]
+            if "error" in result or held >= total - 4:
+                break
+        assert held >= total - 8, (held, total)
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = time.monotonic()
+            body = {"messages": [{"role": "user", "content": text_of(900, 300)}], "max_tokens": 2}
+            r = await client.post(f"{pressure}/v1/chat/completions", json=body)
+            assert r.status_code == 429, r.text
+            assert time.monotonic() - started < 15
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "RateLimitError"
+            await wait_idle("prefill", timeout=30)  # the lease ran out: the blocks are back
+            r = await client.post(f"{pressure}/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+    finally:
+        await handle("prefill").configure_scheduler.remote(admission_timeout_s=60)

@@ -384,3 +384,66 @@ def test_official_openai_realtime_client(server, model_name):
             return text
 
     assert asyncio.run(run())
+
+
+def test_rest_replace_chunks_keep_the_common_prefix(server):
+    """Update mode: a replace chunk rewrites the input from an offset; the engine keeps the KV of the common
+    prefix (invalidating only what follows) and the answer equals the one-shot request over the new input."""
+    sid = create(server, messages=[], max_tokens=12, temperature=0)["session_id"]
+    first = TEXT + " Candidate documents: alpha beta gamma delta epsilon. " * 4
+    assert send_chunk(server, sid, 0, first).status_code == 202
+    before = info(server, sid)
+    offset = len(TEXT)
+    replacement = " Candidate documents, re-ranked: omega psi chi phi upsilon. " * 4 + "Question: which came first?"
+    body = {"sequence_id": 1, "payload": replacement, "mode": "replace", "offset": offset, "end_of_input": True}
+    r = httpx.post(f"{server}{SESSIONS}/{sid}/chunks", json=body, timeout=60)
+    assert r.status_code == 202, r.text
+    result = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()
+    final = TEXT[:offset] + replacement
+    expected = whole_chat(server, [{"role": "user", "content": final}], 12)
+    assert result["answer"]["text"] == expected["choices"][0]["message"]["content"]
+    after = info(server, sid)
+    invalidated = after["scheduler"]["invalidated_tokens"]
+    assert 0 < invalidated < before["resident_tokens"]  # the common prefix was kept
+    assert after["rewrites"] == 1
+    # Prefill computed the first input once, then only what followed the common prefix (+ one block).
+    assert (
+        after["prompt_tokens_computed"]
+        <= before["resident_tokens"]
+        + expected["usage"]["prompt_tokens"]
+        - (before["resident_tokens"] - invalidated)
+        + 2 * after["block_size"]
+    )
+    bad = {"sequence_id": 2, "payload": "x", "mode": "replace", "offset": 10**6}
+    r = httpx.post(f"{server}{SESSIONS}/{sid}/chunks", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "offset"
+    httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
+    wait_idle("prefill")
+
+
+def test_realtime_input_text_buffer_replace(server, model_name):
+    head = "The vector search returned these documents: one two three four. "
+    old_tail = "Old candidates: red green blue. " * 6
+    new_tail = "New candidates after re-ranking: cyan magenta yellow. " * 6
+
+    async def run() -> str:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
+            rt = Realtime(ws)
+            await rt.until("session.created")
+            await rt.send(type="session.update", session={"temperature": 0})
+            await rt.until("session.updated")
+            await rt.send(type="input_text_buffer.append", delta=head + old_tail)
+            await rt.send(type="input_text_buffer.replace", text=new_tail, offset=len(head))
+            await rt.send(type="input_text_buffer.replace", text="x", offset=10**6, event_id="evt_bad")
+            error, _ = await rt.until("error")
+            assert error["error"]["event_id"] == "evt_bad"
+            await rt.send(type="input_text_buffer.commit")
+            created, _ = await rt.until("conversation.item.created")
+            assert created["item"]["content"][0]["text"] == head + new_tail
+            await rt.send(type="response.create", response={"max_output_tokens": 8})
+            done, seen = await rt.until("response.done")
+            return "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+
+    answer = asyncio.run(run())
+    expected = whole_chat(server, [{"role": "user", "content": head + new_tail}], 8)
+    assert answer == expected["choices"][0]["message"]["content"]
