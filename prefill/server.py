@@ -78,10 +78,11 @@ def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
 
 
-def overloaded(retry_after: int, what: str = "prefill") -> dict[str, Any]:
-    """429 with `Retry-After`: the engine's KV memory is taken by work that cannot be evicted."""
+def overloaded(retry_after: int, why: str = "no KV memory could be freed in time") -> dict[str, Any]:
+    """429 with `Retry-After`: the replica is at capacity (KV memory held by work that cannot be evicted,
+    or every session slot taken)."""
     metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="overloaded")
-    body = error_body(429, f"{what} capacity exhausted: no KV memory could be freed in time; retry later")
+    body = error_body(429, f"prefill capacity exhausted: {why}; retry later")
     body["error"]["retry_after"] = retry_after
     return body
 
@@ -175,7 +176,7 @@ class PrefillServer:
         limits = _validated(SessionLimits, "limits", spec)
         open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
         if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
-            return overloaded(self.settings.retry_after_s, "session")
+            return overloaded(self.settings.retry_after_s, f"{open_sessions} sessions open, the replica's limit")
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
