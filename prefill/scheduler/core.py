@@ -107,6 +107,10 @@ class StreamingScheduler(AccountingScheduler):
         # and in its model runner's state; the prefill server caps open sessions below max_num_seqs.)
         slots = self.max_num_active_reqs
         self.max_num_active_reqs -= len(held_back)
+        # A swapped-out request waits for its swap-in: vLLM would otherwise recompute what the host holds.
+        parked = [r for r in self.waiting if self._swapped_tokens(r) and not r.num_computed_tokens]
+        if parked:
+            self.waiting.remove_requests(parked)
         try:
             return super().schedule(throttle_prefills)
         finally:
@@ -114,6 +118,7 @@ class StreamingScheduler(AccountingScheduler):
             # Running requests left out of the plan sat this step out (vLLM schedules `running` before
             # anything waiting, whatever the rank): they rejoin at the back, as the lowest-ranked.
             self.running.extend(r for r in held_back if r.status == RequestStatus.RUNNING)
+            self.waiting.prepend_requests(reversed(parked))
 
     def _plan_and_evict(self) -> list[Request]:
         """Phases 1 and 2; returns the running requests held back from this step."""
@@ -180,16 +185,16 @@ class StreamingScheduler(AccountingScheduler):
     def _evict_for(self, need: int, planned: list[Request], live: list[Request], views: dict[str, RankView]) -> None:
         policy = self.settings.policy
         planned_ids = {r.request_id for r in planned}
-        busy_sessions = {self.req_session.get(r.request_id) for r in live if r.status in ACTIVE}
+        busy_sessions = {self.req_session.get(r.request_id) for r in planned}
         candidates = []
         for r in live:
             if r.request_id in planned_ids or r.request_id in self._protected or not self._block_ids(r):
                 continue
             idle = r.status == IDLE
             if idle and self.req_session.get(r.request_id) in busy_sessions:
-                continue  # its blocks are its own hand-off's prefix: evicting them frees nothing
-            if policy == "vllm" and not idle:
-                continue  # the baseline preempts as vLLM does; only idle sessions are added as victims
+                continue  # its blocks are the prefix of its own hand-off, which runs now: evicting frees nothing
+            if policy == "vllm" and r.status == RequestStatus.RUNNING:
+                continue  # the baseline preempts running requests as vLLM does (LIFO, in its own loop)
             if not idle and r.status not in ACTIVE:
                 continue
             candidates.append((victim_key(policy, idle, views[r.request_id]), r))
@@ -260,6 +265,11 @@ class StreamingScheduler(AccountingScheduler):
         self._count(r, "tokens_back_from_prefix_cache", min(hit, target))
         self.host.free(ev.slots)
         del self.evicted[r.request_id]
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        if (ev := self.evicted.pop(request.request_id, None)) is not None:
+            self.host.free(ev.slots)  # a request that ends while swapped out gives its host slots back
+        return super()._free_request(request, delay_free_blocks)
 
     def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
         super()._update_request_as_session(session, update)
