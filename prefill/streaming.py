@@ -150,9 +150,13 @@ class StreamingPrefill:
     async def _consume(self, outputs: AsyncGenerator[Any, None]) -> None:
         try:
             async for out in outputs:
-                if out.outputs and out.outputs[0].finish_reason is not None:  # one chunk fully prefilled
+                # Each chunk samples exactly one (throw-away) token when it is fully prefilled. Count tokens,
+                # not outputs: vLLM merges delta outputs a slow consumer has not taken, keeping one
+                # finish_reason for several chunks, but concatenating their tokens.
+                done = len(out.outputs[0].token_ids) if out.outputs else 0
+                if done:
                     async with self._progress:
-                        self._chunks_done += 1
+                        self._chunks_done += done
                         self._progress.notify_all()
         except asyncio.CancelledError:
             raise

@@ -72,7 +72,7 @@ class StreamingScheduler(AccountingScheduler):
         self.host = HostSlots(0)
         self.latency: LatencyModel | None = None
         self.evicted: dict[str, Evicted] = {}
-        self._protected: set[str] = set()  # unplanned this step but ranked above planned requests
+        self._planned_now = 0
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -100,6 +100,7 @@ class StreamingScheduler(AccountingScheduler):
     # --- the two phases ----------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._forget_gone()
+        self._planned_now = 0
         held_back: list[Request] = []
         if any(r.status in ACTIVE for r in self.requests.values()):
             held_back = self._plan_and_evict()
@@ -112,7 +113,10 @@ class StreamingScheduler(AccountingScheduler):
         if parked:
             self.waiting.remove_requests(parked)
         try:
-            return super().schedule(throttle_prefills)
+            out = super().schedule(throttle_prefills)
+            if self._planned_now and not out.num_scheduled_tokens:  # planned work, nothing ran: a stall
+                self.counters["stalled_steps"] += 1
+            return out
         finally:
             self.max_num_active_reqs = slots
             # Running requests left out of the plan sat this step out (vLLM schedules `running` before
@@ -134,9 +138,8 @@ class StreamingScheduler(AccountingScheduler):
         holders = [r for r in live if r.status in ACTIVE or r.status == IDLE]
         held = {b for r in holders for b in self._block_ids(r)}
         capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() + len(held)
-        budget, used, need = self.max_num_scheduled_tokens, 0, 0
-        planned: list[Request] = []
-        self._protected: set[str] = set()
+        budget, used = self.max_num_scheduled_tokens, 0
+        planned: list[tuple[Request, int]] = []  # with the new blocks each needs
         for r in active:
             computed = r.num_computed_tokens or self._swapped_tokens(r)
             todo = min(r.num_tokens_with_spec - computed, budget)
@@ -149,61 +152,75 @@ class StreamingScheduler(AccountingScheduler):
             if used + blocks > capacity:
                 if policy == "vllm":
                     break  # the engine's own queue: nothing passes a request that does not fit
-                capacity -= len(self._block_ids(r))  # ranked above what follows: not their victim
-                self._protected.add(r.request_id)
+                capacity -= len(self._block_ids(r))  # ranked above what follows: never their victim
                 continue
             if (
                 r.status == RequestStatus.RUNNING
                 and todo < r.num_tokens_with_spec - computed
-                and any(q.status != RequestStatus.RUNNING for q in planned)
+                and any(q.status != RequestStatus.RUNNING for q, _ in planned)
             ):
                 continue  # vLLM serves running requests first, up to the whole budget: it would take more
             used += blocks
             budget -= todo
-            planned.append(r)
-            need += blocks - len(self._block_ids(r)) - self._hits_in_use(r)
+            planned.append((r, blocks - len(self._block_ids(r)) - self._hits_in_use(r)))
             self.counters["planned"] += 1
+        self._planned_now = len(planned)
 
-        # Phase 2: make the planned requests' new blocks free, lowest-ranked holders first.
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        if need > free:
-            self._evict_for(need, planned, live, views)
-        for r in planned:
+        # Phase 2: free the planned requests' new blocks, in rank order, each from holders ranked below it.
+        self._evict_for(planned, active, live, views)
+        for r, _ in planned:
             if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
                 self._swap_in(r)
         if policy == "vllm":
             return []
-        planned_ids = {r.request_id for r in planned}
-        self._order_queues(
-            {r.request_id: i for i, r in enumerate([*planned, *(q for q in active if q.request_id not in planned_ids)])}
-        )
+        planned_ids = {r.request_id for r, _ in planned}
+        rest = [q for q in active if q.request_id not in planned_ids]
+        self._order_queues({r.request_id: i for i, r in enumerate([*(r for r, _ in planned), *rest])})
         held_back = [r for r in self.running if r.request_id not in planned_ids]
         if held_back:
             self.running = [r for r in self.running if r.request_id in planned_ids]
         return held_back
 
-    def _evict_for(self, need: int, planned: list[Request], live: list[Request], views: dict[str, RankView]) -> None:
+    def _evict_for(
+        self,
+        planned: list[tuple[Request, int]],
+        active: list[Request],
+        live: list[Request],
+        views: dict[str, RankView],
+    ) -> None:
+        """Evict until each planned request's new blocks are free, walking the plan in rank order: a victim
+        is unplanned and ranked below the request it makes room for. Idle sessions rank below everyone with
+        work, except that an idle session whose own hand-off is planned ranks with that hand-off (its blocks
+        are the hand-off's prefix)."""
+        pool = self.kv_cache_manager.block_pool
+        need = sum(n for _, n in planned)
+        if need <= pool.get_num_free_blocks():
+            return
         policy = self.settings.policy
-        planned_ids = {r.request_id for r in planned}
-        busy_sessions = {self.req_session.get(r.request_id) for r in planned}
+        position = {r.request_id: i for i, r in enumerate(active)}
+        planned_ids = {r.request_id for r, _ in planned}
+        hand_offs = {self.req_session.get(r.request_id): position[r.request_id] for r, _ in planned}
+        bottom = len(active)
         candidates = []
         for r in live:
-            if r.request_id in planned_ids or r.request_id in self._protected or not self._block_ids(r):
+            if r.request_id in planned_ids or not self._block_ids(r):
                 continue
             idle = r.status == IDLE
-            if idle and self.req_session.get(r.request_id) in busy_sessions:
-                continue  # its blocks are the prefix of its own hand-off, which runs now: evicting frees nothing
-            if policy == "vllm" and r.status == RequestStatus.RUNNING:
+            if not idle and (r.status not in ACTIVE or (policy == "vllm" and r.status == RequestStatus.RUNNING)):
                 continue  # the baseline preempts running requests as vLLM does (LIFO, in its own loop)
-            if not idle and r.status not in ACTIVE:
-                continue
-            candidates.append((victim_key(policy, idle, views[r.request_id]), r))
+            rank = hand_offs.get(self.req_session.get(r.request_id), bottom) if idle else position[r.request_id]
+            candidates.append((victim_key(policy, idle, views[r.request_id]), rank, r))
         candidates.sort(key=lambda c: c[0])
-        pool = self.kv_cache_manager.block_pool
-        for _, victim in candidates:
-            if pool.get_num_free_blocks() >= need:
-                return
-            self._evict(victim)
+        needed = 0
+        for r, n in planned:
+            needed += n
+            rank = position[r.request_id]
+            while pool.get_num_free_blocks() < needed:
+                victim = next((c for c in candidates if c[1] > rank), None)
+                if victim is None:
+                    return  # nothing ranked below this request holds blocks: it and what follows wait
+                candidates.remove(victim)
+                self._evict(victim[2])
 
     # --- eviction and its undoing -------------------------------------------------------------------
     def _evict(self, r: Request) -> None:
