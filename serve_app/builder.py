@@ -9,18 +9,18 @@ from ray.serve import Application
 from decode.server import DecodeServer
 from prefill.server import PrefillServer
 from router.app import Router
-from serve_app.config import LOCAL_MODEL, AppConfig
+from serve_app.config import AppConfig
 
 SESSION_ROUTER = "router.placement:SessionAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
-    if config.model == LOCAL_MODEL:
-        # Make it once here, before replicas start, so that they never race to write it.
-        from serve_app.local_model import make_local_model
+    from serve_app.local_model import LOCAL_MODELS
 
-        make_local_model()
+    if config.model in LOCAL_MODELS:
+        # Make it once here, before replicas start, so that they never race to write it.
+        LOCAL_MODELS[config.model]()
     # Replicas get the config without deployment options, so that scaling (num_replicas, autoscaling) is a
     # lightweight update in Serve rather than a restart of every replica.
     payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in ("router", "prefill", "decode")})

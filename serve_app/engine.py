@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
-from serve_app.config import LOCAL_MODEL, AppConfig
+from serve_app.config import AppConfig
 from serve_app.protocol import Endpoint, request_model
 from serve_app.stats import EngineTotals, TotalsStatLogger
 
@@ -30,11 +30,12 @@ WORKER_EXTENSION_CLS = "serve_app.worker_ext.WorkerExtension"  # NIXL tuning, se
 
 
 def resolve_model(model: str) -> str:
-    """`local:tiny-llama` is the project's generated model; anything else is a hub id or a path."""
-    if model == LOCAL_MODEL:
-        from serve_app.local_model import make_local_model
+    """`local:tiny-llama` and `local:medium-llama` are the project's generated models; anything else is a
+    hub id or a path."""
+    from serve_app.local_model import LOCAL_MODELS
 
-        return str(make_local_model())
+    if model in LOCAL_MODELS:
+        return str(LOCAL_MODELS[model]())
     return model
 
 
