@@ -25,7 +25,7 @@ class SchedulerSettings(BaseModel):
     # How an evicted holder gives its blocks back: recompute (free; full blocks stay in the prefix cache
     # while nothing overwrites them), swap (copy to a bounded host pool and back), or cost (the cheaper
     # of the two per eviction, from latency models profiled on this machine).
-    eviction: Eviction = "recompute"
+    eviction: Eviction = "cost"  # bench/pressure.py: the best or near it everywhere, and it adapts to the machine
     # Host memory for swapped-out KV blocks (GiB). On a CPU platform this is a second DRAM pool.
     swap_gb: float = Field(default=0.5, ge=0)
     # A saved latency model (`python -m prefill.scheduler.profile`); with `cost` and none given, the
