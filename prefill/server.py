@@ -56,6 +56,8 @@ CLOSED_SESSION_RETENTION_S = 60.0
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request turned into a one-token prefill that asks for remote decode."""
     out = {k: v for k, v in copy.deepcopy(body).items() if k not in _DROP}
+    if isinstance(out.get("vllm_xargs"), dict):  # the scheduler's ranking keys are the server's to set
+        out["vllm_xargs"] = {k: v for k, v in out["vllm_xargs"].items() if not str(k).startswith("rtpd_")}
     out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=dict(REMOTE_DECODE))
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -141,7 +143,7 @@ class PrefillServer:
         if (err := validate_openai_body(endpoint, body)) is not None:
             return err
         if self._scheduler_stats.get("queue_waiting", 0) >= self.settings.max_queued_requests:
-            return overloaded(self.settings.retry_after_s)
+            return overloaded(self.settings.retry_after_s, "the engine's queue is full")
         request = prefill_body(body)
         if session is not None:  # a session's hand-off ranks with its session (prefill/scheduler/policy.py)
             request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), **session.extra_args}
@@ -154,7 +156,8 @@ class PrefillServer:
         if not done:  # cancelling vLLM's generator aborts the request and frees its blocks
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return overloaded(self.settings.retry_after_s)
+            why = f"the prefill did not finish within {self.settings.admission_timeout_s:g} s"
+            return overloaded(self.settings.retry_after_s, why)
         result = task.result()
         if hasattr(result, "error"):
             return error_payload(result)
@@ -229,7 +232,7 @@ class PrefillServer:
         elif op == "commit":
             session.commit_buffer()
         elif op == "clear":
-            session.buffer = ""
+            session.clear_text()
         else:
             raise SessionError(400, f"unknown buffer operation {op!r}")
         await self._prefill_stable(session)

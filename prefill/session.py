@@ -163,7 +163,11 @@ class Session:
             return {"duplicate": True, "applied": []}
         if mode == "replace" and seq == self.next_seq:
             self._check_offset(offset or 0)  # applies now: refuse it before anything changes
-        self._count_payload(payload)
+            held = self.payload_bytes - len(self.buffer[offset or 0 :].encode())
+            if held + len(payload.encode()) > self.limits.max_payload_bytes:
+                raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
+        else:
+            self._count_payload(payload)
         chunk: dict[str, Any] = {"payload": payload, "end_of_input": end_of_input}
         if mode == "replace":
             chunk.update(mode="replace", offset=offset or 0)
@@ -180,6 +184,8 @@ class Session:
                     e.message = f"chunk {self.next_seq}: {e.message}"
                     e.close = True
                     raise
+                if seq != self.next_seq:  # held out of order: its bytes were counted on arrival
+                    self.payload_bytes -= len(chunk["payload"].encode())
                 self._replace(chunk["offset"], chunk["payload"])
             else:
                 self.buffer += chunk["payload"]
@@ -204,7 +210,6 @@ class Session:
         self.check_open()
         self.touch()
         self._check_offset(offset)
-        self._count_payload(text)
         self._replace(offset, text)
 
     def _check_offset(self, offset: int) -> None:
@@ -214,8 +219,14 @@ class Session:
             )
 
     def _replace(self, offset: int, text: str) -> None:
-        self.payload_bytes -= len(self.buffer[offset:].encode())  # the cap bounds the input held, not sent
+        """The cap bounds the input held, not the bytes sent: the replaced text's bytes are given back."""
+        self.payload_bytes -= len(self.buffer[offset:].encode())
+        self._count_payload(text)
         self.buffer = self.buffer[:offset] + text
+
+    def clear_text(self) -> None:
+        self.payload_bytes -= len(self.buffer.encode())
+        self.buffer = ""
 
     def _count_payload(self, text: str) -> None:
         size = len(text.encode())

@@ -57,6 +57,7 @@ class StreamingPrefill:
         self._chunks_sent = 0
         self._chunks_done = 0
         self._progress = asyncio.Condition()
+        self._lock = asyncio.Lock()  # calls on one session may run concurrently on the replica
         self._error: BaseException | None = None
 
     @property
@@ -65,6 +66,10 @@ class StreamingPrefill:
 
     async def sync(self, tokens: list[int]) -> None:
         """Append the new suffix of `tokens`, or replace the request when a sent token changed."""
+        async with self._lock:
+            await self._sync(tokens)
+
+    async def _sync(self, tokens: list[int]) -> None:
         if self._error is not None:
             raise self._error
         lcp = common_prefix_len(self.sent, tokens)
@@ -72,11 +77,10 @@ class StreamingPrefill:
             self.rewrites += 1
             self.invalidated_tokens += len(self.sent) - lcp
             kept = None
-            if self.active:
-                await self.wait_computed()  # the engine request must be idle to be truncated
+            if self.active and self._chunks_done >= self._chunks_sent:  # idle: truncate it in place
                 kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)
-            if kept is None:
-                await self.close()
+            if kept is None:  # busy (or gone): replace it; the prefix cache gives back the LCP's full blocks
+                await self._close()
                 self.sent = []
             else:
                 self.sent = self.sent[:kept]
@@ -108,6 +112,10 @@ class StreamingPrefill:
 
     async def close(self) -> None:
         """End the engine request and free its KV blocks (full blocks stay in the prefix cache)."""
+        async with self._lock:
+            await self._close()
+
+    async def _close(self) -> None:
         consumer, self._consumer = self._consumer, None
         if consumer is not None and not consumer.done():
             consumer.cancel()  # closing vLLM's output generator aborts the request

@@ -91,6 +91,7 @@ ALL = [
 PREFILL_ADMISSIONS = "rtpd_prefill_admissions_total"
 PREFILL_EVICTIONS = "rtpd_prefill_evictions_total"
 PREFILL_SWAP_BLOCKS = "rtpd_prefill_swap_blocks_total"
+PREFILL_SWAP_FALLBACKS = "rtpd_prefill_swap_fallbacks_total"
 PREFILL_SWAP_BYTES = "rtpd_prefill_swap_bytes_total"
 PREFILL_INVALIDATED_TOKENS = "rtpd_prefill_invalidated_tokens_total"
 PREFILL_RECOMPUTED_TOKENS = "rtpd_prefill_recomputed_tokens_total"
@@ -101,6 +102,7 @@ SCHEDULER_ALL = [
     PREFILL_ADMISSIONS,
     PREFILL_EVICTIONS,
     PREFILL_SWAP_BLOCKS,
+    PREFILL_SWAP_FALLBACKS,
     PREFILL_SWAP_BYTES,
     PREFILL_INVALIDATED_TOKENS,
     PREFILL_RECOMPUTED_TOKENS,
@@ -110,10 +112,10 @@ SCHEDULER_ALL = [
 
 # scheduler counter -> (metric, description, extra tags)
 _SCHEDULER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "admissions": (PREFILL_ADMISSIONS, "requests admitted by the prefill scheduler", {}),
+    "admissions": (PREFILL_ADMISSIONS, "requests the prefill scheduler received", {}),
     "evictions_recompute": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "recompute"}),
     "evictions_swap": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "swap"}),
-    "swap_fallbacks": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "swap_fallback"}),
+    "swap_fallbacks": (PREFILL_SWAP_FALLBACKS, "swaps that became recomputes (host pool full, or late)", {}),
     "swapped_out_blocks": (PREFILL_SWAP_BLOCKS, "KV blocks swapped to or from host", {"direction": "out"}),
     "swapped_in_blocks": (PREFILL_SWAP_BLOCKS, "KV blocks swapped to or from host", {"direction": "in"}),
     "swapped_out_bytes": (PREFILL_SWAP_BYTES, "KV bytes swapped to host", {"direction": "out"}),

@@ -32,8 +32,8 @@ class SchedulerSettings(BaseModel):
     # replica profiles itself at start-up.
     cost_model: str | None = None
     profile_on_start: bool = False
-    # How long a prefill (a whole prompt, a chunk, a hand-off) may wait for KV memory before the client
-    # gets 429 with Retry-After: no wait is unbounded.
+    # How long a prefill (a whole prompt, a session's pending chunks, a hand-off) may take, queueing for KV
+    # memory included, before it is aborted and the client gets 429 with Retry-After: no wait is unbounded.
     admission_timeout_s: float = Field(default=60.0, gt=0)
     # Requests queued in the engine beyond this are refused at once (429).
     max_queued_requests: int = Field(default=512, ge=1)
@@ -44,5 +44,6 @@ class SchedulerSettings(BaseModel):
     max_open_sessions: int | None = Field(default=None, ge=1)
 
     def session_capacity(self, max_num_seqs: int) -> int:
-        cap = max(1, max_num_seqs - max(1, max_num_seqs // 4))
+        # An idle session holds a slot while its hand-off needs another: one slot serves no session.
+        cap = max_num_seqs - max(1, max_num_seqs // 4) if max_num_seqs >= 2 else 0
         return min(cap, self.max_open_sessions) if self.max_open_sessions else cap

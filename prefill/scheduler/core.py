@@ -110,8 +110,11 @@ class StreamingScheduler(AccountingScheduler):
         self.max_num_active_reqs -= len(held_back)
         # A swapped-out request waits for its swap-in: vLLM would otherwise recompute what the host holds.
         parked = [r for r in self.waiting if self._swapped_tokens(r) and not r.num_computed_tokens]
+        parked_kv = [r for r in self.kv_holding_waiting if self._swapped_tokens(r) and not r.num_computed_tokens]
         if parked:
             self.waiting.remove_requests(parked)
+        if parked_kv:
+            self.kv_holding_waiting.remove_requests(parked_kv)
         try:
             out = super().schedule(throttle_prefills)
             if self._planned_now and not out.num_scheduled_tokens:  # planned work, nothing ran: a stall
@@ -123,6 +126,7 @@ class StreamingScheduler(AccountingScheduler):
             # anything waiting, whatever the rank): they rejoin at the back, as the lowest-ranked.
             self.running.extend(r for r in held_back if r.status == RequestStatus.RUNNING)
             self.waiting.prepend_requests(reversed(parked))
+            self.kv_holding_waiting.prepend_requests(reversed(parked_kv))
 
     def _plan_and_evict(self) -> list[Request]:
         """Phases 1 and 2; returns the running requests held back from this step."""
@@ -131,8 +135,6 @@ class StreamingScheduler(AccountingScheduler):
         key = rank_key(policy)
         live = [r for r in self.requests.values() if not r.is_finished() and r.request_id in views]
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
-        if policy != "vllm":
-            self._order_queues({r.request_id: i for i, r in enumerate(active)})
 
         # Phase 1: what fits the token budget and the blocks this scheduler can reassign.
         holders = [r for r in live if r.status in ACTIVE or r.status == IDLE]
@@ -381,7 +383,11 @@ class StreamingScheduler(AccountingScheduler):
         now = time.time()
         track = self.sessions.get(key)
         if track is None:
-            track = self.sessions[key] = SessionTrack(float(args.get(ARRIVAL_ARG) or r.arrival_time), now)
+            try:
+                arrival = float(args.get(ARRIVAL_ARG) or r.arrival_time)
+            except (TypeError, ValueError):  # never let a malformed argument reach the engine loop
+                arrival = r.arrival_time
+            track = self.sessions[key] = SessionTrack(arrival, now)
             if len(self.sessions) > MAX_TRACKED_SESSIONS:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(key)

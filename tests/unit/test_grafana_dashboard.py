@@ -25,6 +25,7 @@ GAUGES_AND_COUNTERS = {
     "ray_rtpd_prefill_evictions_total",
     "ray_rtpd_prefill_swap_blocks_total",
     "ray_rtpd_prefill_swap_bytes_total",
+    "ray_rtpd_prefill_swap_fallbacks_total",
     "ray_rtpd_prefill_invalidated_tokens_total",
     "ray_rtpd_prefill_recomputed_tokens_total",
     "ray_rtpd_prefill_prefix_cache_returned_tokens_total",

@@ -121,3 +121,40 @@ def test_common_prefix_len():
     assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_len([], [1]) == 0
     assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+
+
+def test_replace_chunks_rewrite_the_turn_from_an_offset():
+    s = session()
+    s.add_chunk(0, "documents: alpha beta", False)
+    s.add_chunk(1, "gamma delta", False, "replace", 11)
+    assert s.buffer == "documents: gamma delta"
+    assert s.payload_bytes == len(s.buffer.encode())  # the cap bounds the input held
+    s.add_chunk(2, "everything new", False, "replace")  # offset 0: the whole turn
+    assert s.buffer == "everything new"
+    with pytest.raises(SessionError) as e:
+        s.add_chunk(3, "x", False, "replace", 999)
+    assert e.value.status == 400 and e.value.param == "offset" and s.next_seq == 3  # nothing applied
+
+
+def test_replace_near_the_payload_cap_counts_what_it_replaces():
+    s = session(max_payload_bytes=100)
+    s.add_chunk(0, "a" * 90, False)
+    s.add_chunk(1, "b" * 90, False, "replace", 0)  # 90 bytes held before and after: within the cap
+    assert s.payload_bytes == 90
+    s.clear_text()
+    assert s.payload_bytes == 0
+
+
+def test_a_held_replace_chunk_with_a_bad_offset_closes_the_session_when_its_turn_comes():
+    s = session()
+    s.add_chunk(1, "y", False, "replace", 500)  # held: chunk 0 is missing
+    with pytest.raises(SessionError) as e:
+        s.add_chunk(0, "short", False)
+    assert e.value.close and e.value.status == 400 and "chunk 1" in e.value.message
+
+
+def test_prefill_body_keeps_the_schedulers_keys_out_of_client_hands():
+    from prefill.server import prefill_body
+
+    body = {"prompt": "x", "vllm_xargs": {"rtpd_arrival": "0", "rtpd_session": "sess_other", "mine": 1}}
+    assert prefill_body(body)["vllm_xargs"] == {"mine": 1}

@@ -118,3 +118,11 @@ def test_vllm_victims_latest_arrival_first() -> None:
     early = view(arrival=1.0, order=5)
     late = view(arrival=9.0, order=0)
     assert evicted_first("vllm", {"early": (True, early), "late": (True, late)}) == ["late", "early"]
+
+
+def test_session_capacity_leaves_engine_slots_for_hand_offs() -> None:
+    from prefill.scheduler.config import SchedulerSettings
+
+    assert SchedulerSettings().session_capacity(1) == 0  # its idle request would hold the only slot
+    assert SchedulerSettings().session_capacity(2) == 1
+    assert SchedulerSettings().session_capacity(256) == 192
