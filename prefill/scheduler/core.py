@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
+from prefill.scheduler import engine_calls  # noqa: F401  (registers the rtpd_* utility calls)
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
 from prefill.scheduler.cost_model import LatencyModel
+from prefill.scheduler.invalidate import truncate
 from prefill.scheduler.policy import RankView, rank_key, victim_key
 from prefill.scheduler.swap import HostSlots
 from serve_app.scheduler import AccountingScheduler
@@ -78,8 +79,13 @@ class StreamingScheduler(AccountingScheduler):
         self.counters: Counter[str] = Counter()
         config = self.kv_cache_config
         self.block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)
-        self._swap_ok = not self.vllm_config.scheduler_config.async_scheduling and (
-            self.vllm_config.parallel_config.pipeline_parallel_size == 1
+        # Swap and truncation edit one block table: models with one KV cache group (no hybrid/sliding
+        # window mixes), and synchronous steps (nothing in flight while blocks are copied).
+        self._single_group = len(config.kv_cache_groups) == 1
+        self._swap_ok = (
+            self._single_group
+            and not self.vllm_config.scheduler_config.async_scheduling
+            and self.vllm_config.parallel_config.pipeline_parallel_size == 1
         )
 
     # --- configuration ------------------------------------------------------------------------------
@@ -331,41 +337,19 @@ class StreamingScheduler(AccountingScheduler):
             ),
             None,
         )
-        if r is None:
+        if r is None or not self._single_group:
             return None
-        keep = max(0, min(keep, r.num_prompt_tokens))
-        bs = self.block_size
         ev = self.evicted.get(r.request_id)
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        blocks = manager.req_to_blocks.get(r.request_id, [])
-        n_keep = math.ceil(keep / bs)
-        if blocks and keep % bs and n_keep <= len(blocks):
-            edge = blocks[n_keep - 1]
-            if edge.ref_cnt > 1:  # shared through the prefix cache: recompute this block
-                n_keep -= 1
-                keep = n_keep * bs
-            elif edge.block_hash is not None:
-                self.kv_cache_manager.evict_blocks({edge.block_id})
-        dropped = blocks[n_keep:]
-        if dropped:
-            del blocks[n_keep:]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(dropped))
-        if r.request_id in manager.num_cached_block:
-            manager.num_cached_block[r.request_id] = min(manager.num_cached_block[r.request_id], keep // bs)
-        if ev is not None:
-            if ev.slots:
-                self.host.free(ev.slots[n_keep:])
-                ev.slots = ev.slots[:n_keep]
+        before = r.num_computed_tokens
+        keep, dropped = truncate(self.kv_cache_manager, self.hash_block_size, r, keep)
+        if ev is not None:  # evicted while idle: its token count stays; its host copies are cut too
+            n_keep = math.ceil(keep / self.block_size)
+            self.host.free(ev.slots[n_keep:])
+            ev.slots = ev.slots[:n_keep]
             ev.tokens = min(ev.tokens, keep)
-        invalidated = r.num_computed_tokens - keep
-        assert r.prompt_token_ids is not None
-        del r.prompt_token_ids[keep:]
-        del r._all_token_ids[keep:]
-        del r.block_hashes[keep // self.hash_block_size :]
-        r.num_prompt_tokens = keep
-        r.num_computed_tokens = keep
-        self._count(r, "invalidated_tokens", max(0, invalidated))
-        self._count(r, "invalidated_blocks", len(dropped))
+            r.num_computed_tokens = keep
+        self._count(r, "invalidated_tokens", max(0, before - keep))
+        self._count(r, "invalidated_blocks", dropped)
         return keep
 
     # --- bookkeeping --------------------------------------------------------------------------------
@@ -472,49 +456,3 @@ class StreamingScheduler(AccountingScheduler):
         if request_id_prefix is not None and request_id_prefix in self.sessions:
             stats["session_scheduler"] = dict(self.sessions[request_id_prefix].stats)
         return stats
-
-
-# --- EngineCore utility calls (dispatched by name; this module is imported in the engine-core process) ---
-def _scheduler(core: EngineCore) -> StreamingScheduler:
-    if not isinstance(core.scheduler, StreamingScheduler):
-        raise RuntimeError("the engine does not run the streaming scheduler")
-    return core.scheduler
-
-
-def _rtpd_attach(self: EngineCore) -> dict[str, Any]:
-    return _scheduler(self).attach(self.model_executor)
-
-
-def _rtpd_configure(self: EngineCore, changes: dict[str, Any]) -> dict[str, Any]:
-    return _scheduler(self).configure(changes)
-
-
-def _rtpd_set_latency_model(self: EngineCore, model: dict[str, Any]) -> None:
-    _scheduler(self).latency = LatencyModel.from_json(model)
-
-
-def _rtpd_invalidate(self: EngineCore, session_key: str, keep: int) -> int | None:
-    return _scheduler(self).invalidate(session_key, keep)
-
-
-def _rtpd_profile_swap(self: EngineCore, sizes: list[int], repeats: int) -> dict[str, dict[int, list[float]]]:
-    """Time swap-out and swap-in of `n` blocks for each n: the blocks are copied out and the same bytes
-    copied back, so whatever they hold is unchanged."""
-    scheduler = _scheduler(self)
-    out: dict[int, list[float]] = {}
-    back: dict[int, list[float]] = {}
-    for n in sizes:
-        slots = scheduler.host.alloc(n)
-        if slots is None:
-            break
-        blocks = list(range(1, n + 1))  # block 0 is vLLM's null block
-        for _ in range(repeats):
-            out.setdefault(n, []).append(self.model_executor.collective_rpc("rtpd_swap_out", args=(blocks, slots))[0])
-            back.setdefault(n, []).append(self.model_executor.collective_rpc("rtpd_swap_in", args=(slots, blocks))[0])
-        scheduler.host.free(slots)
-    return {"swap_out": out, "swap_in": back}
-
-
-for _name, _fn in list(globals().items()):
-    if _name.startswith("_rtpd_"):
-        setattr(EngineCore, _name[1:], _fn)
