@@ -23,12 +23,14 @@ been streamed yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 logger = logging.getLogger(__name__)
+REWRITE_WAIT_S = 2.0  # how long a rewrite waits for the engine request to go idle before replacing it
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -77,6 +79,9 @@ class StreamingPrefill:
             self.rewrites += 1
             self.invalidated_tokens += len(self.sent) - lcp
             kept = None
+            if self.active:
+                with contextlib.suppress(TimeoutError):  # a short wait for the request to go idle, never more
+                    await self.wait_computed(REWRITE_WAIT_S)
             if self.active and self._chunks_done >= self._chunks_sent:  # idle: truncate it in place
                 kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)
             if kept is None:  # busy (or gone): replace it; the prefix cache gives back the LCP's full blocks

@@ -150,8 +150,10 @@ async def test_sessions_beyond_kv_capacity_all_answer(server: str, pressure: str
     assert evictions > 0, (before, after)
     if eviction == "swap":
         assert after.get("swapped_in_blocks", 0) > before.get("swapped_in_blocks", 0), after
-    invalidated = sum(r["info"]["scheduler"].get("invalidated_tokens", 0) for r in results)
-    assert invalidated > 0, "replace chunks free the KV after the common prefix"
+    # Replace chunks invalidate what follows the common prefix: in the engine when the session's request is
+    # idle, else by replacing the request (the prefix cache gives back the common prefix's full blocks).
+    assert all(r["info"]["rewrites"] >= 1 for k, r in enumerate(results) if k % 3 == 0)
+    assert sum(r["info"]["invalidated_tokens"] for r in results) > 0
     await wait_idle("prefill")
     await wait_idle("decode")
 
