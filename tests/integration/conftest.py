@@ -28,6 +28,18 @@ def app_args() -> dict[str, Any]:
     return config["applications"][0]["args"]
 
 
+def wait_healthy(base: str, timeout: float) -> None:
+    """Until the app at `base` answers /health (serve.run returns before the proxy routes to it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[str]:
     from serve_app.builder import build_app
@@ -43,14 +55,7 @@ def server() -> Iterator[str]:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(app_args()), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{PORT}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    wait_healthy(base, 120)
     yield base
     serve.shutdown()
     ray.shutdown()

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.integration.conftest import app_args
+from tests.integration.conftest import app_args, wait_healthy
 
 pytestmark = pytest.mark.integration
 
@@ -45,14 +45,7 @@ def pressure(server: str) -> Iterator[str]:
 
     serve.run(build_app(pressure_args()), name=APP, route_prefix=PREFIX)
     base = f"{server}{PREFIX}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    wait_healthy(base, 180)
     yield base
     serve.delete(APP)
 
