@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import yaml
+from openai_stream import pct_ms, wait_health  # bench/ is on sys.path when a bench runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -246,14 +247,6 @@ async def run_system(
 
 
 # ---------------------------------------------------------------------------------------------- summary
-def pct(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None for no data."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def counter_delta(before: Any, after: Any) -> Any:
@@ -301,7 +294,7 @@ def summarise(outcomes: list[Outcome]) -> dict[str, Any]:
         "error_examples": sorted({o.error for o in errors if o.error})[:3],
         "peak_open_sessions": peak_open(outcomes),
         "first_from_done": sum(o.first_from == "done" for o in outcomes if o.error is None),
-        **{f"ttft_p{q}_ms": (None if pct(ok, q) is None else 1000 * pct(ok, q)) for q in (50, 95, 99)},
+        **{f"ttft_p{q}_ms": pct_ms(ok, q) for q in (50, 95, 99)},
         "ttft_mean_ms": 1000 * sum(ok) / len(ok) if ok else None,
         "mean_prompt_tokens": statistics.mean(sizes) if sizes else None,
     }
@@ -399,18 +392,6 @@ def app_args(args: argparse.Namespace, model_path: Path, kv_gb: float, dtype: st
         if args.cost_model:
             sched["cost_model"] = args.cost_model
     return a
-
-
-def wait_health(base: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{base}/health not ready after {timeout:.0f}s")
 
 
 def prefill_call(method: str, timeout: float = 60, **kwargs: Any) -> Any:
