@@ -1,0 +1,84 @@
+"""CPU seconds of a served system's processes over one benchmark level (psutil).
+
+Processes are found among this benchmark's own descendants (Ray's raylet and its workers, vLLM's engine
+cores, a plain server's process group) by a substring of their command line, e.g. Ray's process title
+`ray::ServeReplica:<app>:router` or `ray::ProxyActor`, so another Ray cluster on the machine is never counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import psutil
+
+
+def descendants(root: int | None = None) -> list[psutil.Process]:
+    try:
+        return psutil.Process(root or os.getpid()).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(p.cmdline()) or p.name()
+    return ""
+
+
+def find_roles(patterns: dict[str, str], root: int | None = None) -> dict[str, list[psutil.Process]]:
+    """role -> processes whose command line contains the role's pattern (first matching role wins)."""
+    roles: dict[str, list[psutil.Process]] = {role: [] for role in patterns}
+    for p in descendants(root):
+        line = _cmdline(p)
+        role = next((r for r, pattern in patterns.items() if pattern in line), None)
+        if role is not None:
+            roles[role].append(p)
+    return roles
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+class CpuMeter:
+    """CPU seconds per role, and busy share per core, between `start()` and `stop()`."""
+
+    def __init__(self, roles: dict[str, list[psutil.Process]]) -> None:
+        self.roles = roles
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._cpu0 = {role: _cpu_s(procs) for role, procs in self.roles.items()}
+        self._cores0 = psutil.cpu_times(percpu=True)
+
+    def stop(self, output_tokens: int) -> dict[str, Any]:
+        wall = time.perf_counter() - self._t0
+        cores1 = psutil.cpu_times(percpu=True)
+        out: dict[str, Any] = {"wall_s": wall, "roles": {}}
+        for role, procs in self.roles.items():
+            used = _cpu_s(procs) - self._cpu0[role]
+            out["roles"][role] = {
+                "processes": len(procs),
+                "cpu_s": used,
+                "pct_core": 100 * used / wall if wall > 0 else None,
+                "ms_per_1k_tokens": 1e6 * used / output_tokens if output_tokens else None,
+            }
+        busy = []
+        for a, b in zip(self._cores0, cores1, strict=True):
+            total = sum(b) - sum(a)
+            busy.append(100 * (1 - (b.idle - a.idle) / total) if total > 0 else None)
+        out["core_busy_pct"] = busy
+        return out
+
+
+def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[str]]:
+    """role -> `pid cmdline` of each process, for the results file."""
+    return {role: [f"{p.pid} {_cmdline(p)[:120]}" for p in procs] for role, procs in roles.items()}

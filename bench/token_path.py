@@ -1,0 +1,152 @@
+"""Token-path benchmark: this app against a plain vLLM server and Ray Serve LLM's P/D app, in one run.
+
+All three serve the same model (configs/config.yaml's, `local:tiny-llama` by default) with the same engine
+settings, one after another in this process (systems.py). For each concurrency level C, C client loops each
+send R streaming chat completions in sequence, after an uncounted warm-up (clients.py). Per level: TTFT,
+inter-token latency per token as the client sees it, output tokens/s, errors, and the CPU used by each part
+of the serving system, above all the router replica and Serve's proxy (cpu.py). On the app only, the same
+figures for the streaming-input session APIs: REST sessions (create, one `end_of_input` chunk, events SSE)
+and the realtime WebSocket.
+
+    .venv/bin/python bench/token_path.py [--systems app plain rayllm] [--concurrency 1 32 128] [--quick]
+
+Run it under the heavy-work lock on a shared machine: `flock /tmp/rtpd-heavy.lock .venv/bin/python ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import clients
+import cpu
+import httpx
+import report
+import systems
+import yaml
+
+from serve_app.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+SYSTEMS = {"app": systems.app, "plain": systems.plain, "rayllm": systems.rayllm}
+DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
+
+
+def requests_per_client(args: argparse.Namespace, kind: str, c: int) -> int:
+    if args.requests_per_client:
+        return args.requests_per_client
+    table = DEFAULT_REQUESTS[kind]
+    return table.get(c, 2 if kind == "chat" else 1)
+
+
+def answer_fn(kind: str, system: systems.System, client: httpx.AsyncClient, max_tokens: int) -> Callable[[], Any]:
+    if kind == "chat":
+        return partial(clients.chat, client, system.model, max_tokens)
+    if kind == "session":
+        return partial(clients.session, client, system.model, max_tokens)
+    return partial(clients.realtime, system.base.replace("http://", "ws://"), system.model, max_tokens)
+
+
+async def bench_kind(
+    kind: str, system: systems.System, client: httpx.AsyncClient, levels: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    one: Callable[[], Awaitable[clients.Sample]] = answer_fn(kind, system, client, args.max_tokens)
+    warm = await clients.run_level(one, min(8, max(levels)), 1)
+    print(f"  {kind} warm-up: {warm['requests'] - warm['errors']}/{warm['requests']} ok", flush=True)
+    if warm["errors"]:
+        print(f"    {warm['error_examples']}", flush=True)
+    meter = cpu.CpuMeter(cpu.find_roles(system.roles, system.root))
+    out: dict[str, Any] = {}
+    for c in levels:
+        meter.start()
+        level = await clients.run_level(one, c, requests_per_client(args, kind, c))
+        level["cpu"] = meter.stop(level["completion_tokens"])
+        out[str(c)] = level
+        print("  " + report.progress_line(kind, level), flush=True)
+        await asyncio.sleep(args.pause)
+    return out
+
+
+async def bench_system(system: systems.System, args: argparse.Namespace) -> dict[str, Any]:
+    roles = cpu.find_roles(system.roles, system.root)
+    result: dict[str, Any] = {"model": system.model, "base": system.base, "processes": cpu.describe(roles)}
+    result["info"] = system.info
+    missing = [role for role, procs in roles.items() if not procs]
+    if missing:
+        print(f"  no process found for {missing}", flush=True)
+    n = max([*args.concurrency, *args.session_concurrency]) + 16
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=system.base, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        result["chat"] = await bench_kind("chat", system, client, args.concurrency, args)
+        if system.name == "app" and args.session_concurrency:
+            for kind in ("session", "realtime"):
+                result[kind] = await bench_kind(kind, system, client, args.session_concurrency, args)
+    return result
+
+
+def machine() -> dict[str, Any]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": model}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument(
+        "--session-concurrency", type=int, nargs="*", default=[1, 32, 128], help="app sessions; none: skip them"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--requests-per-client", type=int, default=None, help="default: chat 16/4/2, sessions 8/2/1 at c=1/32/more"
+    )
+    parser.add_argument("--pause", type=float, default=2.0, help="seconds of idle between levels")
+    parser.add_argument("--quick", action="store_true", help="smoke test: c=1 and 4, 32 tokens, 2 answers/client")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "config.yaml")
+    parser.add_argument("--tag", default="token_path", help="results file prefix")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.max_tokens, args.requests_per_client = [1, 4], 32, 2
+        args.session_concurrency = [1, 4] if args.session_concurrency else []
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    app_args: dict[str, Any] = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
+    config = AppConfig.model_validate(app_args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for name in args.systems:
+        print(f"== {name} ({time.perf_counter() - started:.0f}s)", flush=True)
+        t0 = time.perf_counter()
+        with SYSTEMS[name](app_args if name == "app" else config) as system:
+            print(f"  up in {time.perf_counter() - t0:.0f}s", flush=True)
+            results[name] = asyncio.run(bench_system(system, args))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    meta = {"timestamp": stamp, "command": command, "machine": machine(), "model": config.model}
+    meta |= {"max_tokens": args.max_tokens, "total_s": time.perf_counter() - started}
+    summary = report.summary(results)
+    out = {**meta, "systems": results, **summary}
+    (RESULTS / f"{args.tag}-{stamp}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    text = report.markdown(meta, results, summary)
+    (RESULTS / f"{args.tag}.md").write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
