@@ -1,0 +1,170 @@
+"""Conditional disaggregation (router/disaggregation.py): which whole prompts go through a prefill replica."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from router.disaggregation import Disaggregation
+from serve_app.config import AppConfig
+from serve_app.local_model import DEFAULT_DIR
+
+LONG_TEXT = " ".join(f"word{i} and some more text" for i in range(200))  # well over 256 tokens
+
+
+class FakeTokenizer:
+    """One token per word (and per template marker); records what it was asked to tokenise."""
+
+    def __init__(self, batch_encoding: bool = True) -> None:
+        self.batch_encoding = batch_encoding  # transformers 5 returns a BatchEncoding, older ones a list
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return list(range(len(re.findall(r"\S+", text)) + 1))  # + BOS
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool, add_generation_prompt: bool) -> Any:
+        assert tokenize and add_generation_prompt
+        self.calls += 1
+        ids = [0] * (sum(len(str(m["content"]).split()) + 3 for m in messages) + 3)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if self.batch_encoding else ids
+
+
+class BrokenTokenizer:
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("no")
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("an unusual template")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    if (DEFAULT_DIR / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(DEFAULT_DIR)
+    return FakeTokenizer()
+
+
+def disaggregation(tokenizer: Any, min_prompt_tokens: int = 256, max_inflight: int | None = 32) -> Disaggregation:
+    config = {"min_prompt_tokens": min_prompt_tokens, "max_inflight_prefills": max_inflight}
+    d = Disaggregation(AppConfig.model_validate({"router": {"disaggregation": config}}))
+    d.tokenizer = tokenizer
+    return d
+
+
+def chat(text: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
+
+
+def test_short_prompts_are_prefilled_by_decode(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer)
+    assert d.choose("chat", chat("Hello there")) == ("decode", "short")
+    assert d.choose("completion", {"prompt": "Once upon a time"}) == ("decode", "short")
+
+
+def test_long_prompts_go_through_prefill(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer)
+    assert d.choose("chat", chat(LONG_TEXT)) == ("prefill", "long")
+    assert d.choose("completion", {"prompt": LONG_TEXT}) == ("prefill", "long")
+
+
+def test_prompt_tokens_counts_what_the_engine_will_see(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer)
+    body = chat("Hello there")
+    rendered = tokenizer.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    assert d.prompt_tokens("chat", body) == len(ids) > 2
+    assert d.prompt_tokens("completion", {"prompt": "Once upon a time"}) == len(tokenizer.encode("Once upon a time"))
+
+
+@pytest.mark.parametrize("batch_encoding", [True, False])
+def test_chat_template_results_of_either_shape(batch_encoding: bool) -> None:
+    d = disaggregation(FakeTokenizer(batch_encoding), min_prompt_tokens=10)
+    assert d.prompt_tokens("chat", {"messages": [{"role": "user", "content": "one two"}]}) == 8
+    assert d.choose("chat", {"messages": [{"role": "user", "content": "one two"}]}) == ("decode", "short")
+
+
+def test_token_id_prompts_are_counted_without_the_tokenizer() -> None:
+    fake = FakeTokenizer()
+    d = disaggregation(fake)
+    assert d.choose("completion", {"prompt": list(range(255))}) == ("decode", "short")
+    assert d.choose("completion", {"prompt": list(range(256))}) == ("prefill", "long")  # the threshold itself
+    assert fake.calls == 0
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("completion", {"prompt": "x " * (40 * 1024)}),  # over 64 KiB: long enough without counting
+        ("chat", {"messages": [{"role": "user", "content": "x " * (40 * 1024)}]}),
+        ("completion", {"prompt": [[1, 2], [3]]}),  # a batch of prompts
+        ("completion", {"prompt": []}),
+        ("chat", {"messages": "not a list"}),
+    ],
+    ids=["long-completion", "long-chat", "batch", "empty", "bad-messages"],
+)
+def test_prompts_not_worth_counting_go_through_prefill(endpoint: str, body: dict[str, Any]) -> None:
+    fake = FakeTokenizer()
+    d = disaggregation(fake)
+    assert d.prompt_tokens(endpoint, body) is None
+    assert d.choose(endpoint, body) == ("prefill", "long")
+    assert fake.calls == 0
+
+
+def test_zero_min_prompt_tokens_always_disaggregates() -> None:
+    broken = BrokenTokenizer()  # never asked
+    d = disaggregation(broken, min_prompt_tokens=0)
+    assert d.choose("chat", chat("Hi")) == ("prefill", "long")
+    assert d.choose("completion", {"prompt": [1]}) == ("prefill", "long")
+    d.start()  # nothing to load: no tokenizer is needed
+    assert d._loading is None
+
+
+def test_without_a_tokenizer_every_prompt_goes_through_prefill() -> None:
+    d = disaggregation(None)
+    assert d.prompt_tokens("chat", chat("Hi")) is None
+    assert d.choose("chat", chat("Hi")) == ("prefill", "long")
+    assert d.choose("completion", {"prompt": "Hi"}) == ("prefill", "long")
+
+
+def test_a_tokenizer_error_lets_the_engines_judge() -> None:
+    d = disaggregation(BrokenTokenizer())
+    assert d.choose("chat", chat("Hi")) == ("prefill", "long")
+    assert d.choose("completion", {"prompt": "Hi"}) == ("prefill", "long")
+
+
+def test_busy_prefill_sends_prompts_to_decode(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer, max_inflight=2)
+    long_body = chat(LONG_TEXT)
+    with d.prefilling():
+        assert d.inflight == 1
+        assert d.choose("chat", long_body) == ("prefill", "long")
+        with d.prefilling():
+            assert d.choose("chat", long_body) == ("decode", "prefill_busy")
+            assert d.choose("chat", chat("Hi")) == ("decode", "short")  # short first
+        assert d.choose("chat", long_body) == ("prefill", "long")
+    assert d.inflight == 0
+
+
+def test_prefilling_counts_down_when_the_prefill_fails(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer, max_inflight=1)
+    with pytest.raises(RuntimeError), d.prefilling():
+        assert d.choose("completion", {"prompt": LONG_TEXT}) == ("decode", "prefill_busy")
+        raise RuntimeError("prefill replica died")
+    assert d.inflight == 0
+    assert d.choose("completion", {"prompt": LONG_TEXT}) == ("prefill", "long")
+
+
+def test_no_in_flight_limit(tokenizer: Any) -> None:
+    d = disaggregation(tokenizer, min_prompt_tokens=0, max_inflight=None)
+    d.inflight = 10_000
+    assert d.choose("chat", chat("Hi")) == ("prefill", "long")
+
+
+def test_count_never_raises() -> None:
+    Disaggregation.count("decode", "short")
+    Disaggregation.count("prefill", "long")
