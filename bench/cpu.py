@@ -55,8 +55,11 @@ class CpuMeter:
         self.roles = roles
 
     def start(self) -> None:
+        self._me = psutil.Process()
+        self._mine = descendants()  # everything this run started (Ray's own processes included)
         self._t0 = time.perf_counter()
         self._cpu0 = {role: _cpu_s(procs) for role, procs in self.roles.items()}
+        self._cpu0 |= {"_client": _cpu_s([self._me]), "_mine": _cpu_s(self._mine)}
         self._cores0 = psutil.cpu_times(percpu=True)
 
     def stop(self, output_tokens: int) -> dict[str, Any]:
@@ -76,6 +79,12 @@ class CpuMeter:
             total = sum(b) - sum(a)
             busy.append(100 * (1 - (b.idle - a.idle) / total) if total > 0 else None)
         out["core_busy_pct"] = busy
+        # The benchmark's own client (this process), and what ran outside this run (another user's work).
+        client = _cpu_s([self._me]) - self._cpu0["_client"]
+        mine = client + _cpu_s(self._mine) - self._cpu0["_mine"]
+        out["client_pct_core"] = 100 * client / wall if wall > 0 else None
+        known = [b for b in busy if b is not None]
+        out["outside_pct_core"] = max(0.0, sum(known) - 100 * mine / wall) if wall > 0 and known else None
         return out
 
 

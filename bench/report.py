@@ -100,11 +100,13 @@ def main_table(results: dict[str, Any]) -> str:
 
 
 def cpu_table(results: dict[str, Any]) -> str:
-    lines = ["| system | API | c | " + " | ".join(CPU_ROLES) + " | busy per core |", "|" + "---|" * 10]
+    head = "| system | API | c | " + " | ".join(CPU_ROLES) + " | bench client | outside this run | busy per core |"
+    lines = [head, "|" + "---|" * 12]
     for name, result in results.items():
         for kind, label in KINDS.items():
             for c, lv in result.get(kind, {}).items():
                 cells = [name, label, c, *(_fmt(_role(lv, r, "pct_core")) for r in CPU_ROLES)]
+                cells += [_fmt(lv.get("cpu", {}).get(k)) for k in ("client_pct_core", "outside_pct_core")]
                 cells.append(" / ".join(_fmt(x, 0) for x in lv.get("cpu", {}).get("core_busy_pct", [])))
                 lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
@@ -122,6 +124,30 @@ def ratio_table(ratios: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+BENCH_SERVE = [
+    ("ok", "Successful requests"),
+    ("failed", "Failed requests"),
+    ("s", "Benchmark duration (s)"),
+    ("out tok/s", "Output token throughput (tok/s)"),
+    ("TTFT p50", "Median TTFT (ms)"),
+    ("TTFT p99", "P99 TTFT (ms)"),
+    ("TPOT p50", "Median TPOT (ms)"),
+    ("ITL p50", "Median ITL (ms)"),
+    ("ITL p99", "P99 ITL (ms)"),
+]
+
+
+def bench_serve_section(results: dict[str, Any]) -> str:
+    runs = {name: r["vllm_bench_serve"] for name, r in results.items() if "vllm_bench_serve" in r}
+    if not runs:
+        return ""
+    lines = ["| system | " + " | ".join(label for label, _ in BENCH_SERVE) + " |", "|" + "---|" * 10]
+    for name, run in runs.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(run["figures"].get(key)) for _, key in BENCH_SERVE) + " |")
+    commands = "\n".join(f"    {run['command']}" for run in runs.values())
+    return f"\n## vllm bench serve (vLLM's own client, random prompts)\n\n{commands}\n\n" + "\n".join(lines) + "\n"
+
+
 def markdown(meta: dict[str, Any], results: dict[str, Any], summary: dict[str, Any]) -> str:
     m = meta["machine"]
     goal_lines = []
@@ -135,5 +161,8 @@ def markdown(meta: dict[str, Any], results: dict[str, Any], summary: dict[str, A
         "ignore_eos, temperature 0. Latencies in ms; CPU in % of one core over the level's wall time; "
         "for `plain` the router column is its API server process.\n\n"
         f"{main_table(results)}\n\n## Ratios (app / other)\n\n{ratio_table(summary['ratios'])}\n\n"
-        "## Goals\n\n" + "\n".join(goal_lines) + f"\n\n## CPU by process (% of one core)\n\n{cpu_table(results)}\n"
+        "## Goals\n\n"
+        + "\n".join(goal_lines)
+        + f"\n\n## CPU by process (% of one core)\n\n{cpu_table(results)}\n"
+        + bench_serve_section(results)
     )

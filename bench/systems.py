@@ -44,6 +44,7 @@ class System:
     base: str
     model: str
     roles: dict[str, str]  # role -> command-line substring of its processes
+    tokenizer: str = ""  # a local path, for clients that tokenize (vllm bench serve)
     root: int = field(default_factory=os.getpid)  # where to look for them
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -127,7 +128,8 @@ def app(app_args: dict[str, Any]) -> Iterator[System]:
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
             "engines": "EngineCore",
         }
-        yield System("app", base, AppConfig.model_validate(app_args).model_name, roles)
+        config = AppConfig.model_validate(app_args)
+        yield System("app", base, config.model_name, roles, resolve_model(config.model))
 
 
 def _engine_env(config: AppConfig, role: str) -> dict[str, str]:
@@ -165,7 +167,7 @@ def plain(config: AppConfig) -> Iterator[System]:
             raise
         roles = {"engines": "EngineCore", "frontend": "vllm.entrypoints.openai.api_server"}
         info = {"command": cmd, "env": _engine_env(config, "decode")}
-        yield System("plain", base, config.model_name, roles, root=os.getpid(), info=info)
+        yield System("plain", base, config.model_name, roles, resolve_model(config.model), info=info)
     finally:
         ours = descendants(proc.pid)
         stop_group(proc)
@@ -213,4 +215,4 @@ def rayllm(config: AppConfig) -> Iterator[System]:
             "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
             "engines": "EngineCore",
         }
-        yield System("rayllm", base, RAYLLM_MODEL, roles, info={"args": args})
+        yield System("rayllm", base, RAYLLM_MODEL, roles, resolve_model(config.model), info={"args": args})

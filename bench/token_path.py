@@ -33,6 +33,7 @@ import cpu
 import httpx
 import report
 import systems
+import vllm_cli
 import yaml
 
 from serve_app.config import AppConfig
@@ -89,10 +90,29 @@ async def bench_system(system: systems.System, args: argparse.Namespace) -> dict
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(base_url=system.base, limits=limits, timeout=httpx.Timeout(600.0)) as client:
         result["chat"] = await bench_kind("chat", system, client, args.concurrency, args)
+        if args.vllm_bench:
+            result["vllm_bench_serve"] = await vllm_bench(system, args)
         if system.name == "app" and args.session_concurrency:
             for kind in ("session", "realtime"):
                 result[kind] = await bench_kind(kind, system, client, args.session_concurrency, args)
     return result
+
+
+async def vllm_bench(system: systems.System, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's own client (`vllm bench serve`, random prompts) against the system, as a cross-check."""
+    prompts, concurrency = (16, 4) if args.quick else (128, 32)
+    bench_args = vllm_cli.bench_serve_args(
+        system.base, system.model, system.tokenizer, prompts, concurrency, 128, args.max_tokens
+    )
+    out = await asyncio.to_thread(vllm_cli.bench_serve, bench_args)
+    fig = out["figures"]
+    print(
+        f"  vllm bench serve (rc {out['rc']}): {fig.get('Successful requests')} ok, "
+        f"{fig.get('Output token throughput (tok/s)')} tok/s, TTFT median {fig.get('Median TTFT (ms)')} ms",
+        flush=True,
+    )
+    await asyncio.sleep(args.pause)
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -111,6 +131,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--requests-per-client", type=int, default=None, help="default: chat 16/4/2, sessions 8/2/1 at c=1/32/more"
+    )
+    parser.add_argument(
+        "--vllm-bench", action="store_true", help="also run `vllm bench serve` (128 prompts, 32 at once) on each"
     )
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of idle between levels")
     parser.add_argument("--quick", action="store_true", help="smoke test: c=1 and 4, 32 tokens, 2 answers/client")
