@@ -3,6 +3,7 @@
 VENV   ?= .venv
 EXTRA  ?= cpu
 CONFIG ?= configs/config.yaml
+PORT   ?= 8000
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
@@ -24,7 +25,8 @@ model: install
 
 run: install
 	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
-	$(VENV)/bin/serve run $(CONFIG)
+	# One line on stdout once /health is 200 (both engines answer); `serve run` keeps this shell's pid.
+	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & exec $(VENV)/bin/serve run $(CONFIG)
 
 test: install lint
 	$(VENV)/bin/pytest -q -ra

@@ -40,6 +40,8 @@ import httpx
 import yaml
 from openai_stream import pct_ms, wait_health  # bench/ is on sys.path when a bench runs
 
+from serve_app.protocol import choice_text
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 APP = "realtime-pd"
@@ -164,17 +166,16 @@ async def one_session(
                     await r.aread()
                     settle(RuntimeError(f"events HTTP {r.status_code}: {r.text[:200]}"))
                     return
-                async for line in r.aiter_lines():
+                async for line in r.aiter_lines():  # the chat chunks of a streamed chat completion
+                    if line == "data: [DONE]":
+                        settle((time.perf_counter(), "done"))
                     if not line.startswith("data: {"):
                         continue
                     event = json.loads(line[6:])
-                    kind = event.get("type")
-                    if kind == "delta":
-                        settle((time.perf_counter(), "delta"))
-                    elif kind == "done":
-                        settle((time.perf_counter(), "done"))
-                    elif "error" in event or kind == "error":
+                    if "error" in event:
                         settle(RuntimeError(f"event error: {json.dumps(event)[:200]}"))
+                    elif choice_text(event)[0]:
+                        settle((time.perf_counter(), "delta"))
             settle(RuntimeError("event stream ended without an answer"))
         except Exception as e:  # noqa: BLE001 - any failure of the stream is this session's error
             settle(RuntimeError(f"events: {type(e).__name__}: {e}"))

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import yaml
 
+from serve_app.protocol import choice_text
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PORT = 8792
@@ -46,7 +48,7 @@ async def one_session(client: httpx.AsyncClient, policy: str, text: str, args: a
     async def watch() -> None:
         async with client.stream("GET", f"{SESSIONS}/{sid}/events") as r:
             async for line in r.aiter_lines():
-                is_delta = line.startswith("data: {") and json.loads(line[6:]).get("type") == "delta"
+                is_delta = line.startswith("data: {") and choice_text(json.loads(line[6:]))[0] != ""
                 if is_delta and not first_token.done():
                     first_token.set_result(time.perf_counter())
 

@@ -14,14 +14,13 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefill.answer import Answer
 from prefill.streaming import StreamingPrefill
-from serve_app.protocol import choice_text, parse_sse
 
 _MARK = "\ue000"  # a private-use character no input contains: marks the end of the stable text
 
@@ -29,7 +28,7 @@ _MARK = "\ue000"  # a private-use character no input contains: marks the end of 
 class SessionState(str, Enum):
     OPEN = "open"  # accepting input, nothing prefilled yet (or start policy not met)
     PREFILLING = "prefilling"  # input is being prefilled as it arrives
-    ANSWERING = "answering"  # KV handed to decode, the answer is streaming
+    ANSWERING = "answering"  # an answer is being handed off or streamed (decode → router → client)
     CLOSED = "closed"
 
 
@@ -46,6 +45,8 @@ class SessionLimits(BaseModel):
     idle_timeout_s: float = Field(default=300.0, gt=0)
     max_payload_bytes: int = Field(default=1_000_000, gt=0)
     gap_timeout_s: float = Field(default=10.0, gt=0)  # how long an out-of-order chunk waits for its gap
+    # How long a router may stream one answer before the owner gives up on hearing how it ended.
+    answer_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class SessionError(Exception):
@@ -54,49 +55,6 @@ class SessionError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.close = status, message, param, close
-
-
-@dataclass
-class Answer:
-    """One response: the decode stream's SSE text as it arrives, plus what was parsed out of it."""
-
-    turn: int
-    batches: list[str] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    status: Literal["in_progress", "completed", "cancelled", "failed"] = "in_progress"
-    first_token_at: float | None = None
-    task: asyncio.Task[None] | None = None
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    @property
-    def done(self) -> bool:
-        return self.status != "in_progress"
-
-    def absorb(self, sse_text: str) -> None:
-        for data in parse_sse(sse_text):
-            if "error" in data:
-                self.error = data["error"]
-                continue
-            if data.get("usage"):
-                self.usage = data["usage"]
-            piece, finish_reason = choice_text(data)
-            if piece and self.first_token_at is None:
-                self.first_token_at = time.monotonic()
-            self.text += piece
-            self.finish_reason = finish_reason or self.finish_reason
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "turn": self.turn,
-            "status": self.status,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "usage": self.usage,
-            "error": self.error,
-        }
 
 
 def new_session_id(owner: str) -> str:
@@ -135,6 +93,7 @@ class Session:
         self.payload_bytes = 0
         self.input_ended = False
         self.answers: list[Answer] = []
+        self.changed = asyncio.Condition()  # notified when an answer starts or changes status
         self.last_active = time.monotonic()
         self.last_chunk_at: float | None = None
         self.close_reason: str | None = None
@@ -338,7 +297,9 @@ class Session:
             "pending": [[seq, chunk] for seq, (_, chunk) in self.pending.items()],
             "payload_bytes": self.payload_bytes,
             "input_ended": self.input_ended,
-            "answers": [a.summary() for a in self.answers if a.done],
+            # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
+            # here), or, if a router is streaming it, is reported to the adopter when it ends.
+            "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
         }
 
     @classmethod
@@ -359,8 +320,8 @@ class Session:
         session.payload_bytes = state["payload_bytes"]
         session.input_ended = state["input_ended"]
         for summary in state["answers"]:
-            answer = Answer(turn=summary["turn"], text=summary["text"], finish_reason=summary["finish_reason"])
-            answer.usage, answer.error, answer.status = summary["usage"], summary["error"], summary["status"]
+            answer = Answer.from_summary(summary)
+            answer.overrides = summary.get("overrides") or {}
             session.answers.append(answer)
         return session
 

@@ -1,8 +1,10 @@
 """The ingress: OpenAI-compatible HTTP on FastAPI, forwarding each request prefill → decode.
 
 A request goes to a prefill replica (one token, KV left for remote decode), then with the returned
-`kv_transfer_params` to a decode replica that pulls the KV over NIXL and streams the answer. The SSE
-frames are vLLM's own; this router relays them, several frames per Ray item when they are ready together.
+`kv_transfer_params` to a decode replica that pulls the KV over NIXL and streams the answer; a short prompt,
+or one that arrives while prefill is the bottleneck, is prefilled by decode itself (router/disaggregation.py).
+The SSE frames are vLLM's own; this router relays them, several frames per Ray item when they are ready
+together. `/health` is 503 until both engines answer.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from router import realtime, sessions
+from router.disaggregation import Disaggregation
 from router.ndjson import streaming_input_chat
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse
 
 logger = logging.getLogger(__name__)
+READY_TIMEOUT_S = 2.0
+READY_RECHECK_S = 1.0
 
 app = FastAPI(title="realtime-pd", version="0.1.0")
 app.include_router(sessions.api)
@@ -88,14 +93,39 @@ class Router:
         self.prefill = prefill
         self.decode = decode.options(stream=True)
         self.created = int(time.time())
+        self.disaggregation = Disaggregation(self.config)
+        self.disaggregation.start()
+        self._ready_at = 0.0  # when both engines last answered
         app.state.ingress = self  # the session and realtime routes reach the handles through it
 
+    async def engines_ready(self) -> bool:
+        """Both engines answer (checked at most once a second while ready). Serve does not route to a replica
+        before its constructor, which loads the engine, has returned; the router itself is up long before."""
+        if time.monotonic() - self._ready_at < READY_RECHECK_S:
+            return True
+        checks = [self.prefill.check_health.remote(), self.decode.options(stream=False).check_health.remote()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
+        except Exception:  # a timeout (no replica ready yet) or a failed engine
+            return False
+        self._ready_at = time.monotonic()
+        return True
+
+    async def not_ready(self) -> JSONResponse | None:
+        if await self.engines_ready():
+            return None
+        body = error_body(503, "the engines are still loading (or none is healthy); retry")
+        body["error"]["retry_after"] = 5
+        return error_response(body)
+
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        return await self.not_ready() or JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self) -> Any:
+        if (refused := await self.not_ready()) is not None:
+            return refused
         card = {
             "id": self.config.model_name,
             "object": "model",
@@ -128,12 +158,23 @@ class Router:
         self.check_model(body)
         body["request_id"] = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
 
-        prefilled = await self.prefill.prefill.remote(endpoint, body)
-        if "error" in prefilled:
-            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{error_status(prefilled)}")
-            return error_response(prefilled)
+        where, why = self.disaggregation.choose(endpoint, body)
+        decode_body = body
+        decided = time.perf_counter()
+        if where == "prefill":
+            with self.disaggregation.prefilling():
+                prefilled = await self.prefill.prefill.remote(endpoint, body)
+            if "error" not in prefilled:
+                decode_body = {**body, "kv_transfer_params": prefilled["kv_transfer_params"]}
+            elif error_status(prefilled) == 429 and self.config.router.disaggregation.fallback_on_overload:
+                where, why = "decode", "prefill_refused"
+            else:
+                metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{error_status(prefilled)}")
+                return error_response(prefilled)
+        self.disaggregation.count(where, why)
+        prefilled_at = time.perf_counter()
 
-        stream = self.decode.generate.remote(endpoint, {**body, "kv_transfer_params": prefilled["kv_transfer_params"]})
+        stream = self.decode.generate.remote(endpoint, decode_body)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -141,14 +182,21 @@ class Router:
         except asyncio.CancelledError:  # the client left before the first token: stop decode too
             stream.cancel()
             raise
+        now = time.perf_counter()
+        # Where the time to the first byte went (W3C Server-Timing; bench/ reads it): this router, the prefill
+        # call (router → prefill replica → engine → back), decode's first item (NIXL pull, first token, hop).
+        timing = {"router": decided - started, "prefill": prefilled_at - decided, "decode": now - prefilled_at}
+        headers = {
+            "X-Request-Id": body["request_id"],
+            "X-Prefilled-By": where,
+            "Server-Timing": ", ".join(f"{k};dur={v * 1000:.2f}" for k, v in timing.items()),
+        }
         if isinstance(first, dict):  # an error before any output, or a complete non-streaming answer
             status = error_status(first) if "error" in first else 200
             if status != 200:
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{status}")
-            return JSONResponse(first, status_code=status)
-        metrics.observe(metrics.TTFT, time.perf_counter() - started, "time to first token", endpoint=endpoint)
+            return JSONResponse(first, status_code=status, headers=headers)
+        metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
         return StreamingResponse(
-            relay(first, stream),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": body["request_id"]},
+            relay(first, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers}
         )

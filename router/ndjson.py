@@ -10,15 +10,16 @@ prefilled as it arrives; the response is what the same request sent whole would 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.sessions import session_call, session_spec
-from serve_app.protocol import SSE_DONE, error_body, error_response, parse_sse, sse
+from router.answers import AnswerReader
+from router.owner import session_call
+from router.sessions import session_spec
+from serve_app.protocol import error_body, error_response
 
 
 async def ndjson_lines(request: Request) -> AsyncGenerator[dict[str, Any], None]:
@@ -50,7 +51,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     if not isinstance(first, dict) or "messages" not in first:
         return JSONResponse(error_body(400, "the first NDJSON line must be a chat request", "messages"), 400)
     ingress.check_model(first)
-    stream, usage_asked = bool(first.get("stream")), bool((first.get("stream_options") or {}).get("include_usage"))
+    stream = bool(first.get("stream"))
     messages = first.setdefault("messages", [])
     partial = messages.pop()["content"] if messages and messages[-1].get("role") == "user" else ""
     created = await ingress.prefill.create_session.remote(session_spec(first))
@@ -91,46 +92,29 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         await prefill.session_delete.remote(session_id=session_id)
         return error_response(e.payload)
 
-    events = prefill.options(stream=True).session_events.remote(session_id=session_id)
-    header = await anext(events)
-    if "error" in header:
-        return error_response(header)
+    reader = AnswerReader(ingress, session_id)
+    try:
+        err = await reader.open(stream=stream)
+    except BaseException:
+        await prefill.session_delete.remote(session_id=session_id)
+        raise
+    if err is not None:
+        await prefill.session_delete.remote(session_id=session_id)
+        return error_response(err)
+    headers = {"X-Session-Id": session_id}
+    if not stream:
+        try:
+            body = await reader.whole()
+        finally:
+            await prefill.session_delete.remote(session_id=session_id)
+        return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:
         try:
-            async for item in events:
-                if isinstance(item, dict):
-                    continue  # the summary: the SSE frames already carried everything
-                if not usage_asked:  # the session always asks decode for usage; the client did not
-                    done = SSE_DONE in item
-                    item = "".join(sse(f) for f in parse_sse(item) if f.get("choices") != [] or "error" in f)
-                    item += SSE_DONE if done else ""
-                yield item
+            async for forward, _ in reader.items():
+                yield forward
         finally:
-            events.cancel()
+            reader.release()
             await prefill.session_delete.remote(session_id=session_id)
 
-    if stream:
-        headers = {"Cache-Control": "no-cache", "X-Session-Id": session_id}
-        return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)
-
-    summary: dict[str, Any] = {}
-    try:
-        async for item in events:
-            if isinstance(item, dict) and "done" in item:
-                summary = item["done"]
-    finally:
-        await prefill.session_delete.remote(session_id=session_id)
-    if summary.get("error"):
-        err = {"error": summary["error"]}
-        return error_response(err)
-    message = {"role": "assistant", "content": summary.get("text", "")}
-    body = {
-        "id": f"chatcmpl-{session_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": first["model"],
-        "choices": [{"index": 0, "message": message, "finish_reason": summary.get("finish_reason")}],
-        "usage": summary.get("usage"),
-    }
-    return JSONResponse(body, headers={"X-Session-Id": session_id})
+    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})

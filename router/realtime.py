@@ -18,7 +18,8 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from router.sessions import answer_events, session_call
+from router.answers import AnswerReader
+from router.owner import session_call
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class RealtimeConnection:
         self.buffer = ""
         self.last_item_id: str | None = None
         self.response_task: asyncio.Task[None] | None = None
+        self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self._send_lock = asyncio.Lock()
 
     # --- plumbing ----------------------------------------------------------------------------------
@@ -210,7 +212,8 @@ class RealtimeConnection:
         if self.response_task is None or self.response_task.done():
             await self.error("no response is in progress", "response_cancel_not_active", self._event_id)
             return
-        await self.call("session_cancel")
+        if self.reading is not None:
+            self.reading.cancel()  # the stream from decode stops; the response ends as cancelled
         await asyncio.gather(self.response_task, return_exceptions=True)
 
     # --- the answer --------------------------------------------------------------------------------
@@ -229,14 +232,7 @@ class RealtimeConnection:
             item={**item, "status": "in_progress", "content": []},
         )
         await self.send("response.content_part.added", **where, content_index=0, part={"type": "text", "text": ""})
-        summary: dict[str, Any] = {"status": "failed", "text": ""}
-        async for kind, payload in answer_events(self.ingress, self.session_id):
-            if kind == "delta":
-                await self.send(text_delta, **where, content_index=0, delta=payload)
-            elif kind == "done":
-                summary = payload
-            elif kind == "error":
-                summary = {"status": "failed", "text": "", "error": payload.get("error", payload)}
+        summary = await self.read_answer(turn, text_delta, where)
         text = summary.get("text") or ""
         await self.send(text_done, **where, content_index=0, text=text)
         await self.send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
@@ -262,6 +258,32 @@ class RealtimeConnection:
             },
         )
         await self.send("response.done", response=response)
+
+    async def read_answer(self, turn: int, text_delta: str, where: dict[str, Any]) -> dict[str, Any]:
+        """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included)."""
+        reader = AnswerReader(self.ingress, self.session_id, turn)
+
+        async def read() -> None:
+            if (err := await reader.open()) is not None:
+                reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
+                return
+            async for _, deltas in reader.items():
+                for delta in deltas:
+                    await self.send(text_delta, **where, content_index=0, delta=delta)
+
+        self.reading = asyncio.create_task(read())
+        try:
+            await self.reading
+        except asyncio.CancelledError:
+            reader.release()
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise  # this task itself was cancelled (the connection is closing), not just the reading
+            reader.outcome.status = "cancelled"
+        finally:
+            self.reading = None
+        if reader.summary is not None:
+            return reader.summary
+        return reader.outcome.as_dict()
 
 
 HANDLERS = {

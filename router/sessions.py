@@ -3,17 +3,20 @@
     POST   /v1/streaming_input/sessions               {model, prompt | messages, sampling..., start_policy}
     POST   /v1/streaming_input/sessions/{id}/chunks    {sequence_id, modality: "text", payload, end_of_input}
     POST   /v1/streaming_input/sessions/{id}/finish    (idempotent)
-    GET    /v1/streaming_input/sessions/{id}/events    SSE: {"type": "delta"} ... {"type": "done"}, [DONE]
-    GET    /v1/streaming_input/sessions/{id}/result
+    GET    /v1/streaming_input/sessions/{id}/events    SSE: the chat (or completion) chunks, [DONE]
+    GET    /v1/streaming_input/sessions/{id}/result    the chat.completion (or text_completion) object
     GET    /v1/streaming_input/sessions/{id}
     DELETE /v1/streaming_input/sessions/{id}
 
-The session lives on its owner prefill replica; every call here is forwarded there by session id.
+The session lives on its owner prefill replica; every input call here is forwarded there by session id. The
+answer streams from decode straight through this router (router/answers.py): `/events` carries exactly the
+frames the same request sent whole would get (`stream_options.include_usage` as given at creation), then,
+after `[DONE]` where OpenAI parsers stop reading, one `event: session.done` with the answer's summary.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
@@ -21,7 +24,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.protocol import SSE_DONE, choice_text, error_body, error_response, error_status, parse_sse, sse
+from router.answers import AnswerReader
+from router.owner import session_call
+from serve_app.protocol import error_body, error_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -43,33 +48,6 @@ def _ingress(request: Request) -> Any:
     return request.app.state.ingress
 
 
-HANDOVER_RETRY_S = 0.25
-HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
-
-
-def _handing_over(result: Any) -> bool:
-    return isinstance(result, dict) and "error" in result and error_status(result) == 503
-
-
-def _not_found(result: dict[str, Any]) -> dict[str, Any]:
-    """No replica owns or adopted the session after the hand-over window: it does not exist (any more)."""
-    message = result["error"]["message"].replace("is being handed over; retry", "not found")
-    return error_body(404, message, "session_id")
-
-
-async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
-    """A call on the session's owner replica, retried while the session is being handed over (503)."""
-    waited = 0.0
-    while True:
-        result = await getattr(ingress.prefill, method).remote(**kwargs)
-        if not _handing_over(result):
-            return result
-        if waited >= HANDOVER_WAIT_S:
-            return _not_found(result)
-        await asyncio.sleep(HANDOVER_RETRY_S)
-        waited += HANDOVER_RETRY_S
-
-
 def _reply(result: dict[str, Any], status: int = 200) -> JSONResponse:
     if "error" in result:
         return error_response(result)
@@ -81,7 +59,7 @@ def session_spec(body: dict[str, Any]) -> dict[str, Any]:
     policy = body.get("start_policy")
     if isinstance(policy, str):
         policy = {"type": policy, **({"min_tokens": body["min_tokens"]} if "min_tokens" in body else {})}
-    request = {k: v for k, v in body.items() if k not in (*SESSION_FIELDS, "min_tokens", "stream", "stream_options")}
+    request = {k: v for k, v in body.items() if k not in (*SESSION_FIELDS, "min_tokens", "stream")}
     return {"request": request, "start_policy": policy, "limits": body.get("limits"), "instructions": None}
 
 
@@ -132,8 +110,18 @@ async def describe(session_id: str, request: Request) -> Response:
 
 
 @api.get("/{session_id}/result")
-async def result(session_id: str, request: Request, wait: bool = True) -> Response:
-    return _reply(await session_call(_ingress(request), "session_result", session_id=session_id, wait=wait))
+async def result(session_id: str, request: Request, wait: bool = True, turn: int | None = None) -> Response:
+    """The answer as the object a non-streaming request returns, with the session's fields beside it
+    (`wait=false`: the session and its answer so far, without waiting)."""
+    ingress = _ingress(request)
+    if not wait:
+        return _reply(await session_call(ingress, "session_result", session_id=session_id, turn=turn, wait=False))
+    reader = AnswerReader(ingress, session_id, turn)
+    if (err := await reader.open(stream=False)) is not None:
+        return error_response(err)
+    body = await reader.whole()
+    summary = reader.summary or {"turn": reader.turn, **reader.outcome.as_dict()}
+    return JSONResponse({**body, "session_id": session_id, "turn": reader.turn, "answer": summary})
 
 
 @api.delete("/{session_id}")
@@ -141,65 +129,21 @@ async def delete(session_id: str, request: Request) -> Response:
     return _reply(await session_call(_ingress(request), "session_delete", session_id=session_id))
 
 
-async def answer_events(ingress: Any, session_id: str) -> AsyncGenerator[Any, None]:
-    """The owner's answer stream as (kind, payload): `("start", header)`, `("delta", text)`, `("done", summary)`,
-    or one `("error", payload)`."""
-    waited = 0.0
-    while True:  # a session being handed over answers 503 until its adopter is known
-        stream = ingress.prefill.options(stream=True).session_events.remote(session_id=session_id)
-        first = await anext(stream)
-        if not _handing_over(first):
-            break
-        if waited >= HANDOVER_WAIT_S:
-            first = _not_found(first)
-            break
-        stream.cancel()
-        await asyncio.sleep(HANDOVER_RETRY_S)
-        waited += HANDOVER_RETRY_S
-
-    async def items() -> AsyncGenerator[Any, None]:
-        yield first
-        async for item in stream:
-            yield item
-
-    try:
-        async for item in items():
-            if isinstance(item, dict):
-                kind = "error" if "error" in item else "done" if "done" in item else "start"
-                yield kind, item.get("done", item)
-                continue
-            for chunk in parse_sse(item):
-                if "error" in chunk:
-                    yield "error", chunk
-                    continue
-                text, _ = choice_text(chunk)
-                if text:
-                    yield "delta", text
-    finally:
-        stream.cancel()
-
-
 @api.get("/{session_id}/events")
-async def events(session_id: str, request: Request) -> Response:
-    ingress = _ingress(request)
-    source = answer_events(ingress, session_id)
-    kind, first = await anext(source)
-    if kind == "error":
-        await source.aclose()
-        return error_response(first)
+async def events(session_id: str, request: Request, turn: int | None = None) -> Response:
+    """The answer's SSE stream, as a streaming chat (or completion) request would get it."""
+    reader = AnswerReader(_ingress(request), session_id, turn)
+    if (err := await reader.open()) is not None:
+        return error_response(err)
 
     async def frames() -> AsyncGenerator[str, None]:
-        turn = first.get("turn")
         try:
-            async for kind, payload in source:
-                if kind == "delta":
-                    yield sse({"type": "delta", "turn": turn, "delta": payload})
-                elif kind == "done":
-                    yield sse({"type": "done", **payload})
-                else:
-                    yield sse(payload)
-            yield SSE_DONE
+            async for forward, _ in reader.items():
+                yield forward
+            done = reader.summary or {"turn": reader.turn, **reader.outcome.as_dict()}
+            yield f"event: session.done\ndata: {json.dumps({'session_id': session_id, **done})}\n\n"
         finally:
-            await source.aclose()
+            reader.release()  # the client left before the end (a no-op once the outcome is reported)
 
-    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    headers = {"Cache-Control": "no-cache", "X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
+    return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)

@@ -28,5 +28,5 @@ def build_app(args: dict[str, Any]) -> Application:
     # Streaming sessions live on one prefill replica: route their calls by session id.
     router_config = {"request_router_class": SESSION_ROUTER, "request_routing_stats_period_s": 1.0}
     prefill_options = {"request_router_config": router_config, **config.prefill.deployment}
-    prefill = PrefillServer.options(**prefill_options).bind(payload, decode)
+    prefill = PrefillServer.options(**prefill_options).bind(payload)
     return Router.options(**config.router.deployment).bind(prefill, decode, payload)

@@ -88,8 +88,21 @@ class PrefillConfig(RoleConfig):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
 
 
+class DisaggregationConfig(_Strict):
+    """Which whole-prompt requests go through a prefill replica (router/disaggregation.py). Sessions always do."""
+
+    # Shorter prompts are prefilled by decode itself: moving their KV costs more than computing it (NIXL moves
+    # whole blocks only, so below a block decode computes the prompt anyway). 0: every request is disaggregated.
+    min_prompt_tokens: int = Field(default=256, ge=0)
+    # Prefill is the bottleneck when this router already waits on this many prefills: decode prefills the rest.
+    max_inflight_prefills: int | None = Field(default=32, ge=1)
+    # A prefill refused for capacity (429) is computed by decode instead of failing the request.
+    fallback_on_overload: bool = True
+
+
 class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
 
 class AppConfig(_Strict):

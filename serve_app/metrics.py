@@ -69,6 +69,7 @@ SCHEDULER_ADMISSIONS = "rtpd_scheduler_admissions_total"
 SCHEDULER_EVICTIONS = "rtpd_scheduler_evictions_total"
 KV_CACHE_USAGE = "rtpd_kv_cache_usage"
 ERRORS = "rtpd_errors_total"
+ROUTER_PREFILLS = "rtpd_router_prefills_total"  # by where (prefill | decode) and reason
 
 ALL = [
     SESSIONS_OPEN,

@@ -54,7 +54,8 @@ def error_response(payload: dict[str, Any]) -> Any:
 
 
 def error_status(payload: dict[str, Any]) -> int:
-    code = payload.get("error", {}).get("code")
+    error = payload.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, int) and 400 <= code < 600 else 500
 
 

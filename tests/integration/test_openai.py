@@ -83,6 +83,36 @@ def test_kv_moved_over_nixl(server, model_name):
     assert prefill["prompt_tokens_computed"] >= 1
 
 
+def test_short_prompt_is_prefilled_by_decode(server, model_name):
+    """Conditional disaggregation: a prompt under `router.disaggregation.min_prompt_tokens` never reaches a
+    prefill replica (decode computes it all, nothing crosses NIXL); a long one goes through prefill."""
+    before = engine_stats("decode")
+    rids = {name: f"cond-{name}-{time.time_ns()}" for name in ("short", "long")}
+    usage = {}
+    for name, messages in zip(("short", "long"), PROMPTS, strict=True):
+        r = httpx.post(
+            f"{server}/v1/chat/completions",
+            json={"model": model_name, "messages": messages, "max_tokens": 4, "temperature": 0},
+            headers={"X-Request-Id": rids[name]},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-prefilled-by"] == ("decode" if name == "short" else "prefill")
+        assert "decode;dur=" in r.headers["server-timing"]
+        usage[name] = r.json()["usage"]["prompt_tokens"]
+    assert usage["short"] < 256 <= usage["long"]  # either side of the shipped config's threshold
+
+    short_prefill = engine_stats("prefill", f"chatcmpl-{rids['short']}")
+    short_decode = engine_stats("decode", f"chatcmpl-{rids['short']}")
+    assert short_prefill["prompt_tokens_computed"] == 0
+    assert short_decode["prompt_tokens_computed"] == usage["short"]
+    long_prefill = engine_stats("prefill", f"chatcmpl-{rids['long']}")
+    long_decode = engine_stats("decode", f"chatcmpl-{rids['long']}")
+    assert long_prefill["prompt_tokens_computed"] >= 1
+    assert long_decode["prompt_tokens_computed"] <= long_decode["block_size"]
+    assert engine_stats("decode")["kv_transfers"] == before["kv_transfers"] + 1  # the long one only
+
+
 def test_sse_contract_frame_by_frame(server, model_name):
     body = {
         "model": model_name,

@@ -10,6 +10,7 @@ engine holds a block. On the code before the scheduler this wedged: no answer, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import random
 import time
@@ -39,15 +40,32 @@ def pressure_args() -> dict[str, Any]:
     return args
 
 
+HEALTH_SEEN: list[int] = []  # /health statuses while the app started, in order
+
+
 @pytest.fixture(scope="module")
 def pressure(server: str) -> Iterator[str]:
+    from ray.serve.api import _run
+
     from serve_app.builder import build_app
 
-    serve.run(build_app(pressure_args()), name=APP, route_prefix=PREFIX)
+    _run(build_app(pressure_args()), name=APP, route_prefix=PREFIX, _blocking=False)
     base = f"{server}{PREFIX}"
-    wait_healthy(base, 180)
+    deadline = time.time() + 240
+    while time.time() < deadline and HEALTH_SEEN[-1:] != [200]:
+        with contextlib.suppress(httpx.HTTPError):
+            HEALTH_SEEN.append(httpx.get(f"{base}/health", timeout=10).status_code)
+        time.sleep(0.5)
+    wait_healthy(base, 60)
     yield base
     serve.delete(APP)
+
+
+def test_health_is_503_until_both_engines_answer(pressure: str) -> None:
+    """The router comes up seconds before the engines have loaded: until they answer, /health says 503."""
+    assert 503 in HEALTH_SEEN and HEALTH_SEEN[-1] == 200, HEALTH_SEEN
+    assert set(HEALTH_SEEN[HEALTH_SEEN.index(503) :]) <= {503, 200}
+    assert httpx.get(f"{pressure}/v1/models", timeout=10).status_code == 200
 
 
 def handle(role: str) -> Any:

@@ -112,18 +112,101 @@ def test_rest_session_events_stream_and_completion_prompt(server):
     pieces = split_inside_words(prompt, 8)
     for seq, piece in enumerate(pieces):
         assert send_chunk(server, sid, seq, piece, end=seq == len(pieces) - 1).status_code == 202
-    events = []
-    with httpx.stream("GET", f"{server}{SESSIONS}/{sid}/events", timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-    assert events[-1] == "[DONE]"
-    parsed = [json.loads(e) for e in events[:-1]]
-    assert parsed[-1]["type"] == "done" and parsed[-1]["status"] == "completed"
-    text = "".join(e["delta"] for e in parsed if e["type"] == "delta")
-    assert text == whole["choices"][0]["text"] == parsed[-1]["text"]
+    frames, done = read_events(server, sid)
+    assert [f["object"] for f in frames] == ["text_completion"] * len(frames)
+    text = "".join(c["text"] for f in frames for c in f["choices"])
+    assert text == whole["choices"][0]["text"] == done["text"]
+    assert done["status"] == "completed" and frames[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("usage" in f and not f["choices"] for f in frames)  # not asked for at creation
     assert_compute_bounds(server, sid, whole["usage"]["prompt_tokens"])
+    httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
+
+
+def read_events(server: str, sid: str) -> tuple[list[dict], dict]:
+    """A session's `/events`: its OpenAI frames up to `[DONE]`, and the `session.done` event after it."""
+    frames, done, event = [], None, None
+    with httpx.stream("GET", f"{server}{SESSIONS}/{sid}/events", timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                if event == "session.done":
+                    done = json.loads(line[6:])
+                elif line != "data: [DONE]":
+                    assert done is None, "OpenAI frames after the session event"
+                    frames.append(json.loads(line[6:]))
+                else:
+                    frames.append({"done": True})
+    assert frames and frames.pop() == {"done": True}, "the OpenAI frames end with [DONE]"
+    assert done is not None and done["session_id"] == sid
+    return frames, done
+
+
+def _set(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _shape(chunk) -> list:
+    """A chat chunk's content, without its id and timestamps."""
+    choices = [(c.index, c.delta.role, c.delta.content, c.finish_reason) for c in chunk.choices]
+    return [chunk.object, chunk.model, choices, chunk.usage.model_dump() if chunk.usage else None]
+
+
+def test_rest_events_are_the_chat_completion_stream(server):
+    """A session's `/events`, read by the official openai client's SSE decoder, equals the streamed chat
+    completion of the same input frame for frame; `/result` equals the non-streaming completion; a second
+    reader gets the same answer again."""
+    from openai import OpenAI, Stream
+    from openai.types.chat import ChatCompletionChunk
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": TEXT}]
+    params = {"max_tokens": 12, "temperature": 0, "stream_options": {"include_usage": True}}
+    chat = list(client.chat.completions.create(model=model, messages=messages, stream=True, **params))
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+
+    sid = create(server, messages=messages[:1], **params)["session_id"]
+    pieces = split_inside_words(TEXT, 6)
+    for seq, piece in enumerate(pieces):
+        assert send_chunk(server, sid, seq, piece, end=seq == len(pieces) - 1).status_code == 202
+    path = f"/streaming_input/sessions/{sid}/events"
+    events = list(client.get(path, cast_to=ChatCompletionChunk, stream=True, stream_cls=Stream[ChatCompletionChunk]))
+    assert [_shape(c) for c in events] == [_shape(c) for c in chat]
+    assert events[0].choices[0].delta.role == "assistant" and events[-1].usage.prompt_tokens > 0
+
+    # A second reader of the same answer: the same frames, replayed from what the owner kept.
+    frames, done = read_events(server, sid)
+    text = "".join(c["delta"].get("content") or "" for f in frames for c in f["choices"])
+    assert text == whole.choices[0].message.content == done["text"]
+    assert _set(frames[-1]["usage"]) == chat[-1].usage.model_dump(exclude_none=True)
+
+    result = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=60).json()
+    assert result["object"] == "chat.completion" and result["session_id"] == sid and result["turn"] == 0
+    assert result["choices"][0]["message"] == {"role": "assistant", "content": whole.choices[0].message.content}
+    assert result["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
+    assert _set(result["usage"]) == whole.usage.model_dump(exclude_none=True)
+    httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
+
+
+def test_result_claims_the_answer_without_events(server):
+    """No one streams the answer: `/result` reads it from decode as one non-streaming response."""
+    messages = [{"role": "user", "content": TEXT}]
+    whole = whole_chat(server, messages, 8)
+    sid = create(server, messages=[], max_tokens=8, temperature=0)["session_id"]
+    assert send_chunk(server, sid, 0, TEXT, end=True).status_code == 202
+    result = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=60).json()
+    assert result["object"] == "chat.completion"
+    assert {k: result[k] for k in ("choices", "usage")} == {k: whole[k] for k in ("choices", "usage")}
+    assert (
+        result["answer"]["status"] == "completed"
+        and result["answer"]["text"] == result["choices"][0]["message"]["content"]
+    )
+    # The owner heard the end before /result returned: the conversation is resident again, the next turn may begin.
+    assert info(server, sid)["state"] in ("open", "prefilling")
+    assert send_chunk(server, sid, 1, " And one more question?").status_code == 202
     httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)
 
 

@@ -304,12 +304,6 @@ async def test_a_failed_hand_off_fails_the_answer_and_reopens_the_session(
     assert (await server.session_claim(session_id=session.id))["request"]["kv_transfer_params"]["handoff"] == 2
 
 
-@pytest.mark.xfail(
-    reason="session_finish after a failed hand-off returns the failed answer again instead of handing off: "
-    "input_ended stays True and answers is non-empty (prefill/session_api.py session_finish), so a client "
-    "told 429 + Retry-After can never get an answer by retrying",
-    strict=True,
-)
 async def test_retrying_finish_after_a_refused_hand_off_hands_off_again(server: Server) -> None:
     server.results.append(overloaded(1))
     session = server.open_session()
@@ -378,12 +372,6 @@ async def test_cancel_of_a_ready_unclaimed_answer(server: Server) -> None:
     assert (await server.session_claim(session_id=session.id))["answer"]["status"] == "cancelled"
 
 
-@pytest.mark.xfail(
-    reason="a cancel reported while session_claim re-makes a stale hand-off is lost: answer.task is the first, "
-    "finished hand-off so session_answer_done cannot cancel the second, which then sets the cancelled answer "
-    "back to 'ready' (prefill/handoff.py _hand_off) and the claim returns a decode request for it",
-    strict=True,
-)
 async def test_cancel_during_a_claim_time_hand_off_is_kept(server: Server) -> None:
     session = server.open_session()
     answer = await server.ready(session)

@@ -222,12 +222,6 @@ def test_openai_client_decodes_forwarded_decode_frames() -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello, world"
 
 
-@pytest.mark.xfail(
-    reason="an answer that ended before decode sent anything (e.g. cancelled before its claim) has no "
-    "response metadata, and replay_frames writes id/created/model as null (router/answers.py replay_frames): "
-    "not valid OpenAI chunks",
-    strict=True,
-)
 def test_replay_of_an_answer_without_output_is_valid_openai() -> None:
     frames = replay_frames("chat", summary(status="cancelled", text="", finish_reason=None, response={}), False)
     for event in sse_events(frames, 1 << 20)[:-1]:
@@ -396,21 +390,18 @@ async def test_reader_streams_decode_frames_and_reports_once(include_usage: bool
     assert owner.calls == [("session_claim", {"session_id": "sess_r1_abc", "turn": None})]
 
 
-@pytest.mark.xfail(
-    reason="the report task dies with AttributeError: session_answer_done answers with the answer's summary, "
-    "whose top-level `error` is None on success; router/owner.py handing_over sees an 'error' key and "
-    "serve_app/protocol.py error_status does payload.get('error', {}).get('code') on None",
-    strict=True,
-)
 async def test_a_report_of_a_completed_answer_ends_cleanly() -> None:
     owner = FakeOwner(claim(request=DECODE_REQUEST))
     reader = AnswerReader(FakeIngress(owner, CHAT_ITEMS), "sess_r1_abc")
     assert await reader.open() is None
     async for _ in reader.items():
         pass
-    ended = await reported()
-    assert len(owner.reports) == 1  # delivered, but the task that delivered it failed
-    assert ended == [{"turn": 0, **owner.reports[0]["outcome"]}]
+    await reported()
+    assert len(owner.reports) == 1
+    # The report was awaited before [DONE] reached the client, and it ended cleanly.
+    task = reader._reported
+    assert task is not None and task.done() and task.exception() is None
+    assert task.result() == {"turn": 0, **owner.reports[0]["outcome"]}
 
 
 async def test_reader_replays_an_answer_that_is_over() -> None:

@@ -1,0 +1,68 @@
+"""One answer of a session, as its owner prefill replica tracks it.
+
+The owner never sees the answer's tokens: it prepares the hand-off (the session's KV, left for decode to pull
+over NIXL, and the decode request that points at it), a router claims it and streams it from decode straight
+to the client, then reports the final text and usage so that the conversation can go on.
+
+    preparing ──▶ ready ──▶ streaming ──▶ completed | cancelled | failed
+        └──────────┴────────────┴──────▶ failed (hand-off refused, reader vanished, session closed)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Status = Literal["preparing", "ready", "streaming", "completed", "cancelled", "failed"]
+DONE: frozenset[str] = frozenset({"completed", "cancelled", "failed"})
+
+
+@dataclass
+class Answer:
+    turn: int
+    status: Status = "preparing"
+    # The decode request (the session's whole input, `kv_transfer_params` pointing at this replica's KV).
+    request: dict[str, Any] | None = None
+    include_usage: bool = False  # whether the client asked for the usage frame
+    overrides: dict[str, Any] = field(default_factory=dict)  # this response's settings (realtime response.create)
+    handed_off_at: float | None = None  # monotonic; NIXL frees an unread hand-off after the lease
+    claimed_at: float | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    # The response's `id`, `created` and `model`, as decode wrote them (for replays and /result).
+    response: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.monotonic)
+    handoffs: int = 0  # hand-offs made (a stale one is made again)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)  # the hand-off in progress
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE
+
+    def finish(self, status: Status, error: dict[str, Any] | None = None) -> None:
+        self.status = status
+        if error is not None:
+            self.error = error
+        self.request = None  # the hand-off is spent
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "status": self.status,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "error": self.error,
+            "response": self.response,
+        }
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> Answer:
+        answer = cls(turn=summary["turn"], status=summary["status"], text=summary.get("text", ""))
+        answer.finish_reason, answer.usage = summary.get("finish_reason"), summary.get("usage")
+        answer.error, answer.response = summary.get("error"), summary.get("response") or {}
+        return answer

@@ -1,0 +1,38 @@
+"""Errors a prefill replica answers with, as OpenAI error JSON (the router turns them into HTTP or Realtime)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prefill.session import SessionError
+from serve_app import metrics
+from serve_app.protocol import error_body
+
+
+def overloaded(retry_after: int, why: str = "no KV memory could be freed in time") -> dict[str, Any]:
+    """429 with `Retry-After`: the replica is at capacity (KV memory held by work that cannot be evicted,
+    or every session slot taken)."""
+    metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="overloaded")
+    body = error_body(429, f"prefill capacity exhausted: {why}; retry later")
+    body["error"]["retry_after"] = retry_after
+    return body
+
+
+def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """A session call's errors become OpenAI error JSON; a payload cap or a broken input also closes it."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await method(self, *args, **kwargs)
+        except SessionError as e:
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
+            if (e.status == 413 or e.close) and (session := self.sessions.get(kwargs.get("session_id", ""))):
+                await self._close(session, "payload cap exceeded" if e.status == 413 else e.message)
+            return error_body(e.status, e.message, e.param)
+        except TimeoutError:  # a bounded wait on the engine ran out: the input is kept, the client retries
+            return overloaded(self.settings.retry_after_s)
+
+    return wrapper

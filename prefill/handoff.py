@@ -1,0 +1,209 @@
+"""A session's answer, from the prefill side: hand the KV off, let a router claim it, hear how it ended.
+
+At end of input the owner prefills what is left and makes the hand-off (a one-token request over the whole
+input with `do_remote_decode`: its KV stays here for decode to pull over NIXL). A router that serves the
+answer (`/events`, `/result`, realtime `response.create`, an NDJSON request) claims it, calls decode itself
+and streams decode's frames straight to its client; when the answer ends it reports the text and usage
+(`session_answer_done`), which join the conversation. No token of the answer passes through this replica.
+
+One reader claims an answer; a second reader of the same answer waits for its end and gets it whole. A
+hand-off not claimed within half the NIXL lease is made again at claim time (the prefix cache gives the KV
+back), so a late reader never finds the KV gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from prefill.answer import DONE, Answer
+from prefill.errors import overloaded, session_api
+from prefill.session import Session, SessionError, SessionState
+from serve_app import metrics
+
+logger = logging.getLogger(__name__)
+
+
+class HandOff:
+    """Mixin of `PrefillServer` (prefill/server.py): the answer half of a session's life."""
+
+    sessions: dict[str, Session]
+    prefill: Any
+    settings: Any
+    config: Any
+    _get: Any
+    _prefill_stable: Any
+
+    # --- starting ----------------------------------------------------------------------------------
+    @staticmethod
+    def _check_overrides(overrides: dict[str, Any]) -> None:
+        if (overrides.get("n") or 1) != 1:
+            raise SessionError(400, "n must be 1", "n")
+
+    async def _start_answer(self, session: Session, overrides: dict[str, Any]) -> Answer:
+        self._check_overrides(overrides)
+        session.commit_buffer()
+        answer = Answer(turn=len(session.answers), overrides=dict(overrides))
+        session.answers.append(answer)
+        session.state = SessionState.ANSWERING
+        answer.task = asyncio.create_task(self._hand_off(session, answer))
+        await _notify(session)
+        return answer
+
+    async def _hand_off(self, session: Session, answer: Answer) -> None:
+        """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
+        answer.status = "preparing"
+        try:
+            if session.streaming.active:
+                await session.streaming.wait_computed()  # so the hand-off finds every block cached
+            overrides = dict(answer.overrides)
+            request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
+            answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+            # The owner learns the usage from the router's report, whatever the client asked for.
+            request.update(stream=True, stream_options={"include_usage": True})
+            answer.handoffs += 1
+            request["request_id"] = f"{session.id}-t{answer.turn}-h{answer.handoffs}"
+            handoff = await self.prefill(session.endpoint, request, session.streaming)
+            if "error" in handoff:
+                answer.finish("failed", handoff["error"])
+            else:
+                request["kv_transfer_params"] = handoff["kv_transfer_params"]
+                answer.request, answer.status, answer.handed_off_at = request, "ready", time.monotonic()
+        except asyncio.CancelledError:
+            answer.finish("cancelled")
+        except TimeoutError:  # the session's input could not be prefilled in time
+            answer.finish("failed", overloaded(self.settings.retry_after_s)["error"])
+        except Exception as e:
+            logger.exception("session %s: hand-off failed", session.id)
+            answer.finish("failed", {"message": f"hand-off failed: {e}", "type": "InternalServerError", "code": 500})
+        finally:
+            if answer.done:
+                await self._answer_ended(session, answer)
+            await _notify(session)
+
+    async def _answer_ended(self, session: Session, answer: Answer) -> None:
+        """The answer joins the conversation, and the conversation stays resident for the next turn."""
+        if answer.status == "failed":
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
+        session.add_answer(answer.text)
+        if session.state == SessionState.CLOSED:
+            return
+        session.state = SessionState.OPEN
+        session.touch()
+        try:
+            await self._prefill_stable(session)
+        except Exception:
+            logger.exception("session %s: re-prefill after the answer failed", session.id)
+
+    # --- the router's side -------------------------------------------------------------------------
+    @session_api
+    async def session_claim(self, *, session_id: str, turn: int | None = None) -> dict[str, Any]:
+        """Take the answer to stream it: `{"request": <decode request>, ...}` for its one reader, or
+        `{"answer": summary}` when it is over, failed, or already being read by another."""
+        session = self._get(session_id, allow_closed=True)
+        answer = await self._wait_answer(session, turn)
+        wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
+        await _wait_for(session, lambda: answer.status != "preparing", wait_s)
+        if answer.status == "ready" and answer.handed_off_at is not None:
+            lease = self.config.kv_transfer.lease_s
+            if time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
+                # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
+                # close reaches it; shielded, so that this claim's caller leaving does not stop it).
+                answer.status = "preparing"
+                answer.task = asyncio.create_task(self._hand_off(session, answer))
+                await asyncio.shield(answer.task)
+        reply: dict[str, Any] = {"turn": answer.turn, "endpoint": session.endpoint}
+        reply["include_usage"] = answer.include_usage
+        if answer.status != "ready":
+            return {**reply, "answer": answer.summary()}
+        answer.status, answer.claimed_at = "streaming", time.monotonic()
+        # Wall clock, for the router's last-chunk-to-first-token histogram.
+        if session.last_chunk_at is not None:
+            reply["last_chunk_time"] = time.time() - (time.monotonic() - session.last_chunk_at)
+        return {**reply, "request": answer.request}
+
+    @session_api
+    async def session_answer_done(self, *, session_id: str, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
+        """The claiming router's report of how the answer ended (idempotent; also cancels an unclaimed one)."""
+        session = self._get(session_id, allow_closed=True)
+        if not 0 <= turn < len(session.answers):
+            raise SessionError(404, f"session {session_id} has no answer {turn}", "turn")
+        answer = session.answers[turn]
+        status = outcome.get("status")
+        if status not in DONE:
+            raise SessionError(400, f"an answer ends completed, cancelled or failed, not {status!r}", "status")
+        if answer.done:
+            return answer.summary()
+        if answer.task is not None and not answer.task.done():  # cancelled before its hand-off was claimed
+            answer.task.cancel()
+            await asyncio.gather(answer.task, return_exceptions=True)
+            if answer.done:
+                return answer.summary()
+        answer.text = outcome.get("text") or ""
+        answer.finish_reason, answer.usage = outcome.get("finish_reason"), outcome.get("usage")
+        answer.response = outcome.get("response") or {}
+        answer.finish(status, outcome.get("error"))
+        await self._answer_ended(session, answer)
+        await _notify(session)
+        return answer.summary()
+
+    @session_api
+    async def session_result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:
+        """The session and its answer (`wait`: once the answer is over)."""
+        session = self._get(session_id, allow_closed=True)
+        answer = await self._wait_answer(session, turn) if wait else (session.answers or [None])[-1]
+        if answer is not None and wait:
+            try:
+                await _wait_for(session, lambda: answer.done, session.limits.answer_timeout_s)
+            except TimeoutError:
+                raise SessionError(
+                    408, f"answer {answer.turn} did not end within {session.limits.answer_timeout_s:g} s"
+                ) from None
+        return {**session.describe(), "answer": answer.summary() if answer else None}
+
+    async def _wait_answer(self, session: Session, turn: int | None) -> Answer:
+        """The answer `turn` (default: the next or current one), once it exists."""
+
+        def exists() -> bool:
+            if turn is not None:
+                return turn < len(session.answers)
+            return bool(session.answers) and (session.input_ended or session.answering)
+
+        with contextlib.suppress(TimeoutError):
+            ended = session.limits.idle_timeout_s
+            await _wait_for(session, lambda: exists() or session.state == SessionState.CLOSED, ended)
+        if not exists():
+            why = session.close_reason or "the input has not ended"
+            raise SessionError(409, f"session {session.id} has no answer ({why})")
+        return session.answers[-1 if turn is None else turn]
+
+    def _expire_answer(self, session: Session, now: float) -> str | None:
+        """Why the answer in progress is given up on (its reader vanished), or None."""
+        answer = session.answers[-1] if session.answers else None
+        if answer is None or answer.done:
+            return None
+        if answer.status == "ready" and now - (answer.handed_off_at or now) > session.limits.idle_timeout_s:
+            return "no reader claimed the answer"
+        if answer.status == "streaming" and now - (answer.claimed_at or now) > session.limits.answer_timeout_s:
+            return "the answer's reader never reported its end"
+        return None
+
+    async def _give_up_answer(self, session: Session, why: str) -> None:
+        answer = session.answers[-1]
+        answer.finish("failed", {"message": why, "type": "TimeoutError", "code": 408})
+        await self._answer_ended(session, answer)
+        await _notify(session)
+
+
+async def _notify(session: Session) -> None:
+    async with session.changed:
+        session.changed.notify_all()
+
+
+async def _wait_for(session: Session, predicate: Any, timeout: float) -> None:
+    """Wait, bounded, until `predicate()` holds; `TimeoutError` past `timeout`."""
+    async with session.changed:
+        await asyncio.wait_for(session.changed.wait_for(predicate), timeout)

@@ -1,0 +1,266 @@
+"""A prefill replica's streaming-input sessions: the calls that create them, feed them input and end them.
+
+Each session's input is streamed to the engine as it arrives (prefill/streaming.py), so that its KV is resident
+when the input ends; its answer is handed off to decode (prefill/handoff.py). A session's methods take
+`session_id` as a keyword: the session-affinity request router (router/placement.py) sends them to the replica
+named in the id, whichever router replica they come through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from prefill.errors import overloaded, session_api
+from prefill.handoff import HandOff
+from prefill.session import (
+    Session,
+    SessionError,
+    SessionLimits,
+    SessionState,
+    StartPolicy,
+    new_session_id,
+    owner_of,
+)
+from prefill.streaming import StreamingPrefill
+from serve_app import metrics
+from serve_app.protocol import Endpoint, validate_openai_body
+
+logger = logging.getLogger(__name__)
+CLOSED_SESSION_RETENTION_S = 60.0
+
+
+def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(spec.get(field) or {})
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in (field, *first["loc"]))
+        raise SessionError(400, f"{param}: {first['msg']}", param) from None
+
+
+def _count_input(chunks: int, nbytes: int) -> None:
+    metrics.inc(metrics.SESSION_CHUNKS, chunks, "session input chunks applied")
+    metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
+
+
+class SessionAPI(HandOff):
+    """Mixin of `PrefillServer`: the session calls a router makes on a session's owner replica."""
+
+    engine: Any
+    replica: str
+    adopted_owners: set[str]
+    _export_scheduler_stats: Any
+
+    def _streaming(self, session_id: str) -> StreamingPrefill:
+        return StreamingPrefill(self.engine, session_id, self.settings.admission_timeout_s)
+
+    @session_api
+    async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:
+        request = dict(spec.get("request") or {})
+        endpoint: Endpoint = "chat" if "messages" in request else "completion"
+        probe = {**request, "stream": False}
+        probe.pop("stream_options", None)
+        if endpoint == "completion" and not probe.get("prompt"):
+            probe["prompt"] = " "  # the input is still to come; validate everything else now
+        if (err := validate_openai_body(endpoint, probe)) is not None:
+            raise SessionError(400, err["error"]["message"], err["error"]["param"])
+        if (request.get("n") or 1) != 1:
+            raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
+        policy = _validated(StartPolicy, "start_policy", spec)
+        limits = _validated(SessionLimits, "limits", spec)
+        open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
+        if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
+            return overloaded(self.settings.retry_after_s, f"{open_sessions} sessions open, the replica's limit")
+        session_id = new_session_id(self.replica)
+        logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
+        session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
+        session.instructions = spec.get("instructions")
+        self.sessions[session_id] = session
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_chunk(
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        payload: str,
+        end_of_input: bool = False,
+        mode: str = "append",
+        offset: int | None = None,
+    ) -> dict[str, Any]:
+        session = self._get(session_id)
+        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset)
+        if result["applied"]:
+            applied = session.chunk_log[-len(result["applied"]) :]
+            _count_input(len(applied), sum(len(c["payload"].encode()) for c in applied))
+            # At end of input the hand-off prefills whatever was not streamed yet; starting the answer with no
+            # await after the input ended means a reader never sees the input ended and no answer for it.
+            if session.input_ended:
+                await self._start_answer(session, {})
+            else:
+                await self._prefill_stable(session)
+        return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
+
+    @session_api
+    async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
+        session = self._get(session_id)
+        session.add_message(role, content)
+        _count_input(1, len(content.encode()))
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+        """Realtime `input_text_buffer.*`: append to, replace from `offset`, commit or clear the in-progress
+        user text."""
+        session = self._get(session_id)
+        session.touch()
+        if op == "append":
+            session.append_text(text)
+            _count_input(1, len(text.encode()))
+        elif op == "replace":
+            session.replace_text(offset, text)
+            _count_input(1, len(text.encode()))
+        elif op == "commit":
+            session.commit_buffer()
+        elif op == "clear":
+            session.clear_text()
+        else:
+            raise SessionError(400, f"unknown buffer operation {op!r}")
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_update(
+        self, *, session_id: str, instructions: str | None = None, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        session = self._get(session_id)
+        if instructions is not None:
+            session.instructions = instructions or None
+        session.request.update(params or {})
+        await self._prefill_stable(session)
+        return session.describe()
+
+    @session_api
+    async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """End of input: hand the KV off for the answer. Idempotent."""
+        session = self._get(session_id)
+        if session.pending:
+            raise SessionError(409, f"chunks {sorted(session.pending)} wait for missing sequence id {session.next_seq}")
+        self._check_overrides(overrides or {})
+        last = session.answers[-1] if session.answers else None
+        # Idempotent, except that an answer that failed without output (e.g. refused with 429) is tried again.
+        if not (session.input_ended and last is not None and not (last.status == "failed" and not last.text)):
+            session.input_ended = True
+            await self._start_answer(session, overrides or {})
+        return {**session.describe(), "answer": session.answers[-1].summary()}
+
+    @session_api
+    async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Realtime `response.create`: answer the conversation so far (input may go on afterwards)."""
+        session = self._get(session_id)
+        if session.answering:
+            raise SessionError(409, "a response is already in progress", "response")
+        self._check_overrides(overrides or {})
+        session.input_ended = True
+        await self._start_answer(session, overrides or {})
+        return {**session.describe(), "answer": session.answers[-1].summary()}
+
+    @session_api
+    async def session_delete(self, *, session_id: str) -> dict[str, Any]:
+        session = self._get(session_id, allow_closed=True)
+        await self._close(session, "deleted")
+        self.sessions.pop(session_id, None)
+        return {"session_id": session_id, "deleted": True}
+
+    @session_api
+    async def session_info(self, *, session_id: str) -> dict[str, Any]:
+        session = self._get(session_id, allow_closed=True)
+        stats = await self.engine.compute_stats(session_id)
+        return {
+            **session.describe(),
+            "close_reason": session.close_reason,
+            "request_ids": session.streaming.request_ids,
+            "prompt_tokens_computed": stats["prompt_tokens_computed"],
+            "block_size": stats["block_size"],
+            "answers": [a.summary() for a in session.answers],
+            # This session's admissions, evictions by kind, swapped blocks and bytes, tokens recomputed after
+            # eviction or given back by the prefix cache, invalidated tokens; and the replica's scheduler.
+            "scheduler": {
+                **stats.get("session_scheduler", {}),
+                "replica": {"replica": self.replica, **stats.get("scheduler", {})},
+            },
+        }
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _get(self, session_id: str, allow_closed: bool = False) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            owner = owner_of(session_id)
+            if owner is not None and owner != self.replica and owner not in self.adopted_owners:
+                # Its owner is draining or gone, and routers have not yet learnt who adopted it.
+                raise SessionError(503, f"session {session_id} is being handed over; retry", "session_id")
+            raise SessionError(404, f"session {session_id} not found", "session_id")
+        if not allow_closed:
+            session.check_open()
+        return session
+
+    async def _prefill_stable(self, session: Session) -> None:
+        """Stream the input's stable tokens to the engine, if the start policy allows it yet."""
+        if session.answering:
+            return  # the conversation grows again once the answer is in
+        tokens = session.stable_tokens(self.engine.tokenizer)
+        if len(tokens) >= self.engine.max_model_len:
+            await self._close(session, "input exceeds the model's context length")
+            raise SessionError(400, f"session input exceeds the context length of {self.engine.max_model_len} tokens")
+        if session.streaming.active or session.may_start(len(tokens)):
+            await session.streaming.sync(tokens)
+            if tokens:
+                session.state = SessionState.PREFILLING
+
+    async def _close(self, session: Session, reason: str) -> None:
+        if session.state == SessionState.CLOSED:
+            return
+        session.state = SessionState.CLOSED
+        session.close_reason = reason
+        logger.info("session %s closed: %s", session.id, reason)
+        session.closed_at = time.monotonic()
+        if session.answering and (task := session.answers[-1].task) is not None and not task.done():
+            task.cancel()  # a hand-off in progress; an answer a router streams ends on its own
+        await session.streaming.close()
+        async with session.changed:
+            session.changed.notify_all()
+
+    async def _sweep(self) -> None:
+        """Expire idle sessions, sessions whose chunk gap never filled and answers whose reader vanished;
+        forget closed sessions; export the scheduler's figures."""
+        ticks = 0
+        while True:
+            await asyncio.sleep(0.5)
+            ticks += 1
+            if ticks % 2 == 0:
+                await self._export_scheduler_stats()
+            now = time.monotonic()
+            for state in SessionState:
+                count = sum(s.state == state for s in self.sessions.values())
+                metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
+            for session in list(self.sessions.values()):
+                try:
+                    if session.state == SessionState.CLOSED:
+                        if now - (session.closed_at or now) > CLOSED_SESSION_RETENTION_S:
+                            self.sessions.pop(session.id, None)
+                    elif (gap := session.expired_gap(now)) is not None:
+                        await self._close(session, f"chunk {gap} never arrived")
+                    elif (why := self._expire_answer(session, now)) is not None:
+                        await self._give_up_answer(session, why)
+                    elif not session.answering and now - session.last_active > session.limits.idle_timeout_s:
+                        await self._close(session, "expired")
+                except Exception:
+                    logger.exception("sweeping session %s failed", session.id)

@@ -1,0 +1,278 @@
+"""A session's answer, from the router: claim it, stream it from decode straight to the client, report its end.
+
+The session's owner prefill replica hands the KV off at end of input and gives the decode request to the one
+router that claims the answer (prefill/handoff.py). That router calls decode itself, so the answer's tokens
+take the same path as a chat completion's (decode → router → client), each SSE frame parsed once here (for
+the conversation's text and usage, and for Realtime events), then reports the outcome to the owner. A second
+reader of an answer already claimed waits for its end and gets it whole, in the same OpenAI frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.handle import DeploymentResponseGenerator
+
+from router.owner import session_call
+from serve_app import metrics
+from serve_app.protocol import SSE_DONE, error_body, sse
+
+logger = logging.getLogger(__name__)
+_END = object()
+_reports: set[asyncio.Task[Any]] = set()  # outcome reports in flight (kept from garbage collection)
+
+
+@dataclass
+class Outcome:
+    """What the owner learns of an answer: accumulated from decode's frames as they pass."""
+
+    status: str = "completed"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    response: dict[str, Any] = field(default_factory=dict)  # id, created, model
+
+    def absorb(self, sse_text: str, keep_usage: bool) -> tuple[str, list[str]]:
+        """One decode item (one or more SSE frames): what to forward to the client, and the text deltas."""
+        forward, deltas = [], []
+        for frame in sse_text.split("\n\n"):
+            if not frame.startswith("data: "):
+                continue
+            if frame == "data: [DONE]":
+                forward.append(SSE_DONE)
+                continue
+            data = json.loads(frame[6:])
+            if "error" in data:
+                self.status, self.error = "failed", data["error"]
+                forward.append(frame + "\n\n")
+                continue
+            if not self.response:
+                self.response = {k: data.get(k) for k in ("id", "created", "model")}
+            if data.get("usage"):
+                self.usage = data["usage"]
+                if not data.get("choices") and not keep_usage:
+                    continue  # the owner always asks decode for usage; this client did not
+            for choice in data.get("choices") or ():
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    deltas.append(piece)
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            forward.append(frame + "\n\n")
+        self.text += "".join(deltas)
+        return "".join(forward), deltas
+
+    def absorb_response(self, body: dict[str, Any]) -> None:
+        """A whole (non-streaming) response."""
+        choice = (body.get("choices") or [{}])[0]
+        self.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        self.finish_reason, self.usage = choice.get("finish_reason"), body.get("usage")
+        self.response = {k: body.get(k) for k in ("id", "created", "model")}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "error": self.error,
+            "response": self.response,
+        }
+
+
+class AnswerReader:
+    """One reader of one session answer. `open()`, then `frames()` (SSE) or `whole()` (one object)."""
+
+    def __init__(self, ingress: Any, session_id: str, turn: int | None = None) -> None:
+        self.ingress, self.session_id, self.turn = ingress, session_id, turn
+        self.claim: dict[str, Any] = {}
+        self.outcome = Outcome()
+        self.summary: dict[str, Any] | None = None  # a replay: the answer as the owner knows it
+        self._stream: DeploymentResponseGenerator | None = None
+        self._first: Any = None
+        self._reported: asyncio.Task[Any] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.claim.get("endpoint", "chat")
+
+    async def open(self, stream: bool = True) -> dict[str, Any] | None:
+        """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
+        answer cannot be read (no such session or answer, or an answer that failed before any output)."""
+        claim = await session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
+        if "error" in claim:
+            return claim
+        self.claim, self.turn = claim, claim["turn"]
+        if "request" not in claim:  # over, failed, or being read by another: it is replayed whole
+            summary = claim["answer"]
+            if summary["status"] not in ("completed", "cancelled", "failed"):
+                result = await session_call(self.ingress, "session_result", session_id=self.session_id, turn=self.turn)
+                if "error" in result:
+                    return result
+                summary = result["answer"]
+            config = getattr(self.ingress, "config", None)
+            meta = {k: v for k, v in (summary.get("response") or {}).items() if v}
+            summary["response"] = {"model": getattr(config, "model_name", ""), **meta}
+            self.summary = summary
+            if summary["status"] == "failed" and not summary.get("text"):
+                return {"error": summary.get("error") or error_body(500, "the answer failed")["error"]}
+            return None
+        request = dict(claim["request"])
+        if not stream:
+            request["stream"] = False
+            request.pop("stream_options", None)
+        self._stream = self.ingress.decode.generate.remote(self.endpoint, request)
+        try:
+            first = await self._stream.__anext__()
+        except StopAsyncIteration:
+            first = error_body(500, "decode returned nothing")
+        except asyncio.CancelledError:
+            self._stream.cancel()
+            self.report("cancelled")
+            raise
+        except Exception as e:
+            logger.exception("session %s: decode failed", self.session_id)
+            first = error_body(500, f"decode failed: {e}")
+        if isinstance(first, dict) and "error" in first:
+            self.outcome.error = first["error"]
+            self.report("failed")
+            return first
+        self._first = first
+        return None
+
+    async def items(self) -> AsyncGenerator[tuple[str, list[str]], None]:
+        """(SSE text to forward, text deltas) per decode item; the outcome is reported when it ends."""
+        if self.summary is not None:
+            text = self.summary.get("text") or ""
+            yield replay_frames(self.endpoint, self.summary, self.claim.get("include_usage", False)), [text]
+            return
+        assert self._stream is not None and isinstance(self._first, str)
+        status = "cancelled"  # the client left, unless the stream ends
+        keep_usage = bool(self.claim.get("include_usage"))
+        try:
+            item: Any = self._first
+            while item is not _END:
+                forward, deltas = self._absorb(item, keep_usage)
+                if SSE_DONE in forward:
+                    # The outcome is whole: the owner hears it before the client does, so that the client's
+                    # next input never finds the answer still in progress.
+                    await asyncio.shield(self.report(self.outcome.status))
+                yield forward, deltas
+                item = await anext(self._stream, _END)
+            status = self.outcome.status
+        except Exception as e:  # the decode replica failed mid-stream
+            logger.exception("session %s: decode stream failed", self.session_id)
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
+            self.outcome.error = error_body(500, f"decode failed mid-stream: {e}")["error"]
+            status = "failed"
+            yield sse({"error": self.outcome.error}) + SSE_DONE, []
+        finally:
+            self._stream.cancel()
+            self.report(status)
+
+    def _absorb(self, item: str, keep_usage: bool) -> tuple[str, list[str]]:
+        first = not self.outcome.text
+        forward, deltas = self.outcome.absorb(item, keep_usage)
+        if first and deltas and (at := self.claim.get("last_chunk_time")) is not None:
+            waited = max(0.0, time.time() - at)
+            metrics.observe(metrics.LAST_CHUNK_TO_FIRST_TOKEN, waited, "last input chunk to first token")
+        return forward, deltas
+
+    async def whole(self) -> dict[str, Any]:
+        """The answer as one non-streaming response object (`open(stream=False)` first)."""
+        if self.summary is not None:
+            return completion_object(self.endpoint, self.summary)
+        assert isinstance(self._first, dict)
+        self.outcome.absorb_response(self._first)
+        await asyncio.shield(self.report("completed"))
+        return self._first
+
+    def report(self, status: str) -> asyncio.Task[Any]:
+        """Tell the owner how the answer ended, once; in a task of its own, so that a client that left (a
+        cancelled task) cannot stop it. Returns the report's task (await it to know the owner has it)."""
+        if self._reported is not None or self.summary is not None or self.turn is None:
+            return self._reported or _done_task()
+
+        self.outcome.status = status
+        call = session_call(
+            self.ingress,
+            "session_answer_done",
+            session_id=self.session_id,
+            turn=self.turn,
+            outcome=self.outcome.as_dict(),
+        )
+        task = self._reported = asyncio.create_task(call)
+        _reports.add(task)
+        task.add_done_callback(_reports.discard)
+        return task
+
+    def release(self) -> None:
+        """The reader gives up before streaming (e.g. the client left): the answer counts as cancelled."""
+        if self._stream is not None:
+            self._stream.cancel()
+        self.report("cancelled")
+
+
+def _done_task() -> asyncio.Task[Any]:
+    async def nothing() -> None:
+        return None
+
+    return asyncio.ensure_future(nothing())
+
+
+def _choice(endpoint: str, text: str | None, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    if endpoint == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": text or ""}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+def _meta(endpoint: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """The response's id, created and model as decode wrote them; made up for an answer that ended before
+    decode wrote anything (cancelled or failed before its first frame)."""
+    meta = summary.get("response") or {}
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    return {
+        "id": meta.get("id") or f"{prefix}-{uuid.uuid4().hex}",
+        "created": meta.get("created") or int(time.time()),
+        "model": meta.get("model") or "",
+    }
+
+
+def replay_frames(endpoint: str, summary: dict[str, Any], include_usage: bool) -> str:
+    """A finished answer as the SSE frames its stream had: role (chat), text with the finish reason, usage
+    (if asked), `[DONE]`."""
+    meta = _meta(endpoint, summary)
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+    base = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"]}
+    frames = []
+    if endpoint == "chat":
+        frames.append({**base, "choices": [_choice(endpoint, None, None, True)]})
+    text, finish = summary.get("text"), summary.get("finish_reason")
+    frames.append({**base, "choices": [_choice(endpoint, text, finish, False)]})
+    if summary.get("error"):
+        frames.append({"error": summary["error"]})
+    if include_usage and summary.get("usage"):
+        frames.append({**base, "choices": [], "usage": summary["usage"]})
+    return "".join(sse(f) for f in frames) + SSE_DONE
+
+
+def completion_object(endpoint: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """A finished answer as the object a non-streaming request returns."""
+    meta = _meta(endpoint, summary)
+    text, finish = summary.get("text") or "", summary.get("finish_reason")
+    if endpoint == "chat":
+        message = {"role": "assistant", "content": text}
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice, obj = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}, "text_completion"
+    body = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"]}
+    return {**body, "choices": [choice], "usage": summary.get("usage")}

@@ -1,0 +1,90 @@
+"""Conditional disaggregation: whether a request's prompt is prefilled on a prefill replica or by decode.
+
+As in Dynamo and llm-d, disaggregation is a per-request decision. A short prompt costs less to compute on
+decode than to prefill elsewhere and move over NIXL (which moves whole blocks only), and when prefill is the
+bottleneck (this router already waits on many prefills, or a prefill replica refuses for capacity) decode
+computes the prompt rather than queue it. Streaming-input sessions always hand off: their KV is already on
+their prefill replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from serve_app import metrics
+from serve_app.config import AppConfig, DisaggregationConfig
+from serve_app.protocol import Endpoint
+
+logger = logging.getLogger(__name__)
+Where = Literal["prefill", "decode"]
+_TOKENIZE_MAX_BYTES = 64 * 1024  # a longer prompt is long enough without counting its tokens
+
+
+class Disaggregation:
+    def __init__(self, app: AppConfig) -> None:
+        self.config: DisaggregationConfig = app.router.disaggregation
+        self.app = app
+        self.inflight = 0
+        self.tokenizer: Any = None
+        self._loading: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Load the tokenizer in the background (until it is there, every request is disaggregated)."""
+        if self.config.min_prompt_tokens > 0 and self._loading is None:
+            self._loading = asyncio.get_running_loop().create_task(asyncio.to_thread(self._load))
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from serve_app.engine import resolve_model
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.app.tokenizer or resolve_model(self.app.model))
+        except Exception:
+            logger.exception("no tokenizer for conditional disaggregation: every request goes through prefill")
+
+    def prompt_tokens(self, endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+        """The prompt's length in tokens (None: unknown, or too long to be worth counting)."""
+        if self.tokenizer is None:
+            return None
+        try:
+            if endpoint == "chat":
+                messages = body.get("messages")
+                if not isinstance(messages, list) or len(str(messages)) > _TOKENIZE_MAX_BYTES:
+                    return None
+                ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+                return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return len(prompt)
+            if isinstance(prompt, str) and len(prompt) <= _TOKENIZE_MAX_BYTES:
+                return len(self.tokenizer.encode(prompt))
+        except Exception:  # an unusual template or content: let the engines judge the request
+            return None
+        return None
+
+    def choose(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Where, str]:
+        """(where the prompt is prefilled, why)."""
+        if self.config.min_prompt_tokens > 0:
+            tokens = self.prompt_tokens(endpoint, body)
+            if tokens is not None and tokens < self.config.min_prompt_tokens:
+                return "decode", "short"
+        if self.config.max_inflight_prefills is not None and self.inflight >= self.config.max_inflight_prefills:
+            return "decode", "prefill_busy"
+        return "prefill", "long"
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    @staticmethod
+    def count(where: Where, why: str) -> None:
+        metrics.inc(metrics.ROUTER_PREFILLS, 1, "where whole prompts were prefilled", where=where, reason=why)
