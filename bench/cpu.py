@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -88,6 +89,20 @@ class CpuMeter:
         return out
 
 
+def thread_cpus(pid: int) -> list[str]:
+    """The distinct CPU lists its threads may run on (an OpenMP-bound engine shows its core here)."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    lists.add(line.split(":", 1)[1].strip())
+    return sorted(lists)
+
+
 def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[str]]:
-    """role -> `pid cmdline` of each process, for the results file."""
-    return {role: [f"{p.pid} {_cmdline(p)[:120]}" for p in procs] for role, procs in roles.items()}
+    """role -> `pid cmdline [threads on CPUs ...]` of each process, for the results file."""
+    return {
+        role: [f"{p.pid} {_cmdline(p).strip()[:100]} [threads on CPUs {' | '.join(thread_cpus(p.pid))}]" for p in procs]
+        for role, procs in roles.items()
+    }

@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "bench" / "results"
 APP_NAME, RAYLLM_NAME = "realtime-pd", "rayllm"
 PORTS = {"app": 8794, "plain": 8795, "rayllm": 8796}
+# vLLM's engine processes: `VLLM::EngineCore` (scheduler) and its `VLLM::Worker` (the model; on CPU its OpenMP
+# threads run on the bound core). Both are counted as the engine.
+ENGINES = "VLLM::"
 RAYLLM_MODEL = "tiny-llama"  # Ray Serve LLM reads a model id with a colon as a LoRA adapter id
 
 
@@ -126,7 +129,7 @@ def app(app_args: dict[str, Any]) -> Iterator[System]:
             "proxy": "ProxyActor",
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
-            "engines": "EngineCore",
+            "engines": ENGINES,
         }
         config = AppConfig.model_validate(app_args)
         yield System("app", base, config.model_name, roles, resolve_model(config.model))
@@ -165,7 +168,7 @@ def plain(config: AppConfig) -> Iterator[System]:
         except Exception:
             print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
             raise
-        roles = {"engines": "EngineCore", "frontend": "vllm.entrypoints.openai.api_server"}
+        roles = {"frontend": "vllm.entrypoints.openai.api_server", "engines": ENGINES}
         info = {"command": cmd, "env": _engine_env(config, "decode")}
         yield System("plain", base, config.model_name, roles, resolve_model(config.model), info=info)
     finally:
@@ -213,6 +216,6 @@ def rayllm(config: AppConfig) -> Iterator[System]:
             "proxy": "ProxyActor",
             "prefill_replica": f"ServeReplica:{RAYLLM_NAME}:Prefill:",
             "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
-            "engines": "EngineCore",
+            "engines": ENGINES,
         }
         yield System("rayllm", base, RAYLLM_MODEL, roles, resolve_model(config.model), info={"args": args})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shlex
 import sys
@@ -80,9 +81,13 @@ async def bench_kind(
 
 
 async def bench_system(system: systems.System, args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("httpx", "httpcore"):  # importing ray.serve.llm sets the root logger to INFO: one line a request
+        logging.getLogger(name).setLevel(logging.WARNING)
     roles = cpu.find_roles(system.roles, system.root)
     result: dict[str, Any] = {"model": system.model, "base": system.base, "processes": cpu.describe(roles)}
     result["info"] = system.info
+    for line in result["processes"].get("engines", []):
+        print(f"  engine process {line}", flush=True)
     missing = [role for role, procs in roles.items() if not procs]
     if missing:
         print(f"  no process found for {missing}", flush=True)
