@@ -18,8 +18,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.serve.handle import DeploymentResponseGenerator
-
+from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
 from serve_app import metrics
 from serve_app.protocol import SSE_DONE, error_body, sse
@@ -95,7 +94,7 @@ class AnswerReader:
         self.claim: dict[str, Any] = {}
         self.outcome = Outcome()
         self.summary: dict[str, Any] | None = None  # a replay: the answer as the owner knows it
-        self._stream: DeploymentResponseGenerator | None = None
+        self._stream: DecodeStream | None = None
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
 
@@ -128,13 +127,21 @@ class AnswerReader:
         if not stream:
             request["stream"] = False
             request.pop("stream_options", None)
-        self._stream = self.ingress.decode.generate.remote(self.endpoint, request)
+        first: Any
         try:
-            first = await self._stream.__anext__()
+            opened = await self.ingress.feeds.open(self.endpoint, request)
+            if isinstance(opened, dict):  # not a stream: the whole response, or an error
+                first = opened if "error" in opened else opened["response"]
+            else:
+                self._stream = opened
+                first = await anext(opened)
         except StopAsyncIteration:
             first = error_body(500, "decode returned nothing")
+        except DecodeFailed as e:
+            first = {"error": e.error}
         except asyncio.CancelledError:
-            self._stream.cancel()
+            if self._stream is not None:
+                self._stream.cancel()
             self.report("cancelled")
             raise
         except Exception as e:
@@ -167,10 +174,10 @@ class AnswerReader:
                 yield forward, deltas
                 item = await anext(self._stream, _END)
             status = self.outcome.status
-        except Exception as e:  # the decode replica failed mid-stream
-            logger.exception("session %s: decode stream failed", self.session_id)
+        except DecodeFailed as e:  # the decode replica failed mid-stream
+            logger.error("session %s: decode stream failed: %s", self.session_id, e)
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
-            self.outcome.error = error_body(500, f"decode failed mid-stream: {e}")["error"]
+            self.outcome.error = e.error
             status = "failed"
             yield sse({"error": self.outcome.error}) + SSE_DONE, []
         finally:

@@ -3,8 +3,9 @@
 A request goes to a prefill replica (one token, KV left for remote decode), then with the returned
 `kv_transfer_params` to a decode replica that pulls the KV over NIXL and streams the answer; a short prompt,
 or one that arrives while prefill is the bottleneck, is prefilled by decode itself (router/disaggregation.py).
-The SSE frames are vLLM's own; this router relays them, several frames per Ray item when they are ready
-together. `/health` is 503 until both engines answer.
+The SSE frames are vLLM's own; this router relays them from its decode replica's feed (router/feeds.py): every
+frame ready at each step, for all of this router's streams on that replica, in one Ray item. `/health` is 503
+until both engines answer.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from router import realtime, sessions
 from router.disaggregation import Disaggregation
+from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
 from serve_app import metrics
 from serve_app.config import AppConfig
@@ -70,16 +72,16 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-async def relay(first: str, stream: DeploymentResponseGenerator) -> AsyncGenerator[str, None]:
+async def relay(first: str, stream: DecodeStream) -> AsyncGenerator[str, None]:
     """SSE relay. A failure after the stream started becomes an SSE error event, then `[DONE]`."""
     try:
         yield first
         async for text in stream:
             yield text
-    except Exception as e:  # the decode replica failed mid-stream
-        logger.exception("decode stream failed")
+    except DecodeFailed as e:  # the decode replica failed mid-stream
+        logger.error("decode stream failed: %s", e)
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
-        yield sse(error_body(500, f"decode failed mid-stream: {e}"))
+        yield sse({"error": e.error})
         yield SSE_DONE
     finally:
         stream.cancel()  # client gone or stream over: nothing may keep running on the decode engine
@@ -91,7 +93,8 @@ class Router:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, app_config: dict[str, Any]) -> None:
         self.config = AppConfig.model_validate(app_config)
         self.prefill = prefill
-        self.decode = decode.options(stream=True)
+        self.decode = decode
+        self.feeds = Feeds(decode, serve.get_replica_context().replica_id.unique_id)
         self.created = int(time.time())
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
@@ -103,7 +106,7 @@ class Router:
         before its constructor, which loads the engine, has returned; the router itself is up long before."""
         if time.monotonic() - self._ready_at < READY_RECHECK_S:
             return True
-        checks = [self.prefill.check_health.remote(), self.decode.options(stream=False).check_health.remote()]
+        checks = [self.prefill.check_health.remote(), self.decode.check_health.remote()]
         try:
             await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
         except Exception:  # a timeout (no replica ready yet) or a failed engine
@@ -174,14 +177,20 @@ class Router:
         self.disaggregation.count(where, why)
         prefilled_at = time.perf_counter()
 
-        stream = self.decode.generate.remote(endpoint, decode_body)
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "decode returned nothing") from None
-        except asyncio.CancelledError:  # the client left before the first token: stop decode too
-            stream.cancel()
-            raise
+        opened = await self.feeds.open(endpoint, decode_body)
+        first: Any
+        if isinstance(opened, dict):  # an error before any output, or a complete non-streaming answer
+            first = opened if "error" in opened else opened["response"]
+        else:
+            try:
+                first = await anext(opened)
+            except StopAsyncIteration:
+                raise APIError(500, "decode returned nothing") from None
+            except DecodeFailed as e:
+                first = {"error": e.error}
+            except asyncio.CancelledError:  # the client left before the first token: stop decode too
+                opened.cancel()
+                raise
         now = time.perf_counter()
         # Where the time to the first byte went (W3C Server-Timing; bench/ reads it): this router, the prefill
         # call (router → prefill replica → engine → back), decode's first item (NIXL pull, first token, hop).
@@ -197,6 +206,7 @@ class Router:
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{status}")
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
+        assert isinstance(opened, DecodeStream)
         return StreamingResponse(
-            relay(first, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers}
+            relay(first, opened), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers}
         )

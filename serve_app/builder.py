@@ -12,6 +12,7 @@ from router.app import Router
 from serve_app.config import AppConfig
 
 SESSION_ROUTER = "router.placement:SessionAffinityRouter"
+DECODE_ROUTER = "router.placement:DecodeRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -24,7 +25,8 @@ def build_app(args: dict[str, Any]) -> Application:
     # Replicas get the config without deployment options, so that scaling (num_replicas, autoscaling) is a
     # lightweight update in Serve rather than a restart of every replica.
     payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in ("router", "prefill", "decode")})
-    decode = DecodeServer.options(**config.decode.deployment).bind(payload)
+    decode_router = {"request_router_class": DECODE_ROUTER, "request_routing_stats_period_s": 1.0}
+    decode = DecodeServer.options(request_router_config=decode_router, **config.decode.deployment).bind(payload)
     # Streaming sessions live on one prefill replica: route their calls by session id.
     router_config = {"request_router_class": SESSION_ROUTER, "request_routing_stats_period_s": 1.0}
     prefill_options = {"request_router_config": router_config, **config.prefill.deployment}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
@@ -209,45 +208,3 @@ class Engine:
     def shutdown(self) -> None:
         if self.client is not None:
             self.client.shutdown()
-
-
-async def coalesce(stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-    """Yield everything `stream` has produced since the last yield, joined into one string.
-
-    Each item that crosses a Ray hop costs a fixed amount; with one item per token that cost caps the
-    token rate. Draining what is ready (never waiting to batch) keeps latency at one item while letting
-    items grow when the consumer is slower than the engine.
-    """
-    import asyncio
-
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
-    error: list[BaseException] = []
-
-    async def pump() -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait(item)
-        except BaseException as e:  # re-raised in the consumer
-            error.append(e)
-        finally:
-            queue.put_nowait(None)
-
-    task = asyncio.create_task(pump())
-    try:
-        done = False
-        while not done:
-            parts = [await queue.get()]
-            while not queue.empty():
-                parts.append(queue.get_nowait())
-            if parts[-1] is None:
-                done = True
-                parts.pop()
-            if parts:
-                yield "".join(parts)  # type: ignore[arg-type]
-        if error and not isinstance(error[0], asyncio.CancelledError):
-            raise error[0]
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        await stream.aclose()

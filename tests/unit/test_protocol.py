@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from prefill.server import prefill_body
 from router.sessions import session_spec
 from serve_app.config import AppConfig
-from serve_app.engine import coalesce
 from serve_app.protocol import choice_text, error_body, error_status, parse_sse, sse, validate_openai_body
 
 
@@ -79,31 +76,3 @@ def test_role_engine_config_merges_over_shared():
 def test_prefill_prefix_cache_cannot_be_disabled():
     with pytest.raises(ValueError):
         AppConfig.model_validate({"prefill": {"engine": {"enable_prefix_caching": False}}})
-
-
-def test_coalesce_joins_what_is_ready_and_keeps_order():
-    async def source():
-        for i in range(5):
-            yield f"{i},"
-        await asyncio.sleep(0.01)
-        for i in range(5, 8):
-            yield f"{i},"
-
-    async def run():
-        return [item async for item in coalesce(source())]
-
-    items = asyncio.run(run())
-    assert "".join(items) == "0,1,2,3,4,5,6,7,"
-    assert len(items) < 8  # frames ready together crossed as one item
-
-
-def test_coalesce_propagates_errors():
-    async def source():
-        yield "a"
-        raise RuntimeError("engine died")
-
-    async def run():
-        return [item async for item in coalesce(source())]
-
-    with pytest.raises(RuntimeError, match="engine died"):
-        asyncio.run(run())

@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from router import answers
 from router.answers import AnswerReader, Outcome, completion_object, replay_frames
+from router.feeds import DecodeFailed
 from serve_app.protocol import error_body
 
 CREATED = 1_700_000_000
@@ -294,7 +295,8 @@ class FakeOwner:
 
 
 class FakeDecodeStream:
-    """decode's `generate` stream (a DeploymentResponseGenerator): items, or an exception to raise."""
+    """A request's stream from its decode feed (router.feeds.DecodeStream): items, or an exception, which
+    reaches the reader as `DecodeFailed` as the feed reports it."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = list(items)
@@ -309,7 +311,7 @@ class FakeDecodeStream:
             raise StopAsyncIteration
         item = self.items.pop(0)
         if isinstance(item, BaseException):
-            raise item
+            raise DecodeFailed(error_body(500, f"decode failed mid-stream: {item}")["error"])
         return item
 
     def cancel(self) -> None:
@@ -317,20 +319,25 @@ class FakeDecodeStream:
 
 
 class FakeDecode:
+    """The router's decode feeds (router.feeds.Feeds): `open` gives a stream, or the answer when it is not one."""
+
     def __init__(self, items: list[Any]) -> None:
         self.stream = FakeDecodeStream(items)
         self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.generate = Remote(self._generate)
 
-    def _generate(self, endpoint: str, request: dict[str, Any]) -> FakeDecodeStream:
+    async def open(self, endpoint: str, request: dict[str, Any]) -> Any:
         self.requests.append((endpoint, request))
+        first = self.stream.items[0] if self.stream.items else None
+        if isinstance(first, dict):
+            self.stream.items.pop(0)
+            return first if "error" in first else {"response": first}
         return self.stream
 
 
 class FakeIngress:
     def __init__(self, owner: FakeOwner, decode_items: list[Any] | None = None) -> None:
         self.prefill = owner
-        self.decode = FakeDecode(decode_items or [])
+        self.decode = self.feeds = FakeDecode(decode_items or [])
 
 
 DECODE_REQUEST = {

@@ -1,0 +1,134 @@
+"""This router's side of the decode feeds (decode/feed.py): one stream per decode replica, demultiplexed.
+
+`Feeds.open()` starts a request on a decode replica (Serve picks it) and returns a `DecodeStream`, the
+request's own frames: everything ready at each step, joined. Its decode replica's feed is opened on first use
+and read by one task for as long as the router lives; the frames of all its requests arrive in one Ray item
+per engine step instead of one item per request per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.protocol import Endpoint, error_body
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeFailed(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message", "decode failed"))
+        self.error = error
+
+
+class _End:
+    def __init__(self, error: dict[str, Any] | None) -> None:
+        self.error = error
+
+
+class DecodeStream:
+    """One request's SSE text from its decode replica: async-iterate it; `cancel()` when the client leaves."""
+
+    def __init__(self, feeds: Feeds, stream_id: str) -> None:
+        self.feeds, self.stream_id = feeds, stream_id
+        self.replica: str | None = None
+        self.queue: asyncio.Queue[str | _End] = asyncio.Queue()
+        self._end: _End | None = None
+
+    def __aiter__(self) -> DecodeStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._end is None:
+            parts: list[str] = []
+            item = await self.queue.get()
+            while True:
+                if isinstance(item, _End):
+                    self._end = item
+                    break
+                parts.append(item)
+                if self.queue.empty():
+                    break
+                item = self.queue.get_nowait()
+            if parts:
+                return "".join(parts)
+        if self._end.error is not None and self._end.error.get("code") != 499:
+            error, self._end.error = self._end.error, None  # raised once
+            raise DecodeFailed(error)
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """Stop the request on decode (a no-op once it has ended)."""
+        if self.feeds.streams.pop(self.stream_id, None) is not None and self.replica is not None:
+            self.feeds.stop(self)
+
+
+class Feeds:
+    def __init__(self, decode: DeploymentHandle, consumer: str) -> None:
+        self.decode = decode.options(stream=False)
+        self.consumer = consumer
+        self.streams: dict[str, DecodeStream] = {}
+        self.readers: dict[str, asyncio.Task[None]] = {}
+        self._stops: set[asyncio.Task[Any]] = set()
+
+    async def open(self, endpoint: Endpoint, body: dict[str, Any]) -> DecodeStream | dict[str, Any]:
+        """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""
+        stream = DecodeStream(self, uuid.uuid4().hex)
+        self.streams[stream.stream_id] = stream  # before start: its first frames may come before start returns
+        try:
+            started = await self.decode.start.remote(
+                consumer=self.consumer, stream_id=stream.stream_id, endpoint=endpoint, body=body
+            )
+        except BaseException:
+            self.streams.pop(stream.stream_id, None)  # if it started, the unread feed aborts it
+            raise
+        if "replica" not in started:
+            self.streams.pop(stream.stream_id, None)
+            return started
+        stream.replica = started["replica"]
+        self._read(stream.replica)
+        return stream
+
+    def _read(self, replica: str) -> None:
+        reader = self.readers.get(replica)
+        if reader is None or reader.done():
+            self.readers[replica] = asyncio.get_running_loop().create_task(self._reader(replica))
+
+    async def _reader(self, replica: str) -> None:
+        error = error_body(500, f"decode replica {replica} stopped streaming")["error"]
+        try:
+            feed = self.decode.options(stream=True).feed.remote(consumer=self.consumer, replica=replica)
+            async for frames, ended in feed:
+                for stream_id, text in frames.items():
+                    if (stream := self.streams.get(stream_id)) is not None:
+                        stream.queue.put_nowait(text)
+                for stream_id, end in ended.items():
+                    if (stream := self.streams.pop(stream_id, None)) is not None:
+                        stream.queue.put_nowait(_End(end))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("feed from decode replica %s failed", replica)
+            error = error_body(500, f"decode replica {replica} failed: {e}")["error"]
+        finally:  # the replica is gone: its streams end with an error (another request opens a new feed)
+            for stream_id, stream in list(self.streams.items()):
+                if stream.replica == replica:
+                    self.streams.pop(stream_id, None)
+                    stream.queue.put_nowait(_End(error))
+
+    def stop(self, stream: DecodeStream) -> None:
+        call = self.decode.stop.remote(consumer=self.consumer, stream_id=stream.stream_id, replica=stream.replica)
+
+        async def wait() -> None:
+            with contextlib.suppress(Exception):
+                await call
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)

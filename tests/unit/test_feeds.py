@@ -1,0 +1,172 @@
+"""The decode feeds: an outbox hands over everything ready at once; the router demultiplexes it per request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from decode.feed import Outbox
+from router.feeds import DecodeFailed, DecodeStream, Feeds
+
+
+def test_outbox_hands_over_everything_ready_in_one_item() -> None:
+    async def run() -> list[Any]:
+        box = Outbox()
+        box.put("a", "data: 1\n\n")
+        box.put("b", "data: x\n\n")
+        box.put("a", "data: 2\n\n")
+        first = await box.take()
+        box.end("a")
+        box.end("b", {"message": "boom", "code": 500})
+        second = await box.take()
+        waiting = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0.01)
+        return [first, second, waiting.done()]
+
+    first, second, blocked = asyncio.run(run())
+    assert first == ({"a": "data: 1\n\ndata: 2\n\n", "b": "data: x\n\n"}, {})
+    assert second == ({}, {"a": None, "b": {"message": "boom", "code": 500}})
+    assert blocked is False  # nothing ready: the feed waits, it does not spin
+
+
+class FakeCall:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Any:
+        async def result() -> Any:
+            if isinstance(self.value, BaseException):
+                raise self.value
+            return self.value
+
+        return result().__await__()
+
+
+class FakeDecode:
+    """A decode deployment handle: `start` answers with its replica; `feed` yields what the test pushes."""
+
+    def __init__(self) -> None:
+        self.batches: asyncio.Queue[Any] = asyncio.Queue()
+        self.stopped: list[str] = []
+        self.feeds: list[dict[str, Any]] = []
+        self.start_reply: dict[str, Any] = {"replica": "d1"}
+        self.start_kwargs: dict[str, Any] = {}
+
+    def options(self, **_: Any) -> FakeDecode:
+        return self
+
+    @property
+    def start(self) -> Any:
+        outer = self
+
+        class Method:
+            def remote(self, **kwargs: Any) -> FakeCall:
+                outer.start_kwargs = kwargs
+                return FakeCall(outer.start_reply)
+
+        return Method()
+
+    @property
+    def feed(self) -> Any:
+        outer = self
+
+        class Method:
+            def remote(self, **kwargs: Any) -> AsyncIterator[Any]:
+                outer.feeds.append(kwargs)
+
+                async def gen() -> AsyncIterator[Any]:
+                    while True:
+                        batch = await outer.batches.get()
+                        if isinstance(batch, BaseException):
+                            raise batch
+                        yield batch
+
+                return gen()
+
+        return Method()
+
+    @property
+    def stop(self) -> Any:
+        outer = self
+
+        class Method:
+            def remote(self, **kwargs: Any) -> FakeCall:
+                outer.stopped.append(kwargs["stream_id"])
+                return FakeCall(None)
+
+        return Method()
+
+
+async def collect(stream: DecodeStream) -> list[str]:
+    return [text async for text in stream]
+
+
+def test_feeds_demultiplex_one_feed_into_each_requests_stream() -> None:
+    async def run() -> tuple[list[str], list[str], FakeDecode]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "router-1")  # type: ignore[arg-type]
+        a = await feeds.open("chat", {"stream": True})
+        b = await feeds.open("chat", {"stream": True})
+        assert isinstance(a, DecodeStream) and isinstance(b, DecodeStream)
+        decode.batches.put_nowait(({a.stream_id: "A1", b.stream_id: "B1"}, {}))
+        decode.batches.put_nowait(({a.stream_id: "A2"}, {a.stream_id: None}))
+        decode.batches.put_nowait(({b.stream_id: "B2"}, {b.stream_id: None}))
+        got_a, got_b = await asyncio.gather(collect(a), collect(b))
+        return got_a, got_b, decode
+
+    got_a, got_b, decode = asyncio.run(run())
+    assert "".join(got_a) == "A1A2" and "".join(got_b) == "B1B2"
+    assert len(decode.feeds) == 1 and decode.feeds[0] == {"consumer": "router-1", "replica": "d1"}  # one feed
+
+
+def test_a_stream_ending_with_an_error_raises_it_and_a_stop_is_silent() -> None:
+    async def run() -> tuple[Any, list[str]]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        a = await feeds.open("chat", {})
+        b = await feeds.open("chat", {})
+        assert isinstance(a, DecodeStream) and isinstance(b, DecodeStream)
+        decode.batches.put_nowait(({a.stream_id: "x"}, {a.stream_id: {"message": "boom", "code": 500}}))
+        decode.batches.put_nowait(({}, {b.stream_id: {"message": "stopped", "code": 499}}))
+        with pytest.raises(DecodeFailed) as failed:
+            await collect(a)
+        return failed.value.error, await collect(b)
+
+    error, b_items = asyncio.run(run())
+    assert error["message"] == "boom" and b_items == []
+
+
+def test_a_feed_that_fails_ends_every_stream_of_that_replica_with_an_error() -> None:
+    async def run() -> Any:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        a = await feeds.open("chat", {})
+        assert isinstance(a, DecodeStream)
+        decode.batches.put_nowait(RuntimeError("replica died"))
+        with pytest.raises(DecodeFailed) as failed:
+            await collect(a)
+        return failed.value.error, feeds.streams
+
+    error, streams = asyncio.run(run())
+    assert "replica died" in error["message"] and streams == {}
+
+
+def test_cancel_stops_the_request_on_decode_once_and_non_streams_are_answers() -> None:
+    async def run() -> tuple[list[str], Any]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        a = await feeds.open("chat", {})
+        assert isinstance(a, DecodeStream)
+        a.cancel()
+        a.cancel()
+        await asyncio.sleep(0)
+        decode.start_reply = {"response": {"object": "chat.completion"}}
+        whole = await feeds.open("chat", {"stream": False})
+        return decode.stopped, (whole, feeds.streams)
+
+    stopped, (whole, streams) = asyncio.run(run())
+    assert len(stopped) == 1
+    assert whole == {"response": {"object": "chat.completion"}} and streams == {}
