@@ -42,7 +42,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 bench: install
-	$(PY) bench/openai_stream.py
+	$(PY) bench/token_path.py
 
 manifests: install
 	$(PY) -m serve_app.manifests
