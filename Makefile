@@ -26,7 +26,9 @@ model: install
 run: install
 	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
 	# One line on stdout once /health is 200 (both engines answer); `serve run` keeps this shell's pid.
-	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & exec $(VENV)/bin/serve run $(CONFIG)
+	# Serve's proxy talks to the router over gRPC (serve_app/serve_env.py), so `serve run` starts Ray with it.
+	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & \
+	  exec env $$($(PY) -m serve_app.serve_env) $(VENV)/bin/serve run $(CONFIG)
 
 test: install lint
 	$(VENV)/bin/pytest -q -ra

@@ -62,13 +62,10 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str) -> dict[str, A
             **timings(r.headers.get("server-timing", "")),
         }
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and any(
-                (c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices", [])
-            ):
+            if "ttft" in sample or not line.startswith("data: {"):
+                continue
+            if any((c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
                 sample["ttft"] = (time.perf_counter() - start) * 1000
-                break
-        async for _ in r.aiter_lines():
-            pass
     return sample
 
 

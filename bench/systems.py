@@ -94,6 +94,9 @@ def ray_serve(port: int) -> Iterator[None]:
     import ray
     from ray import serve
 
+    from serve_app import serve_env
+
+    serve_env.apply()  # as `make run` serves it (Serve's proxy over gRPC); Ray Serve LLM gets the same
     ray.init(
         address="local",
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled; Ray Serve LLM needs > 2

@@ -8,8 +8,12 @@ asks for the next one and anything is ready.
 
     router                                  decode replica
       start(stream_id, request) ─────────►  engine request; frames go to the router's outbox
-      feed(consumer)   ◄── {stream_id: frames, ...}, {stream_id: end | error} ── outbox, drained per item
+      feed(consumer, replica) ◄── {stream_id: frames}, {stream_id: None | error} ── outbox, per item
       stop(stream_id)  ─────────►  abort (the client left)
+
+A feed with no stream left ends after a few idle seconds (the router opens a new one with its next request):
+a permanent call would keep a draining replica from ever stopping. A feed that attaches while an older one of
+the same router is still attached takes the outbox over; the older one puts back what it took and leaves.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ class Outbox:
         self.ready = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[None]] = {}  # stream id -> the task pumping its engine output
         self.drained_at = time.monotonic()  # when the router last took an item (an abandoned outbox is reaped)
-        self.attached = False
+        self.owner: object | None = None  # the feed reading it (a newer feed of the same router takes it over)
+
+    @property
+    def attached(self) -> bool:
+        return self.owner is not None
+
+    @property
+    def idle(self) -> bool:
+        return not (self.tasks or self.frames or self.ended)
 
     def put(self, stream_id: str, text: str) -> None:
         self.frames.setdefault(stream_id, []).append(text)
@@ -43,12 +55,23 @@ class Outbox:
 
     async def take(self) -> Batch:
         """Everything ready now (waits until something is)."""
-        await self.ready.wait()
+        while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
+            await self.ready.wait()
+            self.ready.clear()
         self.ready.clear()
         frames = {sid: "".join(parts) for sid, parts in self.frames.items()}
         ended, self.frames, self.ended = self.ended, {}, {}
         self.drained_at = time.monotonic()
         return frames, ended
+
+    def restore(self, batch: Batch) -> None:
+        """Put back a batch its reader could not deliver (it was taken over), ahead of anything newer."""
+        frames, ended = batch
+        for stream_id, text in frames.items():
+            self.frames[stream_id] = [text, *self.frames.get(stream_id, [])]
+        self.ended = {**ended, **self.ended}
+        if frames or ended:
+            self.ready.set()
 
     def cancel_all(self) -> None:
         for task in list(self.tasks.values()):

@@ -16,12 +16,14 @@ from typing import Any
 from ray import serve
 
 from decode.feed import Batch, Outbox
+from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
 from serve_app.engine import Endpoint, Engine
 from serve_app.protocol import error_body, error_payload
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
+FEED_IDLE_S = 5.0  # a feed with no stream ends after this (so that a draining replica can stop)
 
 
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
@@ -34,9 +36,7 @@ class DecodeServer:
         self.outboxes: dict[str, Outbox] = {}
         self._reaper = asyncio.create_task(self._reap())
 
-    async def start(
-        self, *, consumer: str, stream_id: str, endpoint: Endpoint, body: dict[str, Any], replica: str | None = None
-    ) -> dict[str, Any]:
+    async def start(self, *, consumer: str, stream_id: str, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
         and this engine prefills it). A stream's frames go to `consumer`'s feed: `{"replica": <this one>}`.
         Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`."""
@@ -60,23 +60,39 @@ class DecodeServer:
             logger.exception("decode stream %s failed", stream_id)
             error = error_body(500, f"decode failed mid-stream: {e}")["error"]
         finally:
-            await stream.aclose()  # closing vLLM's generator aborts the engine request
-            outbox.end(stream_id, error)
+            try:
+                await stream.aclose()  # closing vLLM's generator aborts the engine request
+            finally:
+                outbox.end(stream_id, error)  # whatever happens, the router learns the stream ended
 
     async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
-        """`consumer`'s frames from every one of its streams on this replica, for as long as it listens."""
+        """`consumer`'s frames from every one of its streams on this replica, for as long as it listens and
+        has streams here (an idle feed ends after FEED_IDLE_S; the router opens a new one when it needs it)."""
         if replica != self.replica:  # routed elsewhere: the replica it wants is gone
             raise RuntimeError(f"decode replica {replica} is gone")
         outbox = self.outboxes.setdefault(consumer, Outbox())
-        outbox.attached = True
+        token = outbox.owner = object()
+        idle_end = False
         try:
-            while True:
-                yield await outbox.take()
-        finally:  # the router stopped listening (it left or died): nobody reads these streams any more
-            outbox.attached = False
-            outbox.cancel_all()
-            if self.outboxes.get(consumer) is outbox:
-                del self.outboxes[consumer]
+            while outbox.owner is token:
+                try:
+                    batch = await asyncio.wait_for(outbox.take(), FEED_IDLE_S)
+                except TimeoutError:
+                    if outbox.idle:
+                        idle_end = True
+                        return
+                    continue
+                if outbox.owner is not token:  # a newer feed of this router took over: it delivers this
+                    outbox.restore(batch)
+                    return
+                yield batch
+        finally:
+            if outbox.owner is token:
+                outbox.owner = None
+                if not idle_end:  # the router stopped listening (it left or died): nobody reads these streams
+                    outbox.cancel_all()
+                if self.outboxes.get(consumer) is outbox and (outbox.idle or not idle_end):
+                    del self.outboxes[consumer]
 
     async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> None:
         """The client left: abort its request."""
@@ -94,9 +110,17 @@ class DecodeServer:
                     outbox.cancel_all()
                     del self.outboxes[consumer]
 
+    def _active_streams(self) -> int:
+        return sum(len(o.tasks) for o in self.outboxes.values())
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Streams running here: the request router spreads new requests by it (router/placement.py)."""
-        return {"active_streams": sum(len(o.tasks) for o in self.outboxes.values())}
+        return {ACTIVE_STREAMS: self._active_streams()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Streams are the load (Serve sees only the short calls that start them, and the feeds):
+        serve_app/autoscaling.py `stream_aware_policy`."""
+        return {ACTIVE_STREAMS: float(self._active_streams())}
 
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         return await self.engine.compute_stats(request_id_prefix)
@@ -105,4 +129,5 @@ class DecodeServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
-        self.engine.shutdown()
+        if (engine := getattr(self, "engine", None)) is not None:
+            engine.shutdown()

@@ -127,15 +127,21 @@ class HandOff:
 
     @session_api
     async def session_answer_done(self, *, session_id: str, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
-        """The claiming router's report of how the answer ended (idempotent; also cancels an unclaimed one)."""
+        """The claiming router's report of how the answer ended (idempotent; also cancels an unclaimed one).
+        `released`: its reader left before any output, and the answer waits for the next one."""
         session = self._get(session_id, allow_closed=True)
         if not 0 <= turn < len(session.answers):
             raise SessionError(404, f"session {session_id} has no answer {turn}", "turn")
         answer = session.answers[turn]
         status = outcome.get("status")
-        if status not in DONE:
+        if status not in (*DONE, "released"):
             raise SessionError(400, f"an answer ends completed, cancelled or failed, not {status!r}", "status")
         if answer.done:
+            return answer.summary()
+        if status == "released":  # its reader left before any output: the next reader streams it
+            if answer.status == "streaming":
+                answer.status, answer.claimed_at = "ready", None
+                await _notify(session)
             return answer.summary()
         if answer.task is not None and not answer.task.done():  # cancelled before its hand-off was claimed
             answer.task.cancel()

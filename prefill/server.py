@@ -39,7 +39,7 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
-DRAIN_ANSWERS_S = 20.0  # how long a draining replica waits for answers in flight before handing sessions over
+DRAIN_HANDOFFS_S = 3.0  # how long a draining replica lets hand-offs in progress finish before handing over
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -157,11 +157,14 @@ class PrefillServer(SessionAPI):
         return {"adopted_owners": sorted(self.adopted_owners)}
 
     async def drain(self) -> None:
-        """Before this replica stops: give answers in flight a while to end (their routers report here),
-        then hand every open session to another replica of the deployment (Serve no longer routes to a
-        stopping replica)."""
-        deadline = time.monotonic() + DRAIN_ANSWERS_S
-        while time.monotonic() < deadline and any(s.answering for s in self.sessions.values()):
+        """Before this replica stops, hand every open session to another replica of the deployment. Serve no
+        longer routes to a stopping replica, so nothing is waited for but hand-offs in progress (briefly): an
+        answer a router is streaming is exported as such, and its router reports its end to the adopter (it
+        retries until routers know who that is); one handed off but not claimed is handed off again there."""
+        deadline = time.monotonic() + DRAIN_HANDOFFS_S
+        while time.monotonic() < deadline and any(
+            s.answers and s.answers[-1].status == "preparing" for s in self.sessions.values()
+        ):
             await asyncio.sleep(0.1)
         states = [s.export() for s in self.sessions.values() if s.state != SessionState.CLOSED]
         if not states:

@@ -10,6 +10,7 @@ reader of an answer already claimed waits for its end and gets it whole, in the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,10 +22,12 @@ from typing import Any
 from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
 from serve_app import metrics
-from serve_app.protocol import SSE_DONE, error_body, sse
+from serve_app.protocol import SSE_DONE, error_body, error_status, sse
 
 logger = logging.getLogger(__name__)
 _END = object()
+REPORT_WAIT_S = 2.0  # how long the end of a stream waits for the owner to have the outcome
+REPORT_ATTEMPTS, REPORT_RETRY_S = 8, 2.0
 _reports: set[asyncio.Task[Any]] = set()  # outcome reports in flight (kept from garbage collection)
 
 
@@ -97,6 +100,7 @@ class AnswerReader:
         self._stream: DecodeStream | None = None
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
+        self._streamed = False  # whether any of the answer reached the client
 
     @property
     def endpoint(self) -> str:
@@ -105,7 +109,14 @@ class AnswerReader:
     async def open(self, stream: bool = True) -> dict[str, Any] | None:
         """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
-        claim = await session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
+        call = asyncio.ensure_future(
+            session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
+        )
+        try:
+            claim = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
+            call.add_done_callback(self._claimed_after_leaving)
+            raise
         if "error" in claim:
             return claim
         self.claim, self.turn = claim, claim["turn"]
@@ -149,7 +160,7 @@ class AnswerReader:
             first = error_body(500, f"decode failed: {e}")
         if isinstance(first, dict) and "error" in first:
             self.outcome.error = first["error"]
-            self.report("failed")
+            await self.settle("failed")
             return first
         self._first = first
         return None
@@ -170,7 +181,8 @@ class AnswerReader:
                 if SSE_DONE in forward:
                     # The outcome is whole: the owner hears it before the client does, so that the client's
                     # next input never finds the answer still in progress.
-                    await asyncio.shield(self.report(self.outcome.status))
+                    await self.settle(self.outcome.status)
+                self._streamed = self._streamed or bool(deltas)
                 yield forward, deltas
                 item = await anext(self._stream, _END)
             status = self.outcome.status
@@ -179,10 +191,12 @@ class AnswerReader:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
             self.outcome.error = e.error
             status = "failed"
+            await self.settle(status)
             yield sse({"error": self.outcome.error}) + SSE_DONE, []
         finally:
             self._stream.cancel()
-            self.report(status)
+            # A client that left before any text: the answer goes back to its owner for the next reader.
+            self.report("released" if status == "cancelled" and not self._streamed else status)
 
     def _absorb(self, item: str, keep_usage: bool) -> tuple[str, list[str]]:
         first = not self.outcome.text
@@ -198,7 +212,7 @@ class AnswerReader:
             return completion_object(self.endpoint, self.summary)
         assert isinstance(self._first, dict)
         self.outcome.absorb_response(self._first)
-        await asyncio.shield(self.report("completed"))
+        await self.settle("completed")
         return self._first
 
     def report(self, status: str) -> asyncio.Task[Any]:
@@ -206,25 +220,54 @@ class AnswerReader:
         cancelled task) cannot stop it. Returns the report's task (await it to know the owner has it)."""
         if self._reported is not None or self.summary is not None or self.turn is None:
             return self._reported or _done_task()
-
         self.outcome.status = status
-        call = session_call(
-            self.ingress,
-            "session_answer_done",
-            session_id=self.session_id,
-            turn=self.turn,
-            outcome=self.outcome.as_dict(),
-        )
-        task = self._reported = asyncio.create_task(call)
+        task = self._reported = asyncio.create_task(self._deliver(self.turn, self.outcome.as_dict()))
         _reports.add(task)
         task.add_done_callback(_reports.discard)
         return task
 
+    async def _deliver(self, turn: int, outcome: dict[str, Any]) -> dict[str, Any] | None:
+        """Retried a while: when the owner drains, its adopter becomes known to routers within seconds."""
+        for attempt in range(REPORT_ATTEMPTS):
+            try:
+                result = await session_call(
+                    self.ingress, "session_answer_done", session_id=self.session_id, turn=turn, outcome=outcome
+                )
+                if not isinstance(result.get("error"), dict) or error_status(result) not in (404, 503):
+                    return result
+            except Exception:
+                logger.exception("session %s: reporting answer %d failed", self.session_id, turn)
+            if attempt + 1 < REPORT_ATTEMPTS:
+                await asyncio.sleep(REPORT_RETRY_S)
+        logger.warning("session %s: the end of answer %d could not be reported", self.session_id, turn)
+        return None
+
+    async def settle(self, status: str) -> None:
+        """Report, and wait a little for the owner to have it (the client's next input then finds the answer
+        over); never long, and never failing the client's stream."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self.report(status)), REPORT_WAIT_S)
+
     def release(self) -> None:
-        """The reader gives up before streaming (e.g. the client left): the answer counts as cancelled."""
+        """The client left (or the response ended). Before any output the answer goes back to its owner
+        (`released`: the next reader streams it); after some, it is cancelled with the text it had."""
+        if self._stream is not None:
+            self._stream.cancel()
+        self.report("cancelled" if self.outcome.text or self._streamed else "released")
+
+    def cancel(self) -> None:
+        """Realtime `response.cancel`: the answer ends cancelled with whatever text it had."""
         if self._stream is not None:
             self._stream.cancel()
         self.report("cancelled")
+
+    def _claimed_after_leaving(self, call: asyncio.Future[Any]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        claim = call.result()
+        if isinstance(claim, dict) and "request" in claim:
+            self.claim, self.turn = claim, claim["turn"]
+            self.report("released")
 
 
 def _done_task() -> asyncio.Task[Any]:

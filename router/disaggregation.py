@@ -21,7 +21,7 @@ from serve_app.protocol import Endpoint
 
 logger = logging.getLogger(__name__)
 Where = Literal["prefill", "decode"]
-_TOKENIZE_MAX_BYTES = 64 * 1024  # a longer prompt is long enough without counting its tokens
+_CHARS_PER_TOKEN_MAX = 16  # a prompt this many characters per threshold token is long without counting
 
 
 class Disaggregation:
@@ -51,17 +51,19 @@ class Disaggregation:
         """The prompt's length in tokens (None: unknown, or too long to be worth counting)."""
         if self.tokenizer is None:
             return None
+        # Tokenizing runs on the router's event loop: only prompts that could be short are counted.
+        limit = min(64 * 1024, self.config.min_prompt_tokens * _CHARS_PER_TOKEN_MAX)
         try:
             if endpoint == "chat":
                 messages = body.get("messages")
-                if not isinstance(messages, list) or len(str(messages)) > _TOKENIZE_MAX_BYTES:
+                if not isinstance(messages, list) or len(str(messages)) > limit:
                     return None
                 ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
                 return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return len(prompt)
-            if isinstance(prompt, str) and len(prompt) <= _TOKENIZE_MAX_BYTES:
+            if isinstance(prompt, str) and len(prompt) <= limit:
                 return len(self.tokenizer.encode(prompt))
         except Exception:  # an unusual template or content: let the engines judge the request
             return None

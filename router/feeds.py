@@ -58,7 +58,7 @@ class DecodeStream:
                 item = self.queue.get_nowait()
             if parts:
                 return "".join(parts)
-        if self._end.error is not None and self._end.error.get("code") != 499:
+        if self._end.error is not None:  # (a stream this router stopped is gone from `streams` before its end)
             error, self._end.error = self._end.error, None  # raised once
             raise DecodeFailed(error)
         raise StopAsyncIteration
@@ -81,12 +81,17 @@ class Feeds:
         """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""
         stream = DecodeStream(self, uuid.uuid4().hex)
         self.streams[stream.stream_id] = stream  # before start: its first frames may come before start returns
+        call = asyncio.ensure_future(
+            self.decode.start.remote(consumer=self.consumer, stream_id=stream.stream_id, endpoint=endpoint, body=body)
+        )
         try:
-            started = await self.decode.start.remote(
-                consumer=self.consumer, stream_id=stream.stream_id, endpoint=endpoint, body=body
-            )
+            started = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client left: once it has started, stop it
+            self.streams.pop(stream.stream_id, None)
+            call.add_done_callback(lambda done: self._stop_started(stream, done))
+            raise
         except BaseException:
-            self.streams.pop(stream.stream_id, None)  # if it started, the unread feed aborts it
+            self.streams.pop(stream.stream_id, None)
             raise
         if "replica" not in started:
             self.streams.pop(stream.stream_id, None)
@@ -95,13 +100,19 @@ class Feeds:
         self._read(stream.replica)
         return stream
 
+    def _stop_started(self, stream: DecodeStream, call: asyncio.Future[Any]) -> None:
+        if not call.cancelled() and call.exception() is None and "replica" in (started := call.result()):
+            stream.replica = started["replica"]
+            self.stop(stream)
+
     def _read(self, replica: str) -> None:
         reader = self.readers.get(replica)
         if reader is None or reader.done():
             self.readers[replica] = asyncio.get_running_loop().create_task(self._reader(replica))
 
     async def _reader(self, replica: str) -> None:
-        error = error_body(500, f"decode replica {replica} stopped streaming")["error"]
+        error: dict[str, Any] | None = None
+        cancelled = False
         try:
             feed = self.decode.options(stream=True).feed.remote(consumer=self.consumer, replica=replica)
             async for frames, ended in feed:
@@ -112,13 +123,17 @@ class Feeds:
                     if (stream := self.streams.pop(stream_id, None)) is not None:
                         stream.queue.put_nowait(_End(end))
         except asyncio.CancelledError:
+            cancelled = True
             raise
         except Exception as e:
             logger.exception("feed from decode replica %s failed", replica)
             error = error_body(500, f"decode replica {replica} failed: {e}")["error"]
-        finally:  # the replica is gone: its streams end with an error (another request opens a new feed)
-            for stream_id, stream in list(self.streams.items()):
-                if stream.replica == replica:
+        finally:
+            mine = [(sid, s) for sid, s in self.streams.items() if s.replica == replica]
+            if error is None and mine and not cancelled:  # it ended idle just as a stream started: read anew
+                self.readers[replica] = asyncio.get_running_loop().create_task(self._reader(replica))
+            elif mine:  # the replica failed: its streams end with the error
+                for stream_id, stream in mine:
                     self.streams.pop(stream_id, None)
                     stream.queue.put_nowait(_End(error))
 

@@ -14,12 +14,12 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.answers import AnswerReader
 from router.owner import session_call
 from router.sessions import session_spec
-from serve_app.protocol import error_body, error_response
+from serve_app.protocol import error_body, error_response, streaming_response
 
 
 async def ndjson_lines(request: Request) -> AsyncGenerator[dict[str, Any], None]:
@@ -110,11 +110,11 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:
-        try:
-            async for forward, _ in reader.items():
-                yield forward
-        finally:
-            reader.release()
-            await prefill.session_delete.remote(session_id=session_id)
+        async for forward, _ in reader.items():
+            yield forward
 
-    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    def close() -> None:  # however the response ends, even before its body ran: nothing stays behind
+        reader.release()
+        ingress.background(prefill.session_delete.remote(session_id=session_id))
+
+    return streaming_response(frames(), close, headers)

@@ -53,5 +53,5 @@ class DecodeRouter(PowerOfTwoChoicesRequestRouter):
             return [candidate_replicas[:1]]
         if len(candidate_replicas) > 1 and all(r.routing_stats for r in candidate_replicas):
             ranked = sorted(candidate_replicas, key=lambda r: r.routing_stats.get("active_streams", 0))
-            return [ranked[:2]]
+            return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
         return await super().choose_replicas(candidate_replicas, pending_request)

@@ -48,6 +48,8 @@ class RealtimeConnection:
         self.last_item_id: str | None = None
         self.response_task: asyncio.Task[None] | None = None
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
+        self.cancel_requested = False
+        self.reader: AnswerReader | None = None
         self._send_lock = asyncio.Lock()
 
     # --- plumbing ----------------------------------------------------------------------------------
@@ -206,14 +208,18 @@ class RealtimeConnection:
         started = await self.call("session_respond", overrides=overrides)
         if started is None:
             return
+        self.cancel_requested = False
         self.response_task = asyncio.create_task(self.stream_response(started["answer"]["turn"]))
 
     async def response_cancel(self, event: dict[str, Any]) -> None:
         if self.response_task is None or self.response_task.done():
             await self.error("no response is in progress", "response_cancel_not_active", self._event_id)
             return
+        self.cancel_requested = True  # read before the reading starts, too
+        if self.reader is not None:
+            self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
         if self.reading is not None:
-            self.reading.cancel()  # the stream from decode stops; the response ends as cancelled
+            self.reading.cancel()
         await asyncio.gather(self.response_task, return_exceptions=True)
 
     # --- the answer --------------------------------------------------------------------------------
@@ -261,9 +267,11 @@ class RealtimeConnection:
 
     async def read_answer(self, turn: int, text_delta: str, where: dict[str, Any]) -> dict[str, Any]:
         """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included)."""
-        reader = AnswerReader(self.ingress, self.session_id, turn)
+        reader = self.reader = AnswerReader(self.ingress, self.session_id, turn)
 
         async def read() -> None:
+            if self.cancel_requested:
+                raise asyncio.CancelledError
             if (err := await reader.open()) is not None:
                 reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
                 return
@@ -275,12 +283,19 @@ class RealtimeConnection:
         try:
             await self.reading
         except asyncio.CancelledError:
-            reader.release()
             if (task := asyncio.current_task()) is not None and task.cancelling():
+                reader.release()
                 raise  # this task itself was cancelled (the connection is closing), not just the reading
+            reader.cancel()  # response.cancel
+            await reader.settle("cancelled")  # the owner knows before the client reads response.done
             reader.outcome.status = "cancelled"
+        except Exception as e:  # anything else still ends the response, as failed
+            logger.exception("session %s: response failed", self.session_id)
+            reader.release()
+            reader.outcome.status = "failed"
+            reader.outcome.error = {"message": f"the response failed: {e}", "type": "server_error", "code": 500}
         finally:
-            self.reading = None
+            self.reading = self.reader = None
         if reader.summary is not None:
             return reader.summary
         return reader.outcome.as_dict()

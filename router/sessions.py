@@ -21,12 +21,12 @@ from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.answers import AnswerReader
 from router.owner import session_call
-from serve_app.protocol import error_body, error_response
+from serve_app.protocol import error_body, error_response, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -145,5 +145,5 @@ async def events(session_id: str, request: Request, turn: int | None = None) -> 
         finally:
             reader.release()  # the client left before the end (a no-op once the outcome is reported)
 
-    headers = {"Cache-Control": "no-cache", "X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
-    return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)
+    headers = {"X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
+    return streaming_response(frames(), reader.release, headers)

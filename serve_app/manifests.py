@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from serve_app.serve_env import SERVE_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs" / "gpu"
 OUT_DIR = ROOT / "k8s"
@@ -111,6 +113,7 @@ def container(name: str, image: str, cpu: int, memory_gi: int, gpus: int, ports:
         "env": [
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEY}}},
             {"name": "HF_HOME", "value": "/data/huggingface"},
+            *({"name": k, "value": v} for k, v in SERVE_ENV.items()),
         ],
         "resources": {"requests": {"cpu": cpu, "memory": f"{memory_gi}Gi"}, "limits": limits},
         "volumeMounts": [

@@ -105,3 +105,18 @@ def choice_text(chunk: dict[str, Any]) -> tuple[str, str | None]:
     for choice in chunk.get("choices", []):
         return (choice.get("text") or (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"))
     return "", None
+
+
+def streaming_response(body: Any, on_close: Any, headers: dict[str, str] | None = None) -> Any:
+    """An SSE response that calls `on_close()` however it ends: a client that leaves before the body's
+    generator ever ran (so its own `finally` never runs) still releases what the request holds."""
+    from starlette.responses import StreamingResponse
+
+    class _Closing(StreamingResponse):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                on_close()
+
+    return _Closing(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})

@@ -183,33 +183,53 @@ async def test_prefill_abandoned_before_decode_frees_its_blocks(pressure: str) -
     assert time.monotonic() - started < 20
 
 
+async def hold_every_block(seed: int) -> None:
+    """Abandoned hand-offs (a decode that never comes) until the prefill cache is all but full: their KV stays
+    for the NIXL lease, and the scheduler may not evict it."""
+    total = (await stats("prefill"))["kv_blocks_total"]
+    held = 0
+    for k in range(12):
+        body = {"messages": [{"role": "user", "content": text_of(500 + seed + k, 300)}], "max_tokens": 1}
+        result = await handle("prefill").prefill.remote("chat", body)
+        held = total - (await stats("prefill"))["kv_blocks_free"]
+        if "error" in result or held >= total - 4:
+            break
+    assert held >= total - 8, (held, total)
+
+
 async def test_no_evictable_memory_is_refused_with_429_then_served(pressure: str) -> None:
-    """When every block belongs to prefills waiting for their decode (nothing the scheduler may evict), a new
-    request is refused with 429 and Retry-After once the admission timeout passes, never left hanging; when
-    the KV is released, requests are served again."""
+    """When every block belongs to prefills waiting for their decode (nothing the scheduler may evict), a
+    session's answer is refused with 429 and Retry-After once the admission timeout passes, and a whole prompt
+    is prefilled by decode instead; never left hanging. When the KV is released, prefill serves again."""
     await wait_idle("prefill")
     await handle("prefill").configure_scheduler.remote(policy="fcfs", eviction="recompute", admission_timeout_s=3)
     try:
-        total = (await stats("prefill"))["kv_blocks_total"]
-        held = 0
-        for k in range(12):  # abandoned hand-offs: their KV stays for a decode that never comes
-            body = {"messages": [{"role": "user", "content": text_of(500 + k, 300)}], "max_tokens": 1}
-            result = await handle("prefill").prefill.remote("chat", body)
-            s = await stats("prefill")
-            held = total - s["kv_blocks_free"]
-            if "error" in result or held >= total - 4:
-                break
-        assert held >= total - 8, (held, total)
         async with httpx.AsyncClient(timeout=60) as client:
+            # A whole prompt refused by prefill for capacity is prefilled by decode instead (conditional
+            # disaggregation, `fallback_on_overload`): served, after the admission timeout, never hanging.
+            await hold_every_block(0)
             started = time.monotonic()
             body = {"messages": [{"role": "user", "content": text_of(900, 300)}], "max_tokens": 2}
             r = await client.post(f"{pressure}/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-prefilled-by"] == "decode"
+            assert time.monotonic() - started < 15
+            # A session always hands off from its prefill replica: its answer is refused, with Retry-After.
+            await hold_every_block(20)
+            started = time.monotonic()
+            r = await client.post(f"{pressure}{SESSIONS}", json={"messages": [], "max_tokens": 2})
+            sid = r.json()["session_id"]
+            chunk = {"sequence_id": 0, "payload": text_of(901, 300), "end_of_input": True}
+            assert (await client.post(f"{pressure}{SESSIONS}/{sid}/chunks", json=chunk)).status_code in (202, 429)
+            r = await client.get(f"{pressure}{SESSIONS}/{sid}/events")
             assert r.status_code == 429, r.text
             assert time.monotonic() - started < 15
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "RateLimitError"
+            await client.delete(f"{pressure}{SESSIONS}/{sid}")
             await wait_idle("prefill", timeout=30)  # the lease ran out: the blocks are back
             r = await client.post(f"{pressure}/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
+            assert r.headers["x-prefilled-by"] == "prefill"
     finally:
         await handle("prefill").configure_scheduler.remote(admission_timeout_s=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,6 +81,8 @@ class FakeDecode:
                 async def gen() -> AsyncIterator[Any]:
                     while True:
                         batch = await outer.batches.get()
+                        if isinstance(batch, StopAsyncIteration):
+                            return
                         if isinstance(batch, BaseException):
                             raise batch
                         yield batch
@@ -122,7 +125,7 @@ def test_feeds_demultiplex_one_feed_into_each_requests_stream() -> None:
     assert len(decode.feeds) == 1 and decode.feeds[0] == {"consumer": "router-1", "replica": "d1"}  # one feed
 
 
-def test_a_stream_ending_with_an_error_raises_it_and_a_stop_is_silent() -> None:
+def test_a_stream_ending_with_an_error_raises_it_even_a_stop_it_did_not_ask_for() -> None:
     async def run() -> tuple[Any, list[str]]:
         decode = FakeDecode()
         feeds = Feeds(decode, "r")  # type: ignore[arg-type]
@@ -133,10 +136,12 @@ def test_a_stream_ending_with_an_error_raises_it_and_a_stop_is_silent() -> None:
         decode.batches.put_nowait(({}, {b.stream_id: {"message": "stopped", "code": 499}}))
         with pytest.raises(DecodeFailed) as failed:
             await collect(a)
-        return failed.value.error, await collect(b)
+        with pytest.raises(DecodeFailed) as stopped:  # an abort this router did not ask for is a failure
+            await collect(b)
+        return failed.value.error, stopped.value.error
 
-    error, b_items = asyncio.run(run())
-    assert error["message"] == "boom" and b_items == []
+    error, stopped = asyncio.run(run())
+    assert error["message"] == "boom" and stopped["code"] == 499
 
 
 def test_a_feed_that_fails_ends_every_stream_of_that_replica_with_an_error() -> None:
@@ -152,6 +157,20 @@ def test_a_feed_that_fails_ends_every_stream_of_that_replica_with_an_error() -> 
 
     error, streams = asyncio.run(run())
     assert "replica died" in error["message"] and streams == {}
+
+
+def test_a_feed_that_ends_idle_is_read_again_for_streams_still_running() -> None:
+    async def run() -> list[str]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        a = await feeds.open("chat", {})
+        assert isinstance(a, DecodeStream)
+        decode.batches.put_nowait(StopAsyncIteration())  # the fake's way of ending a feed normally
+        await asyncio.sleep(0.01)
+        decode.batches.put_nowait(({a.stream_id: "late"}, {a.stream_id: None}))
+        return await collect(a)
+
+    assert asyncio.run(run()) == ["late"]
 
 
 def test_cancel_stops_the_request_on_decode_once_and_non_streams_are_answers() -> None:
@@ -170,3 +189,54 @@ def test_cancel_stops_the_request_on_decode_once_and_non_streams_are_answers() -
     stopped, (whole, streams) = asyncio.run(run())
     assert len(stopped) == 1
     assert whole == {"response": {"object": "chat.completion"}} and streams == {}
+
+
+def _decode_server() -> Any:
+    """The decode deployment's class without its engine: the feed logic only needs its outboxes."""
+    from decode.server import DecodeServer
+
+    server = object.__new__(DecodeServer.func_or_class)
+    server.replica, server.outboxes = "d1", {}
+    return server
+
+
+def test_a_newer_feed_takes_the_outbox_over_and_the_older_one_leaves_it_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import decode.server
+
+    monkeypatch.setattr(decode.server, "FEED_IDLE_S", 0.2)  # an outdated feed notices within this
+
+    async def run() -> tuple[Any, Any, bool]:
+        server = _decode_server()
+        old = server.feed(consumer="r", replica="d1")
+        old_next = asyncio.ensure_future(old.__anext__())
+        await asyncio.sleep(0)
+        new = server.feed(consumer="r", replica="d1")
+        new_next = asyncio.ensure_future(new.__anext__())
+        await asyncio.sleep(0)
+        outbox = server.outboxes["r"]
+        outbox.tasks["s1"] = asyncio.ensure_future(asyncio.sleep(10))  # a running stream
+        outbox.put("s1", "frame")
+        await asyncio.sleep(0.01)
+        # Whichever generator woke, the frame reaches the newer feed; the older one leaves without cleanup.
+        got = await asyncio.wait_for(new_next, 1)
+        with contextlib.suppress(StopAsyncIteration):
+            await asyncio.wait_for(old_next, 2)  # it ends: taken over
+        alive = not outbox.tasks["s1"].cancelled() and server.outboxes.get("r") is outbox
+        outbox.tasks["s1"].cancel()
+        await new.aclose()
+        return got, server.outboxes, alive
+
+    got, outboxes, alive = asyncio.run(run())
+    assert got == ({"s1": "frame"}, {})
+    assert alive  # the older feed's end cancelled nothing and kept the outbox
+    assert outboxes == {}  # the newer feed, closed by its router, cleaned up
+
+
+def test_a_feed_for_another_replica_fails() -> None:
+    async def run() -> None:
+        await _decode_server().feed(consumer="r", replica="gone").__anext__()
+
+    with pytest.raises(RuntimeError, match="gone"):
+        asyncio.run(run())

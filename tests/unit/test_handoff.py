@@ -441,3 +441,21 @@ async def test_a_streaming_answer_expires_after_the_answer_timeout(server: Serve
     late = await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("late"))
     assert late["status"] == "failed" and late["error"]["code"] == 408
     assert session.request["messages"] == [{"role": "user", "content": "What is a KV cache?"}]
+
+
+async def test_a_released_answer_waits_for_its_next_reader(server: Server) -> None:
+    """A REST reader that left before any output releases the answer: the next claim streams it (no new
+    hand-off while the first is fresh), and the session stays answering meanwhile."""
+    session = server.open_session({"model": "local:tiny-llama", "messages": [], "max_tokens": 8})
+    await server.end_input(session, "Tell me about NIXL.")
+    first = await server.session_claim(session_id=session.id)
+    assert "request" in first
+
+    released = await server.session_answer_done(session_id=session.id, turn=0, outcome={"status": "released"})
+    assert released["status"] == "ready" and session.answering
+
+    again = await server.session_claim(session_id=session.id)
+    assert again["request"]["kv_transfer_params"] == first["request"]["kv_transfer_params"]
+    assert len(server.calls) == 1
+    done = await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("NIXL moves KV."))
+    assert done["status"] == "completed" and not session.answering
