@@ -103,11 +103,12 @@ def words(tokens: int) -> str:
 
 async def background(client: httpx.AsyncClient, model: str, gaps: list[float], stop: asyncio.Event) -> None:
     """A long decode whose inter-token gaps (client side) are recorded while `stop` is unset."""
-    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "stream": True}
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True}
     body |= {"ignore_eos": True, "temperature": 0}
     while not stop.is_set():
         last = None
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
             async for line in r.aiter_lines():
                 if stop.is_set():
                     break

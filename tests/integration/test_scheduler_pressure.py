@@ -202,7 +202,8 @@ async def test_no_evictable_memory_is_refused_with_429_then_served(pressure: str
     session's answer is refused with 429 and Retry-After once the admission timeout passes, and a whole prompt
     is prefilled by decode instead; never left hanging. When the KV is released, prefill serves again."""
     await wait_idle("prefill")
-    await handle("prefill").configure_scheduler.remote(policy="fcfs", eviction="recompute", admission_timeout_s=3)
+    # Refusals come after the admission timeout: short, so that they come before the held KV's lease (6 s) ends.
+    await handle("prefill").configure_scheduler.remote(policy="fcfs", eviction="recompute", admission_timeout_s=1)
     try:
         async with httpx.AsyncClient(timeout=60) as client:
             # A whole prompt refused by prefill for capacity is prefilled by decode instead (conditional
@@ -215,6 +216,7 @@ async def test_no_evictable_memory_is_refused_with_429_then_served(pressure: str
             assert r.headers["x-prefilled-by"] == "decode"
             assert time.monotonic() - started < 15
             # A session always hands off from its prefill replica: its answer is refused, with Retry-After.
+            await wait_idle("prefill", timeout=30)
             await hold_every_block(20)
             started = time.monotonic()
             r = await client.post(f"{pressure}{SESSIONS}", json={"messages": [], "max_tokens": 2})
