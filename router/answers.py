@@ -201,10 +201,14 @@ class AnswerReader:
     def _absorb(self, item: str, keep_usage: bool) -> tuple[str, list[str]]:
         first = not self.outcome.text
         forward, deltas = self.outcome.absorb(item, keep_usage)
-        if first and deltas and (at := self.claim.get("last_chunk_time")) is not None:
+        if first and deltas:
+            self._observe_first_token()
+        return forward, deltas
+
+    def _observe_first_token(self) -> None:
+        if (at := self.claim.get("last_chunk_time")) is not None:
             waited = max(0.0, time.time() - at)
             metrics.observe(metrics.LAST_CHUNK_TO_FIRST_TOKEN, waited, "last input chunk to first token")
-        return forward, deltas
 
     async def whole(self) -> dict[str, Any]:
         """The answer as one non-streaming response object (`open(stream=False)` first)."""
@@ -212,6 +216,7 @@ class AnswerReader:
             return completion_object(self.endpoint, self.summary)
         assert isinstance(self._first, dict)
         self.outcome.absorb_response(self._first)
+        self._observe_first_token()  # (the whole answer is its first token, for this reader)
         await self.settle("completed")
         return self._first
 
