@@ -5,7 +5,11 @@ over NIXL, and the decode request that points at it), a router claims it and str
 to the client, then reports the final text and usage so that the conversation can go on.
 
     preparing ──▶ ready ──▶ streaming ──▶ completed | cancelled | failed
-        └──────────┴────────────┴──────▶ failed (hand-off refused, reader vanished, session closed)
+        │           ▲             │
+        │           └─ released ──┘   (its reader left before any text: the next reader streams it)
+        └──────────┴────────────┴──────▶ failed | cancelled (hand-off refused or cancelled, reader vanished)
+
+Closing the session cancels a hand-off in progress; an answer a router is streaming runs to its end.
 """
 
 from __future__ import annotations
