@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from router import realtime, sessions
+from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
@@ -47,6 +48,17 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.status, self.message, self.param), status_code=self.status)
+
+
+@app.middleware("http")
+async def authenticate(request: Request, call_next: Any) -> Response:
+    """API keys (router/auth.py): every endpoint but /health, when any key is set."""
+    ingress = getattr(request.app.state, "ingress", None)
+    if ingress is not None and not ingress.api_keys.allows_http(request.url.path, request.headers.get("authorization")):
+        metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_401")
+        body = error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.")
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
 
 
 @app.exception_handler(APIError)
@@ -98,6 +110,7 @@ class Router:
         self.decode = decode.options(_by_reference=False)
         self.feeds = Feeds(self.decode, serve.get_replica_context().replica_id.unique_id)
         self.created = int(time.time())
+        self.api_keys = APIKeys(self.config.router.api_keys)
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
         self._ready_at = 0.0  # when both engines last answered

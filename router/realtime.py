@@ -87,7 +87,7 @@ class RealtimeConnection:
         created = await self.prefill.create_session.remote(
             {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
         )
-        await self.ws.accept()
+        await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
         if "error" in created:
             await self.error(created["error"]["message"], "session_failed")
             await self.ws.close(code=1011)
@@ -316,9 +316,15 @@ HANDLERS = {
 @api.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
     ingress = ws.app.state.ingress
+    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    if not ingress.api_keys.allows_websocket(ws.headers.get("authorization"), offered):
+        await ws.close(code=1008, reason="incorrect or missing API key")  # refused during the handshake
+        return
+    # Browsers offer `realtime` (with the key as another subprotocol) and fail the handshake unless one is chosen.
+    ws.state.subprotocol = "realtime" if "realtime" in offered else None
     model = ws.query_params.get("model") or ingress.config.model_name
     if model != ingress.config.model_name:
-        await ws.accept()
+        await ws.accept(subprotocol=ws.state.subprotocol)
         error = {"type": "invalid_request_error", "code": "model_not_found", "message": f"unknown model {model!r}"}
         await ws.send_text(json.dumps({"type": "error", "event_id": _id("event"), "error": error}))
         await ws.close(code=1008)

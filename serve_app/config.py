@@ -103,6 +103,8 @@ class DisaggregationConfig(_Strict):
 class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    # API keys (router/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
+    api_keys: list[str] = Field(default_factory=list)
 
 
 class AppConfig(_Strict):

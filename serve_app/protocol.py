@@ -10,6 +10,7 @@ Endpoint = Literal["chat", "completion"]
 # vLLM's error `type` names per HTTP status (vllm.entrypoints.utils.create_error_response).
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     408: "TimeoutError",
     409: "ConflictError",
