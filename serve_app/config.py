@@ -105,8 +105,6 @@ class RouterConfig(_Strict):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     # API keys (router/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
     api_keys: list[str] = Field(default_factory=list)
-    # Open sessions one key may hold on one prefill replica (429 past it); None: no cap beyond the replica's.
-    max_sessions_per_key: int | None = Field(default=None, ge=1)
 
 
 class AppConfig(_Strict):
