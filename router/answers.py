@@ -16,13 +16,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
 from serve_app import metrics
-from serve_app.protocol import SSE_DONE, error_body, error_status, sse
+from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, sse
 
 logger = logging.getLogger(__name__)
 _END = object()
@@ -62,11 +62,10 @@ class Outcome:
                 self.usage = data["usage"]
                 if not data.get("choices") and not keep_usage:
                     continue  # the owner always asks decode for usage; this client did not
-            for choice in data.get("choices") or ():
-                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if piece:
-                    deltas.append(piece)
-                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            piece, finish_reason = choice_text(data)  # (sessions have one choice: n is 1)
+            if piece:
+                deltas.append(piece)
+            self.finish_reason = finish_reason or self.finish_reason
             forward.append(frame + "\n\n")
         self.text += "".join(deltas)
         return "".join(forward), deltas
@@ -79,14 +78,7 @@ class Outcome:
         self.response = {k: body.get(k) for k in ("id", "created", "model")}
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "usage": self.usage,
-            "error": self.error,
-            "response": self.response,
-        }
+        return asdict(self)
 
 
 class AnswerReader:
