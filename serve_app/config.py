@@ -100,6 +100,28 @@ class DisaggregationConfig(_Strict):
     fallback_on_overload: bool = True
 
 
+class LimitsConfig(_Strict):
+    """Server-side limits (`limits` in the config). A client may lower the per-session ones in a session's own
+    `limits`, never raise them (400). Past a limit the request fails whole, nothing half-applied: 413 for
+    sizes, 429 (with Retry-After) for counts and rates, 400 for values out of range."""
+
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)  # one HTTP request body; one NDJSON line (413)
+    max_frame_bytes: int = Field(default=1 << 20, ge=1024)  # one realtime WebSocket message (an `error` event)
+    max_chunk_bytes: int = Field(default=256 << 10, ge=1)  # one chunk, buffer append or conversation item (413)
+    max_session_payload_bytes: int = Field(default=1_000_000, ge=1)  # the input a session holds (413)
+    max_pending_chunks: int = Field(default=64, ge=1)  # chunks held out of order, and how far ahead one may be
+    idle_timeout_s: float = Field(default=300.0, gt=0)  # a session with no call for this long is closed
+    max_session_s: float = Field(default=3600.0, gt=0)  # and any session after this long, idle or not
+    gap_timeout_s: float = Field(default=10.0, gt=0)  # how long an out-of-order chunk waits for its gap
+    answer_timeout_s: float = Field(default=600.0, gt=0)  # how long one answer may stream
+    # Per request (and per session answer); None: the model's context length.
+    max_tokens: int | None = Field(default=None, ge=1)
+    # Per API key (with keys set): open sessions on each prefill replica, and tokens (prompt + completion) per
+    # minute on each router replica; None: unlimited.
+    max_sessions_per_key: int | None = Field(default=64, ge=1)
+    tokens_per_minute_per_key: int | None = Field(default=None, ge=1)
+
+
 class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
@@ -118,6 +140,7 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     prefill: PrefillConfig = Field(default_factory=PrefillConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _prefill_needs_prefix_cache(self) -> AppConfig:
