@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from prefill.session import SessionError
@@ -20,11 +21,18 @@ def overloaded(retry_after: int, why: str = "no KV memory could be freed in time
     return body
 
 
+# The caller's key id (router/auth.py; "" without keys), for the duration of a session call: a session answers
+# only calls made with the key that created it (prefill/session_api.py `_get`).
+caller: ContextVar[str] = ContextVar("rtpd_caller", default="")
+
+
 def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
-    """A session call's errors become OpenAI error JSON; a payload cap or a broken input also closes it."""
+    """A session call's errors become OpenAI error JSON; a payload cap or a broken input also closes it.
+    `tenant`, the caller's key id, is taken from the call and checked where the session is looked up."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        token = caller.set(str(kwargs.pop("tenant", "") or ""))
         try:
             return await method(self, *args, **kwargs)
         except SessionError as e:
@@ -34,5 +42,7 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
             return error_body(e.status, e.message, e.param)
         except TimeoutError:  # a bounded wait on the engine ran out: the input is kept, the client retries
             return overloaded(self.settings.retry_after_s)
+        finally:
+            caller.reset(token)
 
     return wrapper

@@ -98,6 +98,7 @@ class Session:
         self.last_chunk_at: float | None = None
         self.close_reason: str | None = None
         self.closed_at: float | None = None
+        self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
 
     # --- input -------------------------------------------------------------------------------------
     def touch(self) -> None:
@@ -286,6 +287,7 @@ class Session:
         prefills the input again — the input is kept for exactly this)."""
         return {
             "id": self.id,
+            "tenant": self.tenant,
             "endpoint": self.endpoint,
             "request": self.request,
             "instructions": self.instructions,
@@ -313,6 +315,7 @@ class Session:
             streaming,
         )
         session.instructions = state["instructions"]
+        session.tenant = state.get("tenant", "")
         session.buffer = state["buffer"]
         session.chunk_log = state["chunk_log"]
         session.next_seq = state["next_seq"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prefill.errors import overloaded, session_api
+from prefill.errors import caller, overloaded, session_api
 from prefill.handoff import HandOff
 from prefill.session import (
     Session,
@@ -76,10 +76,16 @@ class SessionAPI(HandOff):
         open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
         if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
             return overloaded(self.settings.retry_after_s, f"{open_sessions} sessions open, the replica's limit")
+        tenant = str(spec.get("tenant") or "")
+        per_key = self.config.limits.max_sessions_per_key
+        mine = sum(s.state != SessionState.CLOSED and s.tenant == tenant for s in self.sessions.values())
+        if tenant and per_key is not None and mine >= per_key:
+            return overloaded(self.settings.retry_after_s, f"this API key has {mine} sessions open, its limit")
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
         session.instructions = spec.get("instructions")
+        session.tenant = tenant
         self.sessions[session_id] = session
         await self._prefill_stable(session)
         return session.describe()
@@ -202,6 +208,8 @@ class SessionAPI(HandOff):
     # --- internals ---------------------------------------------------------------------------------
     def _get(self, session_id: str, allow_closed: bool = False) -> Session:
         session = self.sessions.get(session_id)
+        if session is not None and session.tenant != caller.get():
+            session = None  # another key's session does not exist for this caller
         if session is None:
             owner = owner_of(session_id)
             if owner is not None and owner != self.replica and owner not in self.adopted_owners:

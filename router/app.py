@@ -22,12 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 
 from router import realtime, sessions
 from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
+from router.owner import current_tenant
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse, streaming_response
@@ -50,15 +52,29 @@ class APIError(Exception):
         return JSONResponse(error_body(self.status, self.message, self.param), status_code=self.status)
 
 
-@app.middleware("http")
-async def authenticate(request: Request, call_next: Any) -> Response:
-    """API keys (router/auth.py): every endpoint but /health, when any key is set."""
-    ingress = getattr(request.app.state, "ingress", None)
-    if ingress is not None and not ingress.api_keys.allows_http(request.url.path, request.headers.get("authorization")):
-        metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_401")
-        body = error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.")
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    return await call_next(request)
+class Authenticate:
+    """API keys (router/auth.py), for every endpoint but /health when any key is set. Plain ASGI rather than
+    Starlette's BaseHTTPMiddleware, which wraps streamed responses and delays the client-disconnect that
+    aborts a stream on both engines."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        ingress = getattr(scope["app"].state, "ingress", None) if scope["type"] == "http" and "app" in scope else None
+        if ingress is not None:
+            authorization = Headers(scope=scope).get("authorization")
+            if not ingress.api_keys.allows_http(scope.get("path", ""), authorization):
+                metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_401")
+                body = error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+            if ingress.api_keys.enabled:
+                current_tenant.set(APIKeys.key_id(APIKeys.bearer(authorization)))  # sessions belong to this key
+        await self.app(scope, receive, send)
+
+
+app.add_middleware(Authenticate)
 
 
 @app.exception_handler(APIError)

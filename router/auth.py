@@ -9,6 +9,7 @@ error JSON (HTTP) or a close with code 1008 (WebSocket). Keys are compared in co
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable
@@ -36,6 +37,11 @@ class APIKeys:
         return any([hmac.compare_digest(key.encode(), k.encode()) for k in self.keys])
 
     @staticmethod
+    def key_id(key: str | None) -> str:
+        """Who owns a session: a digest of the key (never the key), "" without one."""
+        return hashlib.sha256(key.encode()).hexdigest()[:24] if key else ""
+
+    @staticmethod
     def bearer(authorization: str | None) -> str | None:
         scheme, _, token = (authorization or "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" and token.strip() else None
@@ -43,9 +49,12 @@ class APIKeys:
     def allows_http(self, path: str, authorization: str | None) -> bool:
         return path in PUBLIC_PATHS or self.valid(self.bearer(authorization))
 
-    def allows_websocket(self, authorization: str | None, subprotocols: Iterable[str]) -> bool:
-        """The header's key, or the browser's `openai-insecure-api-key.<key>` subprotocol."""
-        if not self.enabled or self.valid(self.bearer(authorization)):
-            return True
+    def websocket_key(self, authorization: str | None, subprotocols: Iterable[str]) -> str | None:
+        """The valid key of a WebSocket handshake (the header's, or the browser's
+        `openai-insecure-api-key.<key>` subprotocol); "" when no key is needed; None: refused."""
+        if not self.enabled:
+            return ""
+        if self.valid(key := self.bearer(authorization)):
+            return key
         offered = [p[len(SUBPROTOCOL_PREFIX) :] for p in subprotocols if p.startswith(SUBPROTOCOL_PREFIX)]
-        return any(self.valid(key) for key in offered)
+        return next((key for key in offered if self.valid(key)), None)

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from router.answers import AnswerReader
-from router.owner import session_call
+from router.owner import create_session, session_call
 from router.sessions import session_spec
 from serve_app.protocol import error_body, error_response, streaming_response
 
@@ -54,11 +54,10 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     stream = bool(first.get("stream"))
     messages = first.setdefault("messages", [])
     partial = messages.pop()["content"] if messages and messages[-1].get("role") == "user" else ""
-    created = await ingress.prefill.create_session.remote(session_spec(first))
+    created = await create_session(ingress, session_spec(first))
     if "error" in created:
         return error_response(created)
     session_id = created["session_id"]
-    prefill = ingress.prefill
 
     async def chunk(seq: int, payload: str, end: bool) -> None:
         result = await session_call(
@@ -85,28 +84,28 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         except ValueError as e:
             raise InputError(error_body(400, f"invalid NDJSON line: {e}")) from None
         if not ended:
-            finished = await prefill.session_finish.remote(session_id=session_id)
+            finished = await session_call(ingress, "session_finish", session_id=session_id)
             if "error" in finished:
                 raise InputError(finished)
     except InputError as e:
-        await prefill.session_delete.remote(session_id=session_id)
+        await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(e.payload)
 
     reader = AnswerReader(ingress, session_id)
     try:
         err = await reader.open(stream=stream)
     except BaseException:
-        await prefill.session_delete.remote(session_id=session_id)
+        await session_call(ingress, "session_delete", session_id=session_id)
         raise
     if err is not None:
-        await prefill.session_delete.remote(session_id=session_id)
+        await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(err)
     headers = {"X-Session-Id": session_id}
     if not stream:
         try:
             body = await reader.whole()
         finally:
-            await prefill.session_delete.remote(session_id=session_id)
+            await session_call(ingress, "session_delete", session_id=session_id)
         return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:
@@ -115,6 +114,6 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
 
     def close() -> None:  # however the response ends, even before its body ran: nothing stays behind
         reader.release()
-        ingress.background(prefill.session_delete.remote(session_id=session_id))
+        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
 
     return streaming_response(frames(), close, headers)

@@ -8,9 +8,14 @@ such calls are retried for a few seconds, after which the session counts as gone
 from __future__ import annotations
 
 import asyncio
+from contextvars import ContextVar
 from typing import Any
 
 from serve_app.protocol import error_body, error_status
+
+# Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
+# it, and a session answers only calls with the id of the key that created it (others get 404).
+current_tenant: ContextVar[str] = ContextVar("rtpd_tenant", default="")
 
 HANDOVER_RETRY_S = 0.25
 HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
@@ -26,8 +31,15 @@ def not_found(result: dict[str, Any]) -> dict[str, Any]:
     return error_body(404, message, "session_id")
 
 
+async def create_session(ingress: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """A new session on some prefill replica, owned by the caller's key (and within its session cap)."""
+    spec = {**spec, "tenant": current_tenant.get()}
+    return await ingress.prefill.create_session.remote(spec)
+
+
 async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     """A call on the session's owner replica, retried while the session is being handed over (503)."""
+    kwargs.setdefault("tenant", current_tenant.get())
     waited = 0.0
     while True:
         result = await getattr(ingress.prefill, method).remote(**kwargs)

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from router.answers import AnswerReader
-from router.owner import session_call
+from router.owner import create_session, current_tenant, session_call
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class RealtimeConnection:
     # --- lifecycle ---------------------------------------------------------------------------------
     async def run(self) -> None:
         model = self.settings["model"]
-        created = await self.prefill.create_session.remote(
-            {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
+        created = await create_session(
+            self.ingress, {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
         )
         await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
         if "error" in created:
@@ -104,7 +104,7 @@ class RealtimeConnection:
             if self.response_task is not None:
                 self.response_task.cancel()
             # The client is gone: the session's KV goes with it.
-            await self.prefill.session_delete.remote(session_id=self.session_id)
+            await session_call(self.ingress, "session_delete", session_id=self.session_id)
 
     async def dispatch(self, raw: str) -> None:
         self._event_id = None
@@ -317,9 +317,11 @@ HANDLERS = {
 async def realtime(ws: WebSocket) -> None:
     ingress = ws.app.state.ingress
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-    if not ingress.api_keys.allows_websocket(ws.headers.get("authorization"), offered):
+    key = ingress.api_keys.websocket_key(ws.headers.get("authorization"), offered)
+    if key is None:
         await ws.close(code=1008, reason="incorrect or missing API key")  # refused during the handshake
         return
+    current_tenant.set(ingress.api_keys.key_id(key))  # the session belongs to this key
     # Browsers offer `realtime` (with the key as another subprotocol) and fail the handshake unless one is chosen.
     ws.state.subprotocol = "realtime" if "realtime" in offered else None
     model = ws.query_params.get("model") or ingress.config.model_name

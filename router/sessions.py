@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from router import owner
 from router.answers import AnswerReader
 from router.owner import session_call
 from serve_app.protocol import error_body, error_response, streaming_response
@@ -68,7 +69,7 @@ async def create_session(request: Request) -> Response:
     ingress = _ingress(request)
     body = await ingress.read_body(request)
     ingress.check_model(body)
-    result = await ingress.prefill.create_session.remote(session_spec(body))
+    result = await owner.create_session(ingress, session_spec(body))
     if "error" in result:
         return _reply(result)
     return JSONResponse(

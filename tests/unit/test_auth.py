@@ -11,15 +11,20 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from router import realtime
-from router.app import authenticate
+from router.app import Authenticate
 from router.auth import API_KEYS_ENV, APIKeys
+from serve_app.config import AppConfig
 
 
 class FakePrefill:
     """The realtime handshake's first call: the session is refused, so the socket says why and closes."""
 
+    specs: list[dict[str, Any]] = []
+
     class _CreateSession:
         def remote(self, spec: dict[str, Any]) -> Any:
+            FakePrefill.specs.append(spec)
+
             async def refused() -> dict[str, Any]:
                 return {"error": {"message": "no capacity", "type": "RateLimitError", "param": None, "code": 429}}
 
@@ -30,7 +35,7 @@ class FakePrefill:
 
 def client(keys: list[str]) -> TestClient:
     app = FastAPI()
-    app.middleware("http")(authenticate)
+    app.add_middleware(Authenticate)
     app.include_router(realtime.api)
 
     @app.get("/health")
@@ -41,7 +46,7 @@ def client(keys: list[str]) -> TestClient:
     async def models() -> dict[str, str]:
         return {"object": "list"}
 
-    config = SimpleNamespace(model_name="local:tiny-llama")
+    config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits)
     app.state.ingress = SimpleNamespace(api_keys=APIKeys(keys), config=config, prefill=FakePrefill())
     return TestClient(app)
 
@@ -101,6 +106,8 @@ def test_realtime_accepts_the_header_or_the_browser_subprotocol(
         assert event["type"] == "error" and "no capacity" in event["error"]["message"]
         if subprotocols:
             assert ws.accepted_subprotocol == "realtime"
+    # The session is created as the key's (its id, never the key itself).
+    assert FakePrefill.specs[-1]["tenant"] == APIKeys.key_id("k1") != "k1"
 
 
 def test_realtime_with_a_wrong_subprotocol_key_is_refused() -> None:

@@ -459,3 +459,32 @@ async def test_a_released_answer_waits_for_its_next_reader(server: Server) -> No
     assert len(server.calls) == 1
     done = await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("NIXL moves KV."))
     assert done["status"] == "completed" and not session.answering
+
+
+async def test_a_session_answers_only_the_key_that_created_it(server: Server) -> None:
+    """With API keys, a session belongs to its key's id: every other caller gets 404, as if it did not exist."""
+    session = server.open_session()
+    session.tenant = "key-a"
+    ok = await server.session_chunk(session_id=session.id, sequence_id=0, payload="Hello ", tenant="key-a")
+    assert "error" not in ok
+    for intruder in ("key-b", ""):
+        for call in (
+            server.session_chunk(session_id=session.id, sequence_id=1, payload="x", tenant=intruder),
+            server.session_info(session_id=session.id, tenant=intruder),
+            server.session_claim(session_id=session.id, tenant=intruder),
+            server.session_delete(session_id=session.id, tenant=intruder),
+        ):
+            refused = await call
+            assert refused["error"]["code"] == 404, refused
+    assert session.next_seq == 1 and session.id in server.sessions  # nothing applied, nothing deleted
+
+
+async def test_each_key_holds_at_most_its_sessions(server: Server) -> None:
+    server.config.limits.max_sessions_per_key = 2
+    spec = {"request": {"model": "local:tiny-llama", "messages": []}}
+    made = [await server.create_session({**spec, "tenant": "key-a"}) for _ in range(2)]
+    assert all("session_id" in m for m in made)
+    refused = await server.create_session({**spec, "tenant": "key-a"})
+    assert refused["error"]["code"] == 429 and "this API key" in refused["error"]["message"]
+    assert "session_id" in await server.create_session({**spec, "tenant": "key-b"})  # another key has room
+    assert "session_id" in await server.create_session(spec)  # without keys there is no per-key cap

@@ -279,15 +279,18 @@ class FakeOwner:
         self.session_answer_done = Remote(self._done)
 
     async def _claim(self, **kwargs: Any) -> dict[str, Any]:
+        assert kwargs.pop("tenant") == ""  # every session call says whose it is (no API keys here)
         self.calls.append(("session_claim", kwargs))
         return self.claim
 
     async def _result(self, **kwargs: Any) -> dict[str, Any]:
+        assert kwargs.pop("tenant") == ""  # every session call says whose it is (no API keys here)
         self.calls.append(("session_result", kwargs))
         assert self.result is not None
         return self.result
 
     async def _done(self, **kwargs: Any) -> dict[str, Any]:
+        assert kwargs.pop("tenant") == ""  # every session call says whose it is (no API keys here)
         """Records the report; answers as `session_answer_done` does: the answer's summary, whose `error` is
         None when there was none."""
         self.reports.append(kwargs)
