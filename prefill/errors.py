@@ -26,8 +26,24 @@ def overloaded(retry_after: int, why: str = "no KV memory could be freed in time
 caller: ContextVar[str] = ContextVar("rtpd_caller", default="")
 
 
+def serialized(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """The call holds its session's lock: calls on one session apply one at a time, in arrival order (asyncio's
+    lock is fair), however many the replica runs at once. Used for every call that changes a session."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        session = self.sessions.get(kwargs.get("session_id", ""))
+        if session is None:
+            return await method(self, *args, **kwargs)
+        async with session.lock:
+            return await method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
-    """A session call's errors become OpenAI error JSON; a payload cap or a broken input also closes it.
+    """A session call's errors become OpenAI error JSON; a broken input also closes the session (a refused
+    chunk does not: past a limit nothing is applied, and the session keeps what it had).
     `tenant`, the caller's key id, is taken from the call and checked where the session is looked up."""
 
     @functools.wraps(method)
@@ -37,8 +53,8 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
             return await method(self, *args, **kwargs)
         except SessionError as e:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
-            if (e.status == 413 or e.close) and (session := self.sessions.get(kwargs.get("session_id", ""))):
-                await self._close(session, "payload cap exceeded" if e.status == 413 else e.message)
+            if e.close and (session := self.sessions.get(kwargs.get("session_id", ""))):
+                await self._close(session, e.message)
             return error_body(e.status, e.message, e.param)
         except TimeoutError:  # a bounded wait on the engine ran out: the input is kept, the client retries
             return overloaded(self.settings.retry_after_s)

@@ -36,12 +36,13 @@ class HandOff:
     config: Any
     _get: Any
     _prefill_stable: Any
+    _check_max_tokens: Any
 
     # --- starting ----------------------------------------------------------------------------------
-    @staticmethod
-    def _check_overrides(overrides: dict[str, Any]) -> None:
+    def _check_overrides(self, overrides: dict[str, Any]) -> None:
         if (overrides.get("n") or 1) != 1:
             raise SessionError(400, "n must be 1", "n")
+        self._check_max_tokens(overrides)
 
     async def _start_answer(self, session: Session, overrides: dict[str, Any]) -> Answer:
         self._check_overrides(overrides)
@@ -88,7 +89,7 @@ class HandOff:
         """The answer joins the conversation, and the conversation stays resident for the next turn."""
         if answer.status == "failed":
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
-        session.add_answer(answer.text)
+        session.add_answer(answer.text, failed=answer.status == "failed")
         if session.state == SessionState.CLOSED:
             return
         session.state = SessionState.OPEN

@@ -41,12 +41,31 @@ class StartPolicy(BaseModel):
 
 
 class SessionLimits(BaseModel):
+    """One session's limits: the server's (`limits` in the app config, serve_app/config.py LimitsConfig), or
+    lower ones the client asked for (`within`)."""
+
     model_config = ConfigDict(extra="forbid")
     idle_timeout_s: float = Field(default=300.0, gt=0)
+    max_session_s: float = Field(default=3600.0, gt=0)
     max_payload_bytes: int = Field(default=1_000_000, gt=0)
+    max_chunk_bytes: int = Field(default=256 << 10, gt=0)
+    max_pending_chunks: int = Field(default=64, gt=0)
     gap_timeout_s: float = Field(default=10.0, gt=0)  # how long an out-of-order chunk waits for its gap
     # How long a router may stream one answer before the owner gives up on hearing how it ended.
     answer_timeout_s: float = Field(default=600.0, gt=0)
+
+    @classmethod
+    def of_server(cls, limits: Any) -> SessionLimits:
+        fields = {name: getattr(limits, name) for name in cls.model_fields if name != "max_payload_bytes"}
+        return cls(max_payload_bytes=limits.max_session_payload_bytes, **fields)
+
+    def within(self, asked: dict[str, Any]) -> SessionLimits:
+        """The client's limits, each at most the server's (ValueError naming the field otherwise)."""
+        lowered = self.model_validate({**self.model_dump(), **asked})
+        for name in asked:
+            if getattr(lowered, name) > getattr(self, name):
+                raise ValueError(f"{name}: at most {getattr(self, name):g} on this server", name)
+        return lowered
 
 
 class SessionError(Exception):
@@ -98,6 +117,12 @@ class Session:
         self.last_chunk_at: float | None = None
         self.close_reason: str | None = None
         self.closed_at: float | None = None
+        self.created_at = time.monotonic()
+        # Calls on a session are applied one at a time, in arrival order (prefill/session_api.py `serialized`):
+        # Ray Serve runs a replica's async methods concurrently, and a chunk's apply + prefill spans awaits.
+        self.lock = asyncio.Lock()
+        # Input committed while an answer is generated joins the conversation after that answer.
+        self.deferred: list[dict[str, Any]] = []
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
 
     # --- input -------------------------------------------------------------------------------------
@@ -121,6 +146,14 @@ class Session:
             raise SessionError(409, "input arrived while the answer is being generated", "sequence_id")
         if seq < self.next_seq or seq in self.pending:
             return {"duplicate": True, "applied": []}
+        if seq - self.next_seq >= self.limits.max_pending_chunks:  # bounds what is held out of order
+            raise SessionError(
+                400,
+                f"sequence_id {seq} is too far ahead: the next expected is {self.next_seq}, and at most "
+                f"{self.limits.max_pending_chunks} chunks are held out of order",
+                "sequence_id",
+            )
+        self.check_chunk(payload)
         if mode == "replace" and seq == self.next_seq:
             self._check_offset(offset or 0)  # applies now: refuse it before anything changes
             held = self.payload_bytes - len(self.buffer[offset or 0 :].encode())
@@ -157,10 +190,15 @@ class Session:
                 self.input_ended = True
         return {"duplicate": False, "applied": applied, "pending": sorted(self.pending)}
 
+    def check_chunk(self, text: str, param: str = "payload") -> None:
+        if len(text.encode()) > self.limits.max_chunk_bytes:
+            raise SessionError(413, f"one chunk holds at most {self.limits.max_chunk_bytes} bytes", param)
+
     def append_text(self, text: str) -> None:
         """Text typed within the current turn (realtime `input_text_buffer.append`)."""
         self.check_open()
         self.touch()
+        self.check_chunk(text, "delta")
         self._count_payload(text)
         self.buffer += text
 
@@ -169,6 +207,7 @@ class Session:
         `input_text_buffer.replace`)."""
         self.check_open()
         self.touch()
+        self.check_chunk(text, "text")
         self._check_offset(offset)
         self._replace(offset, text)
 
@@ -180,8 +219,10 @@ class Session:
 
     def _replace(self, offset: int, text: str) -> None:
         """The cap bounds the input held, not the bytes sent: the replaced text's bytes are given back."""
-        self.payload_bytes -= len(self.buffer[offset:].encode())
-        self._count_payload(text)
+        held = self.payload_bytes - len(self.buffer[offset:].encode())
+        if held + len(text.encode()) > self.limits.max_payload_bytes:
+            raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
+        self.payload_bytes = held + len(text.encode())
         self.buffer = self.buffer[:offset] + text
 
     def clear_text(self) -> None:
@@ -201,30 +242,44 @@ class Session:
         return None
 
     def add_message(self, role: str, content: str) -> None:
-        """A whole conversation item (realtime `conversation.item.create`)."""
+        """A whole conversation item (realtime `conversation.item.create`); counted against the payload cap."""
         self.check_open()
         self.touch()
+        self.check_chunk(content, "content")
+        self._count_payload(content)
         self.commit_buffer()
-        self._messages().append({"role": role, "content": content})
+        self._commit({"role": role, "content": content})
 
     def commit_buffer(self) -> None:
         """The in-progress text becomes part of the input: a user message (chat) or the prompt's tail."""
         if not self.buffer:
             return
-        if self.endpoint == "chat":
-            self._messages().append({"role": "user", "content": self.buffer})
-        else:
-            self.request["prompt"] = self.request.get("prompt", "") + self.buffer
+        self._commit({"role": "user", "content": self.buffer})
         self.buffer = ""
 
-    def add_answer(self, text: str) -> None:
-        """The assistant's answer joins the conversation, so the next turn builds on it."""
-        if not text:
-            return
-        if self.endpoint == "chat":
+    def _commit(self, message: dict[str, Any]) -> None:
+        """Input joins the conversation; while an answer is generated it waits for that answer, so that the
+        conversation reads in the order it happened (the answer was asked for first)."""
+        if self.answering:
+            self.deferred.append(message)
+        elif self.endpoint == "chat":
+            self._messages().append(message)
+        else:
+            self.request["prompt"] = self.request.get("prompt", "") + message["content"]
+
+    def add_answer(self, text: str, failed: bool = False) -> None:
+        """The assistant's answer joins the conversation, so the next turn builds on it; an empty one too,
+        so that user and assistant turns keep alternating (strict chat templates refuse two user turns).
+        An answer that failed before any output adds nothing: trying again answers the same turn."""
+        if failed and not text:
+            pass
+        elif self.endpoint == "chat":
             self._messages().append({"role": "assistant", "content": text})
         else:
             self.request["prompt"] = self.request.get("prompt", "") + text
+        deferred, self.deferred = self.deferred, []
+        for message in deferred:
+            self._commit(message)
 
     def _messages(self) -> list[dict[str, Any]]:
         return self.request.setdefault("messages", [])
@@ -256,11 +311,11 @@ class Session:
                 return []
             if self.buffer:  # mark where the stable in-progress text ends; the template suffix follows it
                 messages[-1]["content"] = stable_buffer + _MARK
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            text = self._render(tokenizer, request, messages)
             end = text.find(_MARK) if self.buffer else len(text)
             if self.buffer and end < 0:  # the template rewrote the content: stream committed messages only
                 messages.pop()
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+                text = self._render(tokenizer, request, messages)
                 end = len(text)
             text = text.replace(_MARK, "")
             add_special = False
@@ -275,6 +330,18 @@ class Session:
         while keep < len(ids) and offsets[keep][1] <= end:
             keep += 1
         return list(ids[: max(keep - 1, 0)])
+
+    @staticmethod
+    def _render(tokenizer: Any, request: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+        """The chat template as the hand-off will apply it: the request's own template, tools and template
+        arguments included (otherwise the streamed prefix differs and the hand-off recomputes it all)."""
+        kwargs = dict(request.get("chat_template_kwargs") or {})
+        if request.get("tools"):
+            kwargs["tools"] = request["tools"]
+        if request.get("chat_template"):
+            kwargs["chat_template"] = request["chat_template"]
+        kwargs.update(tokenize=False, add_generation_prompt=False)
+        return tokenizer.apply_chat_template(messages, **kwargs)
 
     def may_start(self, num_stable: int) -> bool:
         if self.policy.type == "on_end_only":
@@ -299,6 +366,7 @@ class Session:
             "pending": [[seq, chunk] for seq, (_, chunk) in self.pending.items()],
             "payload_bytes": self.payload_bytes,
             "input_ended": self.input_ended,
+            "deferred": self.deferred,
             # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
             # here), or, if a router is streaming it, is reported to the adopter when it ends.
             "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
@@ -322,6 +390,7 @@ class Session:
         session.pending = {seq: (time.monotonic(), chunk) for seq, chunk in state["pending"]}
         session.payload_bytes = state["payload_bytes"]
         session.input_ended = state["input_ended"]
+        session.deferred = state.get("deferred", [])
         for summary in state["answers"]:
             answer = Answer.from_summary(summary)
             answer.overrides = summary.get("overrides") or {}

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prefill.errors import caller, overloaded, session_api
+from prefill.errors import caller, overloaded, serialized, session_api
 from prefill.handoff import HandOff
 from prefill.session import (
     Session,
@@ -43,6 +43,35 @@ def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
         raise SessionError(400, f"{param}: {first['msg']}", param) from None
 
 
+def _text_input(request: dict[str, Any]) -> dict[str, Any]:
+    """A session's input is text (it grows by text chunks): message content given as text parts becomes the
+    text; anything else (images, token ids, a list of prompts) is refused before anything is made."""
+    if "messages" in request:
+        messages = request["messages"]
+        if not isinstance(messages, list):
+            raise SessionError(400, "messages: must be a list", "messages")
+        out = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise SessionError(400, f"messages.{i}: must be an object", f"messages.{i}")
+            content = message.get("content")
+            if isinstance(content, list):
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
+                    raise SessionError(
+                        400, f"messages.{i}.content: a session takes text parts only", f"messages.{i}.content"
+                    )
+                message = {**message, "content": "".join(p["text"] for p in content)}
+            elif content is not None and not isinstance(content, str):
+                raise SessionError(400, f"messages.{i}.content: must be text", f"messages.{i}.content")
+            out.append(message)
+        request["messages"] = out
+    elif not isinstance(request.get("prompt", ""), str):
+        raise SessionError(400, "prompt: a session's prompt is one string (its input grows as text)", "prompt")
+    return request
+
+
 def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_CHUNKS, chunks, "session input chunks applied")
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
@@ -61,8 +90,9 @@ class SessionAPI(HandOff):
 
     @session_api
     async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:
-        request = dict(spec.get("request") or {})
+        request = _text_input(dict(spec.get("request") or {}))
         endpoint: Endpoint = "chat" if "messages" in request else "completion"
+        self._check_max_tokens(request)
         probe = {**request, "stream": False}
         probe.pop("stream_options", None)
         if endpoint == "completion" and not probe.get("prompt"):
@@ -72,7 +102,7 @@ class SessionAPI(HandOff):
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
         policy = _validated(StartPolicy, "start_policy", spec)
-        limits = _validated(SessionLimits, "limits", spec)
+        limits = self._session_limits(spec.get("limits"))
         open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
         if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
             return overloaded(self.settings.retry_after_s, f"{open_sessions} sessions open, the replica's limit")
@@ -87,10 +117,37 @@ class SessionAPI(HandOff):
         session.instructions = spec.get("instructions")
         session.tenant = tenant
         self.sessions[session_id] = session
-        await self._prefill_stable(session)
+        try:
+            await self._prefill_stable(session)
+        except BaseException:  # nothing half-made stays behind
+            await self._close(session, "its creation failed")
+            self.sessions.pop(session_id, None)
+            raise
         return session.describe()
 
+    def _session_limits(self, asked: Any) -> SessionLimits:
+        """The server's limits (the app config's `limits`), lowered where the client asked."""
+        if asked is not None and not isinstance(asked, dict):
+            raise SessionError(400, "limits: must be an object", "limits")
+        try:
+            return SessionLimits.of_server(self.config.limits).within(asked or {})
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in ("limits", *first["loc"]))
+            raise SessionError(400, f"{param}: {first['msg']}", param) from None
+        except ValueError as e:
+            raise SessionError(400, f"limits.{e.args[0]}", f"limits.{e.args[1]}") from None
+
+    def _check_max_tokens(self, request: dict[str, Any]) -> None:
+        """`max_tokens` within the server's limit (the model's context length unless set lower)."""
+        cap = self.config.limits.max_tokens or self.engine.max_model_len
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = request.get(field)
+            if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                raise SessionError(400, f"{field} is {value}, more than this server's limit of {cap}", field)
+
     @session_api
+    @serialized
     async def session_chunk(
         self,
         *,
@@ -115,14 +172,18 @@ class SessionAPI(HandOff):
         return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
 
     @session_api
+    @serialized
     async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
         session = self._get(session_id)
+        if role not in ("user", "system", "assistant", "developer"):
+            raise SessionError(400, f"role {role!r} is not a conversation role", "role")
         session.add_message(role, content)
         _count_input(1, len(content.encode()))
         await self._prefill_stable(session)
         return session.describe()
 
     @session_api
+    @serialized
     async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
         """Realtime `input_text_buffer.*`: append to, replace from `offset`, commit or clear the in-progress
         user text."""
@@ -144,10 +205,12 @@ class SessionAPI(HandOff):
         return session.describe()
 
     @session_api
+    @serialized
     async def session_update(
         self, *, session_id: str, instructions: str | None = None, params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         session = self._get(session_id)
+        self._check_max_tokens(params or {})
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
@@ -155,6 +218,7 @@ class SessionAPI(HandOff):
         return session.describe()
 
     @session_api
+    @serialized
     async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """End of input: hand the KV off for the answer. Idempotent."""
         session = self._get(session_id)
@@ -169,6 +233,7 @@ class SessionAPI(HandOff):
         return {**session.describe(), "answer": session.answers[-1].summary()}
 
     @session_api
+    @serialized
     async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Realtime `response.create`: answer the conversation so far (input may go on afterwards)."""
         session = self._get(session_id)
@@ -180,6 +245,7 @@ class SessionAPI(HandOff):
         return {**session.describe(), "answer": session.answers[-1].summary()}
 
     @session_api
+    @serialized
     async def session_delete(self, *, session_id: str) -> dict[str, Any]:
         session = self._get(session_id, allow_closed=True)
         await self._close(session, "deleted")
@@ -260,6 +326,8 @@ class SessionAPI(HandOff):
                 count = sum(s.state == state for s in self.sessions.values())
                 metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
             for session in list(self.sessions.values()):
+                if session.lock.locked():
+                    continue  # a call is applying input to it: next tick
                 try:
                     if session.state == SessionState.CLOSED:
                         if now - (session.closed_at or now) > CLOSED_SESSION_RETENTION_S:
@@ -270,5 +338,7 @@ class SessionAPI(HandOff):
                         await self._give_up_answer(session, why)
                     elif not session.answering and now - session.last_active > session.limits.idle_timeout_s:
                         await self._close(session, "expired")
+                    elif not session.answering and now - session.created_at > session.limits.max_session_s:
+                        await self._close(session, "expired: the session's time limit passed")
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)

@@ -257,7 +257,10 @@ def test_payload_cap(server):
     r = send_chunk(server, sid, 1, "y" * 60)
     assert r.status_code == 413
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert send_chunk(server, sid, 2, "z").status_code == 409  # closed
+    # Refused whole: the session keeps its input and goes on (the refused sequence id is still free).
+    assert send_chunk(server, sid, 1, "z").status_code == 202
+    assert info(server, sid)["payload_bytes"] == 61
+    httpx.delete(f"{server}{SESSIONS}/{sid}")
     wait_idle("prefill")
 
 

@@ -1,0 +1,222 @@
+"""Defects a hostile read of the session code found (issue #9), each shown on a real `SessionAPI` with real
+sessions; only the engine is faked (tests/unit/test_handoff.py's `Server`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from prefill.session import Session, SessionLimits, StartPolicy, new_session_id
+from prefill.streaming import StreamingPrefill
+from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def server(tokenizer: Any) -> Server:  # noqa: F811
+    return Server(tokenizer)
+
+
+def streaming_session(server: Server, request: dict[str, Any] | None = None) -> Session:
+    """A session that streams its input to the engine on every chunk (`on_first_chunk`)."""
+    session_id = new_session_id(server.replica)
+    request = request or {"model": "local:tiny-llama", "messages": []}
+    session = Session(session_id, "chat", request, StartPolicy(), SessionLimits(), server._streaming(session_id))
+    server.sessions[session_id] = session
+    return session
+
+
+async def test_calls_on_one_session_apply_one_at_a_time(server: Server) -> None:
+    """Two chunks arriving together: the second is applied only once the first has been prefilled."""
+    session = streaming_session(server)
+    seen: list[tuple[int, int]] = []  # (chunks applied when a prefill starts, when it ends)
+    inside = 0
+
+    async def slow_sync(tokens: list[int]) -> None:
+        nonlocal inside
+        inside += 1
+        assert inside == 1, "two calls of one session prefill at once"
+        start = session.next_seq
+        await asyncio.sleep(0.05)
+        seen.append((start, session.next_seq))
+        inside -= 1
+
+    session.streaming.sync = slow_sync  # type: ignore[method-assign]
+    replies = await asyncio.gather(
+        *(server.session_chunk(session_id=session.id, sequence_id=i, payload=f"word{i} ") for i in range(3))
+    )
+    assert all("error" not in r for r in replies), replies
+    assert seen == [(1, 1), (2, 2), (3, 3)]  # each call's input stayed as it was while it prefilled
+
+
+async def test_an_end_of_input_chunk_and_finish_together_start_one_answer(server: Server) -> None:
+    session = server.open_session()
+    server.gate = asyncio.Event()
+    replies = await asyncio.gather(
+        server.session_chunk(session_id=session.id, sequence_id=0, payload="Hello there", end_of_input=True),
+        server.session_finish(session_id=session.id),
+        server.session_finish(session_id=session.id),
+    )
+    server.gate.set()
+    assert all("error" not in r for r in replies), replies
+    assert len(session.answers) == 1 and len(server.calls) <= 1
+    await asyncio.wait_for(asyncio.shield(session.answers[0].task), 2)  # type: ignore[arg-type]
+    assert len(server.calls) == 1
+
+
+async def test_far_future_sequence_ids_are_refused_so_held_chunks_stay_bounded(server: Server) -> None:
+    session = server.open_session()
+    limit = session.limits.max_pending_chunks
+    for seq in range(1, limit):
+        assert "error" not in await server.session_chunk(session_id=session.id, sequence_id=seq, payload="")
+    for seq in (limit, 10**9):
+        refused = await server.session_chunk(session_id=session.id, sequence_id=seq, payload="")
+        assert refused["error"]["code"] == 400 and refused["error"]["param"] == "sequence_id"
+    assert len(session.pending) == limit - 1
+
+
+async def test_an_oversized_chunk_is_refused_whole_and_the_session_goes_on(server: Server) -> None:
+    session = server.open_session(max_chunk_bytes=16)
+    refused = await server.session_chunk(session_id=session.id, sequence_id=0, payload="x" * 17)
+    assert refused["error"]["code"] == 413
+    assert session.next_seq == 0 and session.buffer == "" and session.payload_bytes == 0
+    assert "error" not in await server.session_chunk(session_id=session.id, sequence_id=0, payload="fine")
+    assert session.buffer == "fine"
+
+
+async def test_conversation_items_count_against_the_payload_cap(server: Server) -> None:
+    session = server.open_session(max_payload_bytes=100)
+    assert "error" not in await server.session_message(session_id=session.id, role="user", content="x" * 60)
+    refused = await server.session_message(session_id=session.id, role="user", content="y" * 60)
+    assert refused["error"]["code"] == 413
+    assert session.request["messages"] == [{"role": "user", "content": "x" * 60}]  # nothing half-applied
+
+
+async def test_a_replace_past_the_payload_cap_changes_nothing(server: Server) -> None:
+    session = server.open_session(max_payload_bytes=10)
+    await server.session_buffer(session_id=session.id, op="append", text="abcdef")
+    refused = await server.session_buffer(session_id=session.id, op="replace", text="z" * 20, offset=2)
+    assert refused["error"]["code"] == 413
+    assert session.buffer == "abcdef" and session.payload_bytes == 6
+
+
+async def test_clients_may_lower_limits_but_not_raise_them(server: Server) -> None:
+    spec = {"request": {"model": "local:tiny-llama", "messages": []}}
+    lowered = await server.create_session({**spec, "limits": {"idle_timeout_s": 5, "max_payload_bytes": 10}})
+    assert "session_id" in lowered
+    session = server.sessions[lowered["session_id"]]
+    assert session.limits.idle_timeout_s == 5 and session.limits.max_payload_bytes == 10
+    assert session.limits.max_session_s == server.config.limits.max_session_s  # the rest: the server's
+    for asked in ({"idle_timeout_s": 10**6}, {"max_payload_bytes": 10**12}, {"gap_timeout_s": 10**4}, []):
+        refused = await server.create_session({**spec, "limits": asked})
+        assert refused["error"]["code"] == 400, asked
+    assert len(server.sessions) == 1
+
+
+async def test_max_tokens_beyond_the_server_limit_is_refused(server: Server) -> None:
+    server.config.limits.max_tokens = 100
+    refused = await server.create_session({"request": {"model": "local:tiny-llama", "prompt": "", "max_tokens": 101}})
+    assert refused["error"]["code"] == 400 and refused["error"]["param"] == "max_tokens"
+    session = server.open_session()
+    await server.end_input(session, "Hi")  # the session's own answer is fine
+    server.results.clear()
+    answer = session.answers[-1]
+    await asyncio.wait_for(asyncio.shield(answer.task), 2)  # type: ignore[arg-type]
+    await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("Hello"))
+    refused = await server.session_respond(session_id=session.id, overrides={"max_tokens": 1000})
+    assert refused["error"]["code"] == 400 and len(session.answers) == 1
+    refused = await server.session_update(session_id=session.id, params={"max_tokens": 1000})
+    assert refused["error"]["code"] == 400 and "max_tokens" not in session.request
+    assert not server.sessions.keys() - {session.id}
+
+
+async def test_list_content_becomes_text_and_other_input_is_refused_with_nothing_left_behind(server: Server) -> None:
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    made = await server.create_session(
+        {
+            "request": {"model": "local:tiny-llama", "messages": [{"role": "user", "content": parts}]},
+            "start_policy": {"type": "on_end_only"},
+        }
+    )
+    assert "session_id" in made, made
+    assert server.sessions[made["session_id"]].request["messages"][0]["content"] == "Hello there"
+    for request in (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": 42}]},
+        {"messages": "hi"},
+        {"prompt": ["a", "b"]},
+        {"prompt": [1, 2, 3]},
+    ):
+        refused = await server.create_session({"request": {"model": "local:tiny-llama", **request}})
+        assert refused["error"]["code"] == 400, (request, refused)
+    assert list(server.sessions) == [made["session_id"]]
+
+
+async def test_an_item_created_during_an_answer_follows_the_answer(server: Server) -> None:
+    session = server.open_session()
+    answer = await server.ready(session, "What is a KV cache?")
+    assert "error" not in await server.session_message(session_id=session.id, role="user", content="And NIXL?")
+    assert session.request["messages"][-1]["content"] == "What is a KV cache?"  # not yet: the answer is first
+    await server.session_claim(session_id=session.id, turn=answer.turn)
+    await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("A cache of keys."))
+    roles = [(m["role"], m["content"]) for m in session.request["messages"]]
+    assert roles == [("user", "What is a KV cache?"), ("assistant", "A cache of keys."), ("user", "And NIXL?")]
+
+
+async def test_an_empty_answer_keeps_the_turns_alternating(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session, "Say nothing.")
+    await server.session_claim(session_id=session.id, turn=0)
+    await server.session_answer_done(session_id=session.id, turn=0, outcome=completed(""))
+    await server.end_input(session, "Now say something.")
+    roles = [m["role"] for m in session.request["messages"]]
+    assert roles == ["user", "assistant", "user"]
+
+
+TEMPLATE = "{% for m in messages %}[[{{ m.role }}{{ suffix }}]]{{ m.content }}\n{% endfor %}"
+
+
+async def test_stable_tokens_render_with_the_requests_template_tools_and_kwargs(server: Server) -> None:
+    """The streamed prefix is what the hand-off renders, so that its KV is reused, not recomputed."""
+    tokenizer = server.engine.tokenizer
+    if not hasattr(tokenizer, "decode"):
+        pytest.skip("needs the local model's tokenizer (python -m serve_app.local_model)")
+    request = {
+        "model": "local:tiny-llama",
+        "messages": [{"role": "user", "content": "first turn"}],
+        "chat_template": TEMPLATE,
+        "chat_template_kwargs": {"suffix": "!"},
+    }
+    session = streaming_session(server, request)
+    session.buffer = "a partial second"
+    text = tokenizer.decode(session.stable_tokens(tokenizer))
+    assert "[[user!]]first turn" in text
+
+
+async def test_merged_engine_outputs_still_count_every_chunk() -> None:
+    """vLLM merges the delta outputs a slow consumer has not taken (one finish_reason, both chunks' tokens):
+    completion is counted in tokens, so the wait ends."""
+
+    class Output:
+        def __init__(self, n: int) -> None:
+            self.outputs = [type("C", (), {"token_ids": list(range(n)), "finish_reason": "length"})()]
+
+    class Engine:
+        class client:  # noqa: N801
+            @staticmethod
+            def generate(inputs: Any, params: Any, request_id: str) -> Any:
+                async def outputs() -> Any:
+                    n = 0
+                    async for _ in inputs:
+                        n += 1
+                        if n == 2:
+                            yield Output(2)  # two chunks' tokens, merged into one output
+
+                return outputs()
+
+    streaming = StreamingPrefill(Engine(), "sess_x_y", timeout=1.0)
+    await streaming.sync([1, 2, 3])
+    await streaming.sync([1, 2, 3, 4])
+    await streaming.wait_computed()
+    await streaming.close()
