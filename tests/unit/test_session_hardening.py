@@ -179,8 +179,8 @@ TEMPLATE = "{% for m in messages %}[[{{ m.role }}{{ suffix }}]]{{ m.content }}\n
 
 async def test_stable_tokens_render_with_the_requests_template_tools_and_kwargs(server: Server) -> None:
     """The streamed prefix is what the hand-off renders, so that its KV is reused, not recomputed."""
-    tokenizer = server.engine.tokenizer
-    if not hasattr(tokenizer, "decode"):
+    tok = server.engine.tokenizer
+    if not hasattr(tok, "decode"):
         pytest.skip("needs the local model's tokenizer (python -m serve_app.local_model)")
     request = {
         "model": "local:tiny-llama",
@@ -190,7 +190,7 @@ async def test_stable_tokens_render_with_the_requests_template_tools_and_kwargs(
     }
     session = streaming_session(server, request)
     session.buffer = "a partial second"
-    text = tokenizer.decode(session.stable_tokens(tokenizer))
+    text = tok.decode(session.stable_tokens(tok))
     assert "[[user!]]first turn" in text
 
 
