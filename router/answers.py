@@ -218,6 +218,8 @@ class AnswerReader:
         if self._reported is not None or self.summary is not None or self.turn is None:
             return self._reported or _done_task()
         self.outcome.status = status
+        if status != "released" and (charge := getattr(self.ingress, "charge", None)) is not None:
+            charge(self.outcome.usage)  # the caller's key pays for the answer (router/quota.py)
         task = self._reported = asyncio.create_task(self._deliver(self.turn, self.outcome.as_dict()))
         _reports.add(task)
         task.add_done_callback(_reports.discard)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +29,8 @@ from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
-from router.owner import current_tenant
+from router.owner import current_tenant, tenant
+from router.quota import TokenBudgets
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse, streaming_response
@@ -70,7 +71,13 @@ class Authenticate:
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
             if ingress.api_keys.enabled:
-                current_tenant.set(APIKeys.key_id(APIKeys.bearer(authorization)))  # sessions belong to this key
+                key_id = APIKeys.key_id(APIKeys.bearer(authorization))
+                current_tenant.set(key_id)  # sessions belong to this key
+                if scope.get("method") == "POST" and (wait := ingress.budgets.retry_after(key_id)) is not None:
+                    metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_429")
+                    body = error_body(429, "This API key has used its tokens per minute; retry later.")
+                    await JSONResponse(body, status_code=429, headers={"Retry-After": str(wait)})(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 
@@ -89,8 +96,18 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, f"internal error: {exc}"), status_code=500)
 
 
-async def read_json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object, read at most `limit` bytes far (413 past it, before reading it all)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes, this server's limit")
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -100,12 +117,41 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-async def relay(first: str, stream: DecodeStream) -> AsyncGenerator[str, None]:
-    """SSE relay. A failure after the stream started becomes an SSE error event, then `[DONE]`."""
+def take_usage(text: str, keep: bool) -> tuple[str, dict[str, Any] | None]:
+    """The usage frame's usage out of a relayed item; the item without that frame unless `keep`."""
+    usage, frames = None, []
+    for frame in text.split("\n\n"):
+        if frame.startswith("data: {") and '"usage"' in frame:
+            parsed = json.loads(frame[6:])
+            if parsed.get("usage") and not parsed.get("choices"):
+                usage = parsed["usage"]
+                if not keep:
+                    continue
+        frames.append(frame)
+    return "\n\n".join(frames), usage
+
+
+async def relay(
+    first: str, stream: DecodeStream, charge: Callable[[dict[str, Any] | None], None] | None = None, keep: bool = True
+) -> AsyncGenerator[str, None]:
+    """SSE relay. A failure after the stream started becomes an SSE error event, then `[DONE]`. With `charge`
+    (per-key token budgets), the usage frame is read off the stream (and dropped if the client had not asked
+    for it)."""
     try:
-        yield first
-        async for text in stream:
-            yield text
+        if charge is None:
+            yield first
+            async for text in stream:
+                yield text
+        else:
+            text = first
+            while True:
+                if '"usage"' in text:
+                    text, usage = take_usage(text, keep)
+                    charge(usage)
+                yield text
+                text = await anext(stream, None)
+                if text is None:
+                    break
     except DecodeFailed as e:  # the decode replica failed mid-stream
         logger.error("decode stream failed: %s", e)
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
@@ -127,6 +173,7 @@ class Router:
         self.feeds = Feeds(self.decode, serve.get_replica_context().replica_id.unique_id)
         self.created = int(time.time())
         self.api_keys = APIKeys(self.config.router.api_keys)
+        self.budgets = TokenBudgets(self.config.limits.tokens_per_minute_per_key if self.api_keys.enabled else None)
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
         self._ready_at = 0.0  # when both engines last answered
@@ -193,17 +240,35 @@ class Router:
         return await self._disaggregated("completion", request)
 
     async def read_body(self, request: Request) -> dict[str, Any]:
-        return await read_json_object(request)
+        return await read_json_object(request, self.config.limits.max_body_bytes)
 
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.setdefault("model", self.config.model_name)
         if model != self.config.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
+    def check_max_tokens(self, body: dict[str, Any]) -> None:
+        """`limits.max_tokens` (when set; the engine itself refuses more than the context)."""
+        cap = self.config.limits.max_tokens
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = body.get(field)
+            if cap is not None and isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                raise APIError(400, f"{field} is {value}, more than this server's limit of {cap}", field)
+
+    def charge(self, usage: dict[str, Any] | None) -> None:
+        """The caller's key pays what its request used (router/quota.py)."""
+        self.budgets.charge(tenant(), usage)
+
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         started = time.perf_counter()
-        body = await read_json_object(request)
+        body = await self.read_body(request)
         self.check_model(body)
+        self.check_max_tokens(body)
+        # Per-key token budgets read the usage off the stream (dropped again unless the client asked for it).
+        charging = self.budgets.enabled and bool(tenant())
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if charging and body.get("stream"):
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         body["request_id"] = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
 
         where, why = self.disaggregation.choose(endpoint, body)
@@ -249,7 +314,10 @@ class Router:
             status = error_status(first) if "error" in first else 200
             if status != 200:
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{status}")
+            elif charging:
+                self.charge(first.get("usage"))
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
         assert isinstance(opened, DecodeStream)
-        return streaming_response(relay(first, opened), opened.cancel, headers)
+        frames = relay(first, opened, self.charge if charging else None, keep=wants_usage)
+        return streaming_response(frames, opened.cancel, headers)

@@ -22,14 +22,19 @@ from router.sessions import session_spec
 from serve_app.protocol import error_body, error_response, streaming_response
 
 
-async def ndjson_lines(request: Request) -> AsyncGenerator[dict[str, Any], None]:
+async def ndjson_lines(request: Request, limit: int) -> AsyncGenerator[dict[str, Any], None]:
+    """The body's lines as JSON values; a line over `limit` bytes is refused (413) before it is read whole."""
     buffer = b""
     async for chunk in request.stream():
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
+            if len(line) > limit:
+                raise InputError(error_body(413, f"an NDJSON line is over {limit} bytes, this server's limit"))
             if line.strip():
                 yield json.loads(line)
+        if len(buffer) > limit:
+            raise InputError(error_body(413, f"an NDJSON line is over {limit} bytes, this server's limit"))
     if buffer.strip():
         yield json.loads(buffer)
 
@@ -43,17 +48,21 @@ class InputError(Exception):
 
 
 async def streaming_input_chat(ingress: Any, request: Request) -> Response:
-    lines = ndjson_lines(request)
+    lines = ndjson_lines(request, ingress.config.limits.max_body_bytes)
     try:
         first = await anext(lines)
+    except InputError as e:
+        return error_response(e.payload)
     except (StopAsyncIteration, ValueError) as e:
         return JSONResponse(error_body(400, f"the first NDJSON line must be a chat request: {e}"), status_code=400)
-    if not isinstance(first, dict) or "messages" not in first:
+    if not isinstance(first, dict) or not isinstance(first.get("messages"), list):
         return JSONResponse(error_body(400, "the first NDJSON line must be a chat request", "messages"), 400)
     ingress.check_model(first)
+    ingress.check_max_tokens(first)
     stream = bool(first.get("stream"))
     messages = first.setdefault("messages", [])
-    partial = messages.pop()["content"] if messages and messages[-1].get("role") == "user" else ""
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    partial = messages.pop()["content"] if last.get("role") == "user" and isinstance(last.get("content"), str) else ""
     created = await create_session(ingress, session_spec(first))
     if "error" in created:
         return error_response(created)

@@ -17,6 +17,12 @@ from serve_app.protocol import error_body, error_status
 # it, and a session answers only calls with the id of the key that created it (others get 404).
 current_tenant: ContextVar[str] = ContextVar("rtpd_tenant", default="")
 
+
+def tenant() -> str:
+    """The caller's key id (a function: code the Serve ingress pickles by value cannot hold a ContextVar)."""
+    return current_tenant.get()
+
+
 HANDOVER_RETRY_S = 0.25
 HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
 

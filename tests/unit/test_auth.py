@@ -13,6 +13,8 @@ from starlette.websockets import WebSocketDisconnect
 from router import realtime
 from router.app import Authenticate
 from router.auth import API_KEYS_ENV, APIKeys
+from router.owner import current_tenant
+from router.quota import TokenBudgets
 from serve_app.config import AppConfig
 
 
@@ -33,10 +35,15 @@ class FakePrefill:
     create_session = _CreateSession()
 
 
-def client(keys: list[str]) -> TestClient:
+def client(keys: list[str], tokens_per_minute: int | None = None) -> TestClient:
     app = FastAPI()
     app.add_middleware(Authenticate)
     app.include_router(realtime.api)
+
+    @app.post("/v1/spend")
+    async def spend(tokens: int) -> dict[str, str]:
+        budgets.charge(current_tenant.get(), {"total_tokens": tokens})
+        return {"charged": current_tenant.get()}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -47,7 +54,8 @@ def client(keys: list[str]) -> TestClient:
         return {"object": "list"}
 
     config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits)
-    app.state.ingress = SimpleNamespace(api_keys=APIKeys(keys), config=config, prefill=FakePrefill())
+    budgets = TokenBudgets(tokens_per_minute)
+    app.state.ingress = SimpleNamespace(api_keys=APIKeys(keys), config=config, prefill=FakePrefill(), budgets=budgets)
     return TestClient(app)
 
 
@@ -118,3 +126,15 @@ def test_realtime_with_a_wrong_subprotocol_key_is_refused() -> None:
     ):
         pass
     assert refused.value.code == 1008
+
+
+def test_each_key_has_its_own_tokens_per_minute() -> None:
+    c = client(["key-a", "key-b"], tokens_per_minute=600)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    first = c.post("/v1/spend", params={"tokens": 700}, headers=a)  # admitted with budget left; overspends
+    assert first.status_code == 200 and first.json()["charged"] == APIKeys.key_id("key-a")  # an id, not the key
+    refused = c.post("/v1/spend", params={"tokens": 1}, headers=a)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "RateLimitError"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60  # 100 tokens of debt at 10 tokens/s: ~11 s
+    assert c.post("/v1/spend", params={"tokens": 1}, headers=b).status_code == 200  # another key is untouched
+    assert c.get("/v1/models", headers=a).status_code == 200  # reads are not refused
