@@ -9,7 +9,9 @@ to the client, then reports the final text and usage so that the conversation ca
         │           └─ released ──┘   (its reader left before any text: the next reader streams it)
         └──────────┴────────────┴──────▶ failed | cancelled (hand-off refused or cancelled, reader vanished)
 
-Closing the session cancels a hand-off in progress; an answer a router is streaming runs to its end.
+Closing the session cancels a hand-off in progress; an answer a router is streaming runs to its end. A cancel
+(`POST .../cancel`) ends an unclaimed answer at once; one being streamed is stopped on its decode replica, which
+its reader registered (`decode`), and its reader then reports it cancelled.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Answer:
     created_at: float = field(default_factory=time.monotonic)
     handoffs: int = 0  # hand-offs made (a stale one is made again)
     task: asyncio.Task[None] | None = field(default=None, repr=False)  # the hand-off in progress
+    # Where its reader streams it from: {"consumer", "stream_id", "replica"} (what decode's `stop` takes).
+    decode: dict[str, Any] | None = None
+    cancel_requested: bool = False
 
     @property
     def done(self) -> bool:

@@ -139,9 +139,11 @@ class HandOff:
             raise SessionError(400, f"an answer ends completed, cancelled or failed, not {status!r}", "status")
         if answer.done:
             return answer.summary()
+        if answer.cancel_requested and status in ("failed", "released"):  # stopped on decode by a cancel
+            status = "cancelled"
         if status == "released":  # its reader left before any output: the next reader streams it
             if answer.status == "streaming":
-                answer.status, answer.claimed_at = "ready", None
+                answer.status, answer.claimed_at, answer.decode = "ready", None, None
                 await _notify(session)
             return answer.summary()
         if answer.task is not None and not answer.task.done():  # cancelled before its hand-off was claimed
@@ -152,10 +154,42 @@ class HandOff:
         answer.text = outcome.get("text") or ""
         answer.finish_reason, answer.usage = outcome.get("finish_reason"), outcome.get("usage")
         answer.response = outcome.get("response") or {}
-        answer.finish(status, outcome.get("error"))
+        answer.finish(status, None if status == "cancelled" else outcome.get("error"))
         await self._answer_ended(session, answer)
         await _notify(session)
         return answer.summary()
+
+    @session_api
+    async def session_streaming(self, *, session_id: str, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
+        """The reader of answer `turn` says where it streams it from, so that a cancel through any router can
+        stop it there. `{"stop": decode}` when a cancel came first."""
+        session = self._get(session_id, allow_closed=True)
+        answer = session.answers[turn] if 0 <= turn < len(session.answers) else None
+        if answer is None or answer.status != "streaming":
+            return {}
+        answer.decode = decode
+        return {"stop": decode} if answer.cancel_requested else {}
+
+    @session_api
+    async def session_cancel(self, *, session_id: str) -> dict[str, Any]:
+        """Stop the answer in progress: one not yet streamed ends cancelled now; for one being streamed,
+        `stop` says where (the router that got the cancel stops it on its decode replica; its reader then
+        reports it cancelled, with the text it had)."""
+        session = self._get(session_id, allow_closed=True)
+        answer = session.answers[-1] if session.answers else None
+        if answer is None or answer.done:
+            raise SessionError(409, f"session {session_id} has no answer in progress")
+        if answer.task is not None and not answer.task.done():  # the hand-off is being made
+            answer.task.cancel()
+            await asyncio.gather(answer.task, return_exceptions=True)
+        if answer.status in ("ready", "preparing"):  # not claimed (or cancelled before its task ever ran)
+            answer.finish("cancelled")  # NIXL frees a hand-off nobody reads after the lease
+            await self._answer_ended(session, answer)
+            await _notify(session)
+        if answer.done:
+            return {**session.describe(), "answer": answer.summary()}
+        answer.cancel_requested = True
+        return {**session.describe(), "answer": answer.summary(), "stop": answer.decode}
 
     @session_api
     async def session_result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:

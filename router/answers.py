@@ -137,6 +137,7 @@ class AnswerReader:
                 first = opened if "error" in opened else opened["response"]
             else:
                 self._stream = opened
+                _spawn(self._register(opened))
                 first = await anext(opened)
         except StopAsyncIteration:
             first = error_body(500, "decode returned nothing")
@@ -178,7 +179,13 @@ class AnswerReader:
                 yield forward, deltas
                 item = await anext(self._stream, _END)
             status = self.outcome.status
-        except DecodeFailed as e:  # the decode replica failed mid-stream
+        except DecodeFailed as e:
+            if e.error.get("code") == 499:  # stopped on decode: a cancel (POST .../cancel) reached it
+                status = "cancelled"
+                await self.settle(status)
+                yield SSE_DONE, []
+                return
+            # the decode replica failed mid-stream
             logger.error("session %s: decode stream failed: %s", self.session_id, e)
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
             self.outcome.error = e.error
@@ -189,6 +196,19 @@ class AnswerReader:
             self._stream.cancel()
             # A client that left before any text: the answer goes back to its owner for the next reader.
             self.report("released" if status == "cancelled" and not self._streamed else status)
+
+    async def _register(self, stream: DecodeStream) -> None:
+        """Tell the owner where this answer streams from (a cancel through any router then stops it there)."""
+        decode = {"consumer": stream.feeds.consumer, "stream_id": stream.stream_id, "replica": stream.replica}
+        try:
+            reply = await session_call(
+                self.ingress, "session_streaming", session_id=self.session_id, turn=self.turn, decode=decode
+            )
+        except Exception:  # the answer still streams; only a cancel from another router could not reach it
+            logger.warning("session %s: could not register answer %s's stream", self.session_id, self.turn)
+            return
+        if isinstance(reply, dict) and reply.get("stop"):  # a cancel came before this
+            self.cancel()
 
     def _absorb(self, item: str, keep_usage: bool) -> tuple[str, list[str]]:
         first = not self.outcome.text
@@ -267,6 +287,13 @@ class AnswerReader:
         if isinstance(claim, dict) and "request" in claim:
             self.claim, self.turn = claim, claim["turn"]
             self.report("released")
+
+
+def _spawn(call: Any) -> None:
+    """Run `call` in a task of its own, kept from garbage collection until it ends."""
+    task = asyncio.ensure_future(call)
+    _reports.add(task)
+    task.add_done_callback(_reports.discard)
 
 
 def _done_task() -> asyncio.Task[Any]:

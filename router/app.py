@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
@@ -31,6 +32,7 @@ from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
 from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
+from router.schemas import ChatBody, CompletionBody, openapi_body, validation_error
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse, streaming_response
@@ -229,13 +231,13 @@ class Router:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
     async def chat_completions(self, request: Request) -> Response:
         if request.headers.get("x-streaming-input", "").lower() == "true":
             return await streaming_input_chat(self, request)
         return await self._disaggregated("chat", request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
         return await self._disaggregated("completion", request)
 
@@ -262,6 +264,10 @@ class Router:
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         started = time.perf_counter()
         body = await self.read_body(request)
+        try:
+            (ChatBody if endpoint == "chat" else CompletionBody).model_validate(body)
+        except ValidationError as e:
+            return error_response(validation_error(e))
         self.check_model(body)
         self.check_max_tokens(body)
         # Per-key token budgets read the usage off the stream (dropped again unless the client asked for it).

@@ -3,6 +3,7 @@
     POST   /v1/streaming_input/sessions               {model, prompt | messages, sampling..., start_policy}
     POST   /v1/streaming_input/sessions/{id}/chunks    {sequence_id, modality: "text", payload, end_of_input}
     POST   /v1/streaming_input/sessions/{id}/finish    (idempotent)
+    POST   /v1/streaming_input/sessions/{id}/cancel    stop the answer in progress
     GET    /v1/streaming_input/sessions/{id}/events    SSE: the chat (or completion) chunks, [DONE]
     GET    /v1/streaming_input/sessions/{id}/result    the chat.completion (or text_completion) object
     GET    /v1/streaming_input/sessions/{id}
@@ -18,31 +19,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from router import owner
 from router.answers import AnswerReader
 from router.owner import session_call
-from serve_app.protocol import error_body, error_response, streaming_response
+from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
+from serve_app.protocol import error_response, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
 SESSION_FIELDS = ("start_policy", "limits", "instructions")
-
-
-class Chunk(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    sequence_id: int = Field(ge=0)
-    modality: Literal["text"] = "text"
-    payload: str
-    end_of_input: bool = False
-    # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.
-    mode: Literal["append", "replace"] = "append"
-    offset: int | None = Field(default=None, ge=0)
 
 
 def _ingress(request: Request) -> Any:
@@ -64,11 +55,16 @@ def session_spec(body: dict[str, Any]) -> dict[str, Any]:
     return {"request": request, "start_policy": policy, "limits": body.get("limits"), "instructions": None}
 
 
-@api.post("")
+@api.post("", status_code=201, openapi_extra=openapi_body(CreateSessionBody))
 async def create_session(request: Request) -> Response:
     ingress = _ingress(request)
     body = await ingress.read_body(request)
+    try:
+        CreateSessionBody.model_validate(body)
+    except ValidationError as e:
+        return error_response(validation_error(e))
     ingress.check_model(body)
+    ingress.check_max_tokens(body)
     result = await owner.create_session(ingress, session_spec(body))
     if "error" in result:
         return _reply(result)
@@ -77,16 +73,14 @@ async def create_session(request: Request) -> Response:
     )
 
 
-@api.post("/{session_id}/chunks")
+@api.post("/{session_id}/chunks", status_code=202, openapi_extra=openapi_body(ChunkBody))
 async def add_chunk(session_id: str, request: Request) -> Response:
     ingress = _ingress(request)
     body = await ingress.read_body(request)
     try:
-        chunk = Chunk.model_validate(body)
+        chunk = ChunkBody.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
-        return JSONResponse(error_body(400, f"{param}: {first['msg']}", param), status_code=400)
+        return error_response(validation_error(e))
     result = await session_call(
         ingress,
         "session_chunk",
@@ -103,6 +97,16 @@ async def add_chunk(session_id: str, request: Request) -> Response:
 @api.post("/{session_id}/finish")
 async def finish(session_id: str, request: Request) -> Response:
     return _reply(await session_call(_ingress(request), "session_finish", session_id=session_id), 202)
+
+
+@api.post("/{session_id}/cancel")
+async def cancel(session_id: str, request: Request) -> Response:
+    """Stop the answer in progress (it ends `cancelled`, keeping the text it had; the session goes on)."""
+    ingress = _ingress(request)
+    result = await session_call(ingress, "session_cancel", session_id=session_id)
+    if (stop := result.pop("stop", None)) is not None:
+        await ingress.decode.stop.remote(**stop)  # the answer's decode replica (router/placement.py pins it)
+    return _reply(result, 202)
 
 
 @api.get("/{session_id}")

@@ -220,3 +220,39 @@ async def test_merged_engine_outputs_still_count_every_chunk() -> None:
     await streaming.sync([1, 2, 3, 4])
     await streaming.wait_computed()
     await streaming.close()
+
+
+async def test_a_cancel_ends_an_unclaimed_answer_and_the_session_goes_on(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session)
+    cancelled = await server.session_cancel(session_id=session.id)
+    assert cancelled["answer"]["status"] == "cancelled" and "stop" not in cancelled
+    assert (await server.session_claim(session_id=session.id, turn=0))["answer"]["status"] == "cancelled"
+    await server.end_input(session, "Another question?")  # the next turn
+    assert len(session.answers) == 2
+    assert (await server.session_cancel(session_id=session.id))["answer"]["status"] == "cancelled"
+    refused = await server.session_cancel(session_id=session.id)
+    assert refused["error"]["code"] == 409  # nothing in progress
+
+
+async def test_a_cancel_of_a_streamed_answer_says_where_to_stop_it(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session)
+    await server.session_claim(session_id=session.id, turn=0)
+    where = {"consumer": "router-1", "stream_id": "s1", "replica": "decode-1"}
+    assert await server.session_streaming(session_id=session.id, turn=0, decode=where) == {}
+    cancelled = await server.session_cancel(session_id=session.id)
+    assert cancelled["stop"] == where and cancelled["answer"]["status"] == "streaming"
+    # Its reader sees the stream stopped (decode's 499) and reports it: it ended cancelled, with its text.
+    stopped = {"status": "failed", "text": "Par", "error": {"code": 499, "message": "stopped"}}
+    summary = await server.session_answer_done(session_id=session.id, turn=0, outcome=stopped)
+    assert summary["status"] == "cancelled" and summary["text"] == "Par" and summary["error"] is None
+
+
+async def test_a_cancel_before_the_reader_registered_stops_it_when_it_does(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session)
+    await server.session_claim(session_id=session.id, turn=0)
+    assert (await server.session_cancel(session_id=session.id))["stop"] is None
+    where = {"consumer": "router-1", "stream_id": "s1", "replica": "decode-1"}
+    assert await server.session_streaming(session_id=session.id, turn=0, decode=where) == {"stop": where}

@@ -1,0 +1,72 @@
+"""The request bodies the router takes, as pydantic models: each body is validated by its model (400 with
+OpenAI error JSON naming the field), and the models are the app's OpenAPI schema (`/openapi.json`, `/docs`).
+
+Chat and completion requests are validated in full by vLLM's own request models where they are served; the
+models here are their outline (the fields that are always there, others allowed), for the schema and for
+refusing a body that is not even that shape before it travels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serve_app.protocol import error_body
+
+
+class _Open(BaseModel):
+    """An OpenAI request: the fields named here are checked, any other is passed on to vLLM."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class ChatBody(_Open):
+    messages: list[dict[str, Any]]
+
+
+class CompletionBody(_Open):
+    prompt: str | list[Any]
+
+
+class CreateSessionBody(_Open):
+    """`POST /v1/streaming_input/sessions`: a chat (`messages`) or completion (`prompt`) request whose input
+    is still to come, with the session's own settings (checked in full by the prefill replica)."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    start_policy: Literal["on_first_chunk", "on_min_length", "on_end_only"] | dict[str, Any] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    limits: dict[str, float | int] | None = None
+
+
+class ChunkBody(BaseModel):
+    """`POST /v1/streaming_input/sessions/{id}/chunks`."""
+
+    model_config = ConfigDict(extra="forbid")
+    sequence_id: int = Field(ge=0, le=2**63 - 1)
+    modality: Literal["text"] = "text"
+    payload: str
+    end_of_input: bool = False
+    # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.
+    mode: Literal["append", "replace"] = "append"
+    offset: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` declaring `model` as the JSON request body (the handler reads the body itself, to bound
+    its size before parsing it)."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def validation_error(e: ValidationError) -> dict[str, Any]:
+    """The first error as OpenAI error JSON (400), `param` the field's dotted path."""
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return error_body(400, f"{param}: {first['msg']}" if param else first["msg"], param)
