@@ -4,7 +4,17 @@ Each conversation item (and each `input_text_buffer.append`) is forwarded to the
 as it arrives, so the conversation is prefilled while the user is still typing or speaking; `response.create`
 hands the KV to decode and streams the answer back as Realtime events. GA event names by default; a client
 that sends `OpenAI-Beta: realtime=v1` gets the beta names (`response.text.delta`, `modalities`).
-Errors are `error` events and leave the session open, except where the session itself ended.
+
+Every client event is validated first (router/realtime_events.py) and applied whole or not at all. Errors are
+`error` events (with the client's `event_id`) and leave the connection open, whatever the client sends:
+malformed JSON, wrong types, binary frames, frames over `limits.max_frame_bytes`. Close codes:
+
+- 1008: refused in the handshake (API key, model);
+- 1011: the session could not be created;
+- 4408 (reason "session expired"): the session is over. Its prefill replica closed or forgot it (idle for
+  `limits.idle_timeout_s`, or older than `limits.max_session_s`), or this connection saw no client event for
+  `limits.idle_timeout_s` (a response streaming counts as activity), or outlived `limits.max_session_s`.
+  An `error` event says why just before.
 """
 
 from __future__ import annotations
@@ -14,20 +24,49 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from router.answers import AnswerReader
 from router.owner import create_session, current_tenant, session_call
+from router.realtime_events import (
+    BufferAppend,
+    BufferClear,
+    BufferReplace,
+    ClientEvent,
+    ConversationItemCreate,
+    InvalidEvent,
+    ResponseCancel,
+    ResponseCreate,
+    Sampling,
+    SessionUpdate,
+    decode,
+    event_id_of,
+    parse,
+)
+from serve_app.protocol import error_status
 
 logger = logging.getLogger(__name__)
 
 api = APIRouter()
 
+SESSION_EXPIRED = 4408  # an application close code (4000-4999); 408 as in HTTP's Request Timeout
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+class SessionGone(Exception):
+    """The owner replica closed or forgot the session: every later call would fail, so the connection ends."""
+
+
+def session_gone(error: dict[str, Any]) -> bool:
+    """Whether a session call's error says the session itself is over (not just this call refused)."""
+    status, message = error_status({"error": error}), str(error.get("message") or "")
+    return (status == 404 and message.endswith("not found")) or (status == 409 and "is closed" in message)
 
 
 class RealtimeConnection:
@@ -36,13 +75,14 @@ class RealtimeConnection:
         self.ingress = ingress
         self.prefill = ingress.prefill
         self.beta = beta
+        self.limits = ingress.config.limits  # read once: a connection keeps the limits it started with
         self.session_id: str | None = None
         self.settings: dict[str, Any] = {
             "model": model,
             "instructions": "",
             "max_output_tokens": "inf",
             "temperature": 0.8,
-            ("modalities" if beta else "output_modalities"): ["text"],
+            self.modalities_key: ["text"],
         }
         self.buffer = ""
         self.last_item_id: str | None = None
@@ -50,36 +90,62 @@ class RealtimeConnection:
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
         self.reader: AnswerReader | None = None
+        self.event_id: str | None = None  # the client event being handled: its errors carry this id
+        self.opened = self.last_event = time.monotonic()
         self._send_lock = asyncio.Lock()
+
+    @property
+    def modalities_key(self) -> str:
+        return "modalities" if self.beta else "output_modalities"
 
     # --- plumbing ----------------------------------------------------------------------------------
     async def send(self, type_: str, **fields: Any) -> None:
         async with self._send_lock:
             await self.ws.send_text(json.dumps({"type": type_, "event_id": _id("event"), **fields}))
 
-    async def error(self, message: str, code: str, event_id: str | None = None, param: str | None = None) -> None:
-        error = {"type": "invalid_request_error", "code": code, "message": message, "param": param}
-        await self.send("error", error={**error, "event_id": event_id})
+    async def error(
+        self, message: str, code: str, param: str | None = None, type_: str = "invalid_request_error"
+    ) -> None:
+        error = {"type": type_, "code": code, "message": message, "param": param, "event_id": self.event_id}
+        await self.send("error", error=error)
 
     async def call(self, method: str, **kwargs: Any) -> dict[str, Any] | None:
-        """A session call on the owner prefill replica; an `error` event (and None) if it failed."""
+        """A session call on the owner prefill replica; an `error` event (and None) if it failed, and
+        `SessionGone` once the session is over."""
         result = await session_call(self.ingress, method, session_id=self.session_id, **kwargs)
         if "error" in result:
             err = result["error"]
-            await self.error(err["message"], str(err.get("type") or "session_error"), self._event_id, err.get("param"))
+            await self.error(err["message"], str(err.get("type") or "session_error"), err.get("param"))
+            if session_gone(err):
+                raise SessionGone(err["message"])
             return None
         return result
 
     def session_object(self) -> dict[str, Any]:
         return {"id": self.session_id, "object": "realtime.session", "type": "realtime", **self.settings}
 
-    def sampling(self, settings: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def sampling(settings: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
+        """vLLM sampling parameters for `settings`; "inf" tokens become `max_tokens: None` only where they lift
+        a limit set `before` (the prefill replica merges parameters into what it has)."""
         params: dict[str, Any] = {}
-        if settings.get("max_output_tokens") not in (None, "inf"):
-            params["max_tokens"] = int(settings["max_output_tokens"])
+        tokens = settings.get("max_output_tokens")
+        if tokens not in (None, "inf"):
+            params["max_tokens"] = int(tokens)
+        elif tokens == "inf" and before is not None and before.get("max_output_tokens") not in (None, "inf"):
+            params["max_tokens"] = None
         if settings.get("temperature") is not None:
             params["temperature"] = float(settings["temperature"])
         return params
+
+    def text_only(self, sampling: Sampling, where: str) -> list[str] | None:
+        """The output modalities asked for (None: unchanged); anything but text is refused."""
+        modalities = sampling.output_modalities
+        if modalities is not None and set(modalities) - {"text"}:
+            raise InvalidEvent(
+                "only text output is supported", "unsupported_modality", f"{where}.{self.modalities_key}"
+            )
+        return modalities
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -94,10 +160,17 @@ class RealtimeConnection:
             return
         self.session_id = created["session_id"]
         await self.send("session.created", session=self.session_object())
+        self.opened = self.last_event = time.monotonic()  # the session's clocks start once the client has it
         try:
-            while True:
-                raw = await self.ws.receive_text()
-                await self.dispatch(raw)
+            while (message := await self.next_message()) is not None:
+                if message["type"] == "websocket.disconnect":
+                    return
+                self.last_event = time.monotonic()
+                await self.on_message(message)
+            await self.error(self.expiry_reason(), "session_expired")
+            await self.ws.close(code=SESSION_EXPIRED, reason="session expired")
+        except SessionGone:  # its `error` event is sent
+            await self.ws.close(code=SESSION_EXPIRED, reason="session expired")
         except WebSocketDisconnect:
             pass
         finally:
@@ -106,53 +179,85 @@ class RealtimeConnection:
             # The client is gone: the session's KV goes with it.
             await session_call(self.ingress, "session_delete", session_id=self.session_id)
 
-    async def dispatch(self, raw: str) -> None:
-        self._event_id = None
+    def time_left(self) -> float:
+        deadline = min(self.last_event + self.limits.idle_timeout_s, self.opened + self.limits.max_session_s)
+        return deadline - time.monotonic()
+
+    def expiry_reason(self) -> str:
+        if time.monotonic() - self.opened >= self.limits.max_session_s:
+            return f"the session reached its maximum duration of {self.limits.max_session_s:g} s"
+        return f"the session expired: no client event for {self.limits.idle_timeout_s:g} s"
+
+    @property
+    def responding(self) -> bool:
+        return self.response_task is not None and not self.response_task.done()
+
+    async def next_message(self) -> dict[str, Any] | None:
+        """The client's next ASGI message; None when the connection expired waiting for it. A response
+        streaming is activity: nothing expires before it ends, and its end counts as the last event."""
+        receiving = asyncio.ensure_future(self.ws.receive())
         try:
-            event = json.loads(raw)
-            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-                raise ValueError("an event is a JSON object with a string `type`")
-        except ValueError as e:
-            await self.error(f"invalid event: {e}", "invalid_json")
+            while True:
+                streaming = self.response_task if self.responding else None
+                if streaming is None:
+                    await asyncio.wait({receiving}, timeout=max(self.time_left(), 0))
+                else:
+                    await asyncio.wait({receiving, streaming}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():
+                    return receiving.result()
+                if streaming is None:
+                    return None
+                self.last_event = time.monotonic()
+        finally:
+            receiving.cancel()  # (a no-op once it is done)
+
+    async def on_message(self, message: dict[str, Any]) -> None:
+        text = message.get("text")
+        if text is None:
+            await self.error("binary frames are not supported: events are JSON text frames", "binary_not_supported")
             return
-        self._event_id = event.get("event_id")
-        handler = HANDLERS.get(event["type"])
-        if handler is None:
-            await self.error(f"unknown event type {event['type']!r}", "unknown_event", self._event_id, "type")
+        limit = self.limits.max_frame_bytes
+        if len(text) > limit // 4 and len(text.encode()) > limit:  # (4 bytes per character at most)
+            await self.error(f"the frame exceeds the limit of {limit} bytes", "frame_too_large")
             return
+        await self.dispatch(text)
+
+    async def dispatch(self, text: str) -> None:
+        """Validate and apply one client event. Nothing a client sends ends the connection: an invalid event,
+        and any failure handling it, answers an `error` event."""
+        event: ClientEvent | None = None
         try:
-            await handler(self, event)
-        except (KeyError, TypeError, ValueError) as e:
-            await self.error(f"invalid {event['type']}: {e}", "invalid_event", self._event_id)
+            raw = decode(text)
+            self.event_id = event_id_of(raw)
+            event = parse(raw)
+            await HANDLERS[event.type](self, event)
+        except InvalidEvent as e:
+            await self.error(e.message, e.code, e.param)
+        except (SessionGone, WebSocketDisconnect):
+            raise
+        except Exception:  # logged without the event itself: it may hold the user's text
+            logger.exception("session %s: %s failed", self.session_id, event.type if event else "an event")
+            await self.error("the server failed to handle the event", "server_error", type_="server_error")
+        finally:
+            self.event_id = None
 
     # --- client events -----------------------------------------------------------------------------
-    async def session_update(self, event: dict[str, Any]) -> None:
-        session = event.get("session") or {}
-        modalities = session.get("output_modalities") or session.get("modalities")
-        if modalities is not None and set(modalities) - {"text"}:
-            await self.error("only text output is supported", "unsupported_modality", self._event_id, "modalities")
-            return
-        for key in ("instructions", "max_output_tokens", "temperature"):
-            if key in session:
-                self.settings[key] = session[key]
+    async def session_update(self, event: SessionUpdate) -> None:
+        session = event.session or Sampling()
+        modalities = self.text_only(session, "session")
+        settings = {**self.settings, **session.given()}
         if modalities is not None:
-            self.settings["modalities" if self.beta else "output_modalities"] = modalities
-        if await self.call(
-            "session_update", instructions=self.settings["instructions"], params=self.sampling(self.settings)
-        ):
+            settings[self.modalities_key] = modalities
+        # Stored only once the owner took it: a refused update leaves the session as it was.
+        params = self.sampling(settings, self.settings)
+        if await self.call("session_update", instructions=settings["instructions"], params=params):
+            self.settings = settings
             await self.send("session.updated", session=self.session_object())
 
-    async def item_create(self, event: dict[str, Any]) -> None:
-        item = event["item"]
-        if item.get("type", "message") != "message":
-            raise ValueError(f"item type {item.get('type')!r} is not supported (messages only)")
-        role = item["role"]
-        if role not in ("user", "system", "assistant"):
-            raise ValueError(f"role {role!r}")
-        parts = item.get("content") or []
-        text = "".join(p.get("text", "") for p in parts if p.get("type") in ("input_text", "text", "output_text"))
-        if await self.call("session_message", role=role, content=text):
-            await self.announce_item(item.get("id") or _id("item"), role, parts)
+    async def item_create(self, event: ConversationItemCreate) -> None:
+        item = event.item
+        if await self.call("session_message", role=item.role, content=item.text):
+            await self.announce_item(item.id or _id("item"), item.role, item.parts)
 
     async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None:
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed"}
@@ -163,26 +268,20 @@ class RealtimeConnection:
             await self.send("conversation.item.added", previous_item_id=previous, item=item)
             await self.send("conversation.item.done", previous_item_id=previous, item=item)
 
-    async def buffer_append(self, event: dict[str, Any]) -> None:
-        text = event.get("delta", event.get("text"))
-        if not isinstance(text, str):
-            raise ValueError("`delta` must be a string")
-        if await self.call("session_buffer", op="append", text=text):
-            self.buffer += text
+    async def buffer_append(self, event: BufferAppend) -> None:
+        if await self.call("session_buffer", op="append", text=event.delta):
+            self.buffer += event.delta
 
-    async def buffer_replace(self, event: dict[str, Any]) -> None:
+    async def buffer_replace(self, event: BufferReplace) -> None:
         """Update mode: the buffer's text from character `offset` (default 0) on becomes `text`."""
-        text, offset = event.get("text", event.get("delta")), event.get("offset", 0)
-        if not isinstance(text, str):
-            raise ValueError("`text` must be a string")
-        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= len(self.buffer):
-            raise ValueError(f"`offset` must be an integer from 0 to the buffer's length ({len(self.buffer)})")
-        if await self.call("session_buffer", op="replace", text=text, offset=offset):
-            self.buffer = self.buffer[:offset] + text
+        if event.offset > len(self.buffer):
+            raise InvalidEvent(f"`offset` must be from 0 to the buffer's length ({len(self.buffer)})", param="offset")
+        if await self.call("session_buffer", op="replace", text=event.text, offset=event.offset):
+            self.buffer = self.buffer[: event.offset] + event.text
 
-    async def buffer_commit(self, event: dict[str, Any]) -> None:
+    async def buffer_commit(self, event: ClientEvent | None = None) -> None:
         if not self.buffer:
-            await self.error("the input text buffer is empty", "input_text_buffer_empty", self._event_id)
+            await self.error("the input text buffer is empty", "input_text_buffer_empty")
             return
         if await self.call("session_buffer", op="commit"):
             item_id = _id("item")
@@ -190,31 +289,34 @@ class RealtimeConnection:
             await self.send("input_text_buffer.committed", previous_item_id=self.last_item_id, item_id=item_id)
             await self.announce_item(item_id, "user", [{"type": "input_text", "text": text}])
 
-    async def buffer_clear(self, event: dict[str, Any]) -> None:
+    async def buffer_clear(self, event: BufferClear) -> None:
         if await self.call("session_buffer", op="clear"):
             self.buffer = ""
             await self.send("input_text_buffer.cleared")
 
-    async def response_create(self, event: dict[str, Any]) -> None:
-        if self.response_task is not None and not self.response_task.done():
+    async def response_create(self, event: ResponseCreate) -> None:
+        if self.responding:
             await self.error("a response is already in progress", "conversation_already_has_active_response")
             return
+        response = event.response or Sampling()
+        self.text_only(response, "response")
         if self.buffer:  # text typed but not committed is part of the user's turn
-            await self.buffer_commit(event)
-        settings = {**self.settings, **(event.get("response") or {})}
-        overrides = self.sampling(settings)
-        if settings.get("instructions") != self.settings["instructions"]:
-            overrides["instructions"] = settings.get("instructions")
+            await self.buffer_commit()
+        settings = {**self.settings, **response.given()}
+        overrides = self.sampling(settings, self.settings)
+        if settings["instructions"] != self.settings["instructions"]:
+            overrides["instructions"] = settings["instructions"]
         started = await self.call("session_respond", overrides=overrides)
         if started is None:
             return
         self.cancel_requested = False
         self.response_task = asyncio.create_task(self.stream_response(started["answer"]["turn"]))
 
-    async def response_cancel(self, event: dict[str, Any]) -> None:
-        if self.response_task is None or self.response_task.done():
-            await self.error("no response is in progress", "response_cancel_not_active", self._event_id)
+    async def response_cancel(self, event: ResponseCancel) -> None:
+        if not self.responding:
+            await self.error("no response is in progress", "response_cancel_not_active")
             return
+        assert self.response_task is not None
         self.cancel_requested = True  # read before the reading starts, too
         if self.reader is not None:
             self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
@@ -301,7 +403,8 @@ class RealtimeConnection:
         return reader.outcome.as_dict()
 
 
-HANDLERS = {
+Handler = Callable[[RealtimeConnection, Any], Awaitable[None]]
+HANDLERS: dict[str, Handler] = {
     "session.update": RealtimeConnection.session_update,
     "conversation.item.create": RealtimeConnection.item_create,
     "input_text_buffer.append": RealtimeConnection.buffer_append,

@@ -1,0 +1,169 @@
+"""The client events of `/v1/realtime`, validated: one pydantic model per event type, GA and beta shapes.
+
+Fields this server does not implement (voice, audio, tools, tracing, ...) are ignored, as clients written for
+OpenAI send them; a field it does implement must have the right type and range, or the whole event is refused
+(`InvalidEvent`, naming the field in `param`) before anything is applied. Types are strict: `"5"` is not a
+number and `true` is not an integer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+
+class InvalidEvent(Exception):
+    """A client event refused whole: its `error` event's code, message and `param`."""
+
+    def __init__(self, message: str, code: str = "invalid_event", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _max_output_tokens(value: Any) -> int | Literal["inf"] | None:
+    # A plain function rather than `int | Literal["inf"]`: pydantic's union errors name the union's members.
+    if value is None or value == "inf" or (type(value) is int and value >= 1):
+        return value
+    raise ValueError('must be a positive integer or "inf"')
+
+
+MaxOutputTokens = Annotated[Any, AfterValidator(_max_output_tokens)]
+
+
+class Sampling(_Model):
+    """What a session (`session.update`) or one response (`response.create`) may set. None: unchanged."""
+
+    instructions: str | None = None
+    # Beta sessions call it `max_response_output_tokens`.
+    max_output_tokens: MaxOutputTokens = Field(
+        None, validation_alias=AliasChoices("max_output_tokens", "max_response_output_tokens")
+    )
+    temperature: float | None = Field(None, ge=0, le=2)
+    output_modalities: list[str] | None = Field(None, validation_alias=AliasChoices("output_modalities", "modalities"))
+
+    def given(self) -> dict[str, Any]:
+        """The settings this event sets, by their GA names (modalities apart)."""
+        return {k: v for k, v in self.model_dump(exclude={"output_modalities"}).items() if v is not None}
+
+
+class ContentPart(_Model):
+    model_config = ConfigDict(extra="allow", strict=True)  # echoed back as sent (audio parts included)
+
+    type: str
+    text: str | None = None
+
+    @property
+    def text_content(self) -> str:
+        return (self.text or "") if self.type in ("input_text", "text", "output_text") else ""
+
+
+class Item(_Model):
+    id: str | None = None
+    type: Literal["message"] = "message"  # no function calls: this server has no tools
+    role: Literal["user", "system", "assistant"]
+    content: list[ContentPart] | None = None
+
+    @property
+    def parts(self) -> list[dict[str, Any]]:
+        return [p.model_dump(exclude_none=True) for p in self.content or []]
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text_content for p in self.content or [])
+
+
+class ClientEvent(_Model):
+    type: str
+    event_id: str | None = None
+
+
+class SessionUpdate(ClientEvent):
+    session: Sampling | None = None
+
+
+class ConversationItemCreate(ClientEvent):
+    item: Item
+    previous_item_id: str | None = None  # accepted; items are appended in arrival order
+
+
+class BufferAppend(ClientEvent):
+    delta: str = Field(validation_alias=AliasChoices("delta", "text"))  # GA `delta`; `text` as well
+
+
+class BufferReplace(ClientEvent):
+    """Update mode: the buffer's text from character `offset` on becomes `text`."""
+
+    text: str = Field(validation_alias=AliasChoices("text", "delta"))
+    offset: int = Field(0, ge=0)
+
+
+class BufferCommit(ClientEvent):
+    pass
+
+
+class BufferClear(ClientEvent):
+    pass
+
+
+class ResponseCreate(ClientEvent):
+    response: Sampling | None = None
+
+
+class ResponseCancel(ClientEvent):
+    response_id: str | None = None
+
+
+EVENTS: dict[str, type[ClientEvent]] = {
+    "session.update": SessionUpdate,
+    "conversation.item.create": ConversationItemCreate,
+    "input_text_buffer.append": BufferAppend,
+    "input_text_buffer.replace": BufferReplace,
+    "input_text_buffer.commit": BufferCommit,
+    "input_text_buffer.clear": BufferClear,
+    "response.create": ResponseCreate,
+    "response.cancel": ResponseCancel,
+}
+
+
+def event_id_of(raw: Any) -> str | None:
+    """The client's `event_id`, for the error event answering it (when it is a string)."""
+    event_id = raw.get("event_id") if isinstance(raw, dict) else None
+    return event_id if isinstance(event_id, str) else None
+
+
+def decode(text: str) -> dict[str, Any]:
+    """A text frame as a JSON object with a string `type` (`InvalidEvent` "invalid_json" if it is not)."""
+    try:
+        event = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidEvent(f"invalid event: {e}", "invalid_json") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise InvalidEvent("invalid event: an event is a JSON object with a string `type`", "invalid_json", "type")
+    return event
+
+
+def parse(event: dict[str, Any]) -> ClientEvent:
+    """The validated event (`InvalidEvent` "unknown_event" or "invalid_event", naming the field)."""
+    model = EVENTS.get(event["type"])
+    if model is None:
+        raise InvalidEvent(f"unknown event type {event['type']!r}", "unknown_event", "type")
+    try:
+        return model.model_validate(event)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = _param(first["loc"])
+        raise InvalidEvent(f"invalid {event['type']}: {param or 'event'}: {first['msg']}", param=param) from None
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """A pydantic error location as the field's path: `item.content[0].text`."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or None
