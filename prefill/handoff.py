@@ -25,6 +25,8 @@ from prefill.session import Session, SessionError, SessionState
 from serve_app import metrics
 
 logger = logging.getLogger(__name__)
+WAIT_POLL_S = 5.0  # the longest a reader's call waits here for an answer to exist or end; it then asks again
+MAX_WAITERS = 8  # readers waiting on one session at once (each holds one of the replica's request slots)
 
 
 class HandOff:
@@ -106,6 +108,8 @@ class HandOff:
         `{"answer": summary}` when it is over, failed, or already being read by another."""
         session = self._get(session_id, allow_closed=True)
         answer = await self._wait_answer(session, turn)
+        if answer is None:
+            return {"pending": True}  # no answer yet: the router asks again (its client's wait is its own)
         wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
         if answer.status == "ready" and answer.handed_off_at is not None:
@@ -196,30 +200,42 @@ class HandOff:
         """The session and its answer (`wait`: once the answer is over)."""
         session = self._get(session_id, allow_closed=True)
         answer = await self._wait_answer(session, turn) if wait else (session.answers or [None])[-1]
-        if answer is not None and wait:
-            try:
-                await _wait_for(session, lambda: answer.done, session.limits.answer_timeout_s)
-            except TimeoutError:
-                raise SessionError(
-                    408, f"answer {answer.turn} did not end within {session.limits.answer_timeout_s:g} s"
-                ) from None
+        if answer is None and wait:
+            return {"pending": True}
+        if answer is not None and wait and not answer.done:
+            await self._waiting(session, lambda: answer.done)
+            if not answer.done:
+                return {"pending": True}
         return {**session.describe(), "answer": answer.summary() if answer else None}
 
-    async def _wait_answer(self, session: Session, turn: int | None) -> Answer:
-        """The answer `turn` (default: the next or current one), once it exists."""
+    async def _wait_answer(self, session: Session, turn: int | None) -> Answer | None:
+        """The answer `turn` (default: the next or current one), once it exists; None if it does not yet
+        after a short wait (the router asks again: a replica's request slots are not held for long)."""
 
         def exists() -> bool:
             if turn is not None:
                 return turn < len(session.answers)
             return bool(session.answers) and (session.input_ended or session.answering)
 
-        with contextlib.suppress(TimeoutError):
-            ended = session.limits.idle_timeout_s
-            await _wait_for(session, lambda: exists() or session.state == SessionState.CLOSED, ended)
+        await self._waiting(session, lambda: exists() or session.state == SessionState.CLOSED)
         if not exists():
-            why = session.close_reason or "the input has not ended"
-            raise SessionError(409, f"session {session.id} has no answer ({why})")
+            if session.state == SessionState.CLOSED:
+                raise SessionError(409, f"session {session.id} has no answer ({session.close_reason})")
+            return None
         return session.answers[-1 if turn is None else turn]
+
+    async def _waiting(self, session: Session, predicate: Any) -> None:
+        """Wait at most WAIT_POLL_S for `predicate`; at most MAX_WAITERS readers wait on one session (429)."""
+        if predicate():
+            return
+        if session.waiters >= MAX_WAITERS:
+            raise SessionError(429, f"{MAX_WAITERS} readers already wait on session {session.id}")
+        session.waiters += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await _wait_for(session, predicate, WAIT_POLL_S)
+        finally:
+            session.waiters -= 1
 
     def _expire_answer(self, session: Session, now: float) -> str | None:
         """Why the answer in progress is given up on (its reader vanished), or None."""

@@ -123,6 +123,7 @@ class Session:
         self.lock = asyncio.Lock()
         # Input committed while an answer is generated joins the conversation after that answer.
         self.deferred: list[dict[str, Any]] = []
+        self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
 
     # --- input -------------------------------------------------------------------------------------

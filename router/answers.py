@@ -101,21 +101,35 @@ class AnswerReader:
     async def open(self, stream: bool = True) -> dict[str, Any] | None:
         """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
-        call = asyncio.ensure_future(
-            session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
-        )
-        try:
-            claim = await asyncio.shield(call)
-        except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
-            call.add_done_callback(self._claimed_after_leaving)
-            raise
+        limits = getattr(getattr(self.ingress, "config", None), "limits", None)
+        deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
+        while True:  # the owner holds each call a few seconds at most: the long wait is this router's
+            call = asyncio.ensure_future(
+                session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
+            )
+            try:
+                claim = await asyncio.shield(call)
+            except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
+                call.add_done_callback(self._claimed_after_leaving)
+                raise
+            if not claim.get("pending"):
+                break
+            if time.monotonic() > deadline:
+                return error_body(408, f"session {self.session_id} has no answer yet (its input has not ended)")
         if "error" in claim:
             return claim
         self.claim, self.turn = claim, claim["turn"]
         if "request" not in claim:  # over, failed, or being read by another: it is replayed whole
             summary = claim["answer"]
             if summary["status"] not in ("completed", "cancelled", "failed"):
-                result = await session_call(self.ingress, "session_result", session_id=self.session_id, turn=self.turn)
+                deadline = time.monotonic() + (limits.answer_timeout_s if limits else 600.0)
+                while (
+                    result := await session_call(
+                        self.ingress, "session_result", session_id=self.session_id, turn=self.turn
+                    )
+                ).get("pending"):
+                    if time.monotonic() > deadline:
+                        return error_body(408, f"answer {self.turn} did not end in time")
                 if "error" in result:
                     return result
                 summary = result["answer"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from prefill import handoff
 from prefill.answer import Answer
 from prefill.errors import overloaded
 from prefill.scheduler.config import SchedulerSettings
@@ -182,14 +183,21 @@ async def test_claim_waits_for_an_answer_that_starts_later(server: Server) -> No
     assert claim["request"]["messages"] == [{"role": "user", "content": "Hello world"}]
 
 
-async def test_claim_wait_is_bounded_by_the_idle_timeout(server: Server) -> None:
-    session = server.open_session(idle_timeout_s=0.1)
+async def test_claim_wait_is_bounded_and_the_router_asks_again(server: Server, monkeypatch: Any) -> None:
+    """A reader waiting for input to end holds one of the replica's request slots only a short while (1,024
+    such readers once exhausted the replica), and only a few may wait on one session."""
+    monkeypatch.setattr(handoff, "WAIT_POLL_S", 0.2)
+    session = server.open_session()
     await server.session_chunk(session_id=session.id, sequence_id=0, payload="no end yet")
     started = time.monotonic()
-    claim = await server.session_claim(session_id=session.id)
-    assert time.monotonic() - started < 1.5
-    assert claim["error"]["code"] == 409
-    assert "the input has not ended" in claim["error"]["message"]
+    assert await server.session_claim(session_id=session.id) == {"pending": True}
+    assert time.monotonic() - started < 1.0
+    waiting = [asyncio.ensure_future(server.session_claim(session_id=session.id)) for _ in range(handoff.MAX_WAITERS)]
+    await asyncio.sleep(0.05)
+    refused = await server.session_claim(session_id=session.id)
+    assert refused["error"]["code"] == 429
+    assert all(r == {"pending": True} for r in await asyncio.gather(*waiting))
+    assert session.waiters == 0
 
 
 async def test_claim_on_an_unknown_session_is_a_404(server: Server) -> None:
