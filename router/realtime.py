@@ -300,6 +300,11 @@ class RealtimeConnection:
             return
         response = event.response or Sampling()
         self.text_only(response, "response")
+        budgets = getattr(self.ingress, "budgets", None)
+        if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
+            message = f"this API key has used its tokens per minute; retry in {wait} s"
+            await self.error(message, "rate_limit_exceeded", self._event_id)
+            return
         if self.buffer:  # text typed but not committed is part of the user's turn
             await self.buffer_commit()
         settings = {**self.settings, **response.given()}
