@@ -303,7 +303,7 @@ class RealtimeConnection:
         budgets = getattr(self.ingress, "budgets", None)
         if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
             message = f"this API key has used its tokens per minute; retry in {wait} s"
-            await self.error(message, "rate_limit_exceeded", self._event_id)
+            await self.error(message, "rate_limit_exceeded")
             return
         if self.buffer:  # text typed but not committed is part of the user's turn
             await self.buffer_commit()
