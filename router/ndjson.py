@@ -9,6 +9,7 @@ prefilled as it arrives; the response is what the same request sent whole would 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -80,8 +81,15 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         if partial:
             await chunk(seq, partial, False)
             seq += 1
+        idle = ingress.config.limits.idle_timeout_s
         try:
-            async for line in lines:
+            while True:
+                try:  # a body that stops sending without ending holds nothing forever
+                    line = await asyncio.wait_for(anext(lines), idle)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise InputError(error_body(408, f"no NDJSON line came for {idle:g} s")) from None
                 payload = line.get("payload", line.get("delta", "")) if isinstance(line, dict) else None
                 if not isinstance(payload, str):
                     raise InputError(error_body(400, 'each NDJSON line is {"payload": str}', "payload"))
@@ -99,6 +107,9 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     except InputError as e:
         await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(e.payload)
+    except BaseException:  # the client left mid-body (or the request was cancelled): nothing stays behind
+        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
+        raise
 
     reader = AnswerReader(ingress, session_id)
     try:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
-from starlette.requests import Request
+from fastapi import FastAPI, Request
 
 from router import quota
 from router.app import APIError, read_json_object, take_usage
-from router.ndjson import InputError, ndjson_lines
+from router.ndjson import InputError, ndjson_lines, streaming_input_chat
+from serve_app.config import AppConfig
 
 
 def request(body: bytes, declared: bool = True) -> Request:
@@ -64,3 +68,55 @@ def test_token_budgets_refill_over_a_minute(monkeypatch: pytest.MonkeyPatch) -> 
     assert quota.TokenBudgets(None).retry_after("k") is None and budgets.retry_after("") is None
     budgets.charge("k", None)  # an answer without usage costs nothing
     assert time.monotonic() == now[0]
+
+
+class _Calls:
+    """A fake prefill handle: every session call succeeds and is recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, method: str) -> Any:
+        calls = self.calls
+
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                calls.append((method, args[0] if args else kwargs))
+
+                async def reply() -> dict[str, Any]:
+                    return {"session_id": "sess_r1_abc"} if method == "create_session" else {}
+
+                return reply()
+
+        return Method()
+
+
+async def test_an_ndjson_body_that_stops_sending_is_refused_and_its_session_deleted() -> None:
+    config = AppConfig(limits={"idle_timeout_s": 0.3})
+    prefill = _Calls()
+    tasks: list[Any] = []
+    ingress = SimpleNamespace(
+        config=SimpleNamespace(limits=config.limits, model_name=config.model_name),
+        prefill=prefill,
+        check_model=lambda body: None,
+        check_max_tokens=lambda body: None,
+        background=lambda call: tasks.append(asyncio.ensure_future(call)),
+    )
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await streaming_input_chat(ingress, request)
+
+    async def stalls() -> Any:
+        yield b'{"messages": [{"role": "user", "content": "Hello"}]}\n{"payload": " there"}\n'
+        await asyncio.sleep(5)  # ...and nothing more
+        yield b""
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        r = await asyncio.wait_for(client.post("/v1/chat/completions", content=stalls()), 4)
+    assert r.status_code == 408 and r.json()["error"]["code"] == 408
+    methods = [m for m, _ in prefill.calls]
+    assert methods[0] == "create_session" and methods[-1] == "session_delete"
+    assert methods.count("session_chunk") == 2  # the partial user turn, then " there"
