@@ -211,6 +211,8 @@ class HandOff:
     async def _wait_answer(self, session: Session, turn: int | None) -> Answer | None:
         """The answer `turn` (default: the next or current one), once it exists; None if it does not yet
         after a short wait (the router asks again: a replica's request slots are not held for long)."""
+        if turn is not None and (not isinstance(turn, int) or turn < 0):
+            raise SessionError(400, "turn: must be an answer's number, from 0", "turn")
 
         def exists() -> bool:
             if turn is not None:

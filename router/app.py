@@ -19,11 +19,13 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import realtime, sessions
 from router.auth import APIKeys
@@ -92,6 +94,20 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (no such route, method not allowed) in OpenAI's error form."""
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A path or query parameter of the wrong type: 400 naming it, as for bodies."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"][1:]) or None
+    return JSONResponse(error_body(400, f"{param}: {first['msg']}", param), status_code=400)
+
+
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
@@ -112,7 +128,7 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     raw = b"".join(parts)
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: nested past the parser's depth)
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")

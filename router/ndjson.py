@@ -33,11 +33,18 @@ async def ndjson_lines(request: Request, limit: int) -> AsyncGenerator[dict[str,
             if len(line) > limit:
                 raise InputError(error_body(413, f"an NDJSON line is over {limit} bytes, this server's limit"))
             if line.strip():
-                yield json.loads(line)
+                yield _loads(line)
         if len(buffer) > limit:
             raise InputError(error_body(413, f"an NDJSON line is over {limit} bytes, this server's limit"))
     if buffer.strip():
-        yield json.loads(buffer)
+        yield _loads(buffer)
+
+
+def _loads(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except RecursionError:  # nested past the parser's depth
+        raise ValueError("nested too deeply") from None
 
 
 class InputError(Exception):

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -115,7 +115,9 @@ async def describe(session_id: str, request: Request) -> Response:
 
 
 @api.get("/{session_id}/result")
-async def result(session_id: str, request: Request, wait: bool = True, turn: int | None = None) -> Response:
+async def result(
+    session_id: str, request: Request, wait: bool = True, turn: Annotated[int | None, Query(ge=0)] = None
+) -> Response:
     """The answer as the object a non-streaming request returns, with the session's fields beside it
     (`wait=false`: the session and its answer so far, without waiting)."""
     ingress = _ingress(request)
@@ -135,7 +137,7 @@ async def delete(session_id: str, request: Request) -> Response:
 
 
 @api.get("/{session_id}/events")
-async def events(session_id: str, request: Request, turn: int | None = None) -> Response:
+async def events(session_id: str, request: Request, turn: Annotated[int | None, Query(ge=0)] = None) -> Response:
     """The answer's SSE stream, as a streaming chat (or completion) request would get it."""
     reader = AnswerReader(_ingress(request), session_id, turn)
     if (err := await reader.open()) is not None:

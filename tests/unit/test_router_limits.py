@@ -120,3 +120,29 @@ async def test_an_ndjson_body_that_stops_sending_is_refused_and_its_session_dele
     methods = [m for m, _ in prefill.calls]
     assert methods[0] == "create_session" and methods[-1] == "session_delete"
     assert methods.count("session_chunk") == 2  # the partial user turn, then " there"
+
+
+async def test_json_nested_past_the_parsers_depth_is_a_400_not_a_500() -> None:
+    with pytest.raises(APIError) as e:
+        await read_json_object(request(b"[" * 100_000 + b"]" * 100_000), 1 << 20)
+    assert e.value.status == 400
+    with pytest.raises(ValueError):
+        _ = [line async for line in ndjson_lines(request(b"[" * 100_000 + b"\n", False), 1 << 20)]
+
+
+def test_fastapis_own_refusals_are_openai_error_json() -> None:
+    from fastapi.testclient import TestClient
+
+    from router.app import app
+
+    client = TestClient(app)
+    for method, path, status in [
+        ("GET", "/v1/nope", 404),
+        ("DELETE", "/v1/models", 405),
+        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/v1/streaming_input/sessions/sess_a_b/result?wait=maybe", 400),
+        ("GET", "/v1/streaming_input/sessions/sess_a_b/events?turn=-7", 400),
+    ]:
+        r = client.request(method, path)
+        assert r.status_code == status, (method, path, r.text)
+        assert set(r.json()) == {"error"} and r.json()["error"]["code"] == status

@@ -256,3 +256,11 @@ async def test_a_cancel_before_the_reader_registered_stops_it_when_it_does(serve
     assert (await server.session_cancel(session_id=session.id))["stop"] is None
     where = {"consumer": "router-1", "stream_id": "s1", "replica": "decode-1"}
     assert await server.session_streaming(session_id=session.id, turn=0, decode=where) == {"stop": where}
+
+
+async def test_a_negative_turn_is_refused(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session)
+    for call in (server.session_claim, server.session_result):
+        refused = await call(session_id=session.id, turn=-7)
+        assert refused["error"]["code"] == 400 and refused["error"]["param"] == "turn"
