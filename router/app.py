@@ -69,7 +69,10 @@ class Authenticate:
         ingress = getattr(scope["app"].state, "ingress", None) if scope["type"] == "http" and "app" in scope else None
         if ingress is not None:
             authorization = Headers(scope=scope).get("authorization")
-            if not ingress.api_keys.allows_http(scope.get("path", ""), authorization):
+            path, root = scope.get("path", ""), scope.get("root_path", "")
+            if root and path.startswith(root):  # under a route prefix, Serve's `path` includes it
+                path = path[len(root) :] or "/"
+            if not ingress.api_keys.allows_http(path, authorization):
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_401")
                 body = error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
