@@ -213,6 +213,8 @@ class HandOff:
         after a short wait (the router asks again: a replica's request slots are not held for long)."""
         if turn is not None and (not isinstance(turn, int) or turn < 0):
             raise SessionError(400, "turn: must be an answer's number, from 0", "turn")
+        if turn is not None and turn > len(session.answers):  # only the next answer may be waited for
+            raise SessionError(404, f"session {session.id} has no answer {turn}", "turn")
 
         def exists() -> bool:
             if turn is not None:

@@ -143,10 +143,10 @@ class Session:
         with `payload`, as a vector search replaces documents."""
         self.check_open()
         self.touch()
+        if seq < self.next_seq or seq in self.pending:  # a retry of what was applied: acknowledged, even now
+            return {"duplicate": True, "applied": []}
         if self.answering:
             raise SessionError(409, "input arrived while the answer is being generated", "sequence_id")
-        if seq < self.next_seq or seq in self.pending:
-            return {"duplicate": True, "applied": []}
         if seq - self.next_seq >= self.limits.max_pending_chunks:  # bounds what is held out of order
             raise SessionError(
                 400,

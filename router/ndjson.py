@@ -16,9 +16,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from router.answers import AnswerReader
 from router.owner import create_session, session_call
+from router.schemas import CreateSessionBody, validation_error
 from router.sessions import session_spec
 from serve_app.protocol import error_body, error_response, streaming_response
 
@@ -65,6 +67,10 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         return JSONResponse(error_body(400, f"the first NDJSON line must be a chat request: {e}"), status_code=400)
     if not isinstance(first, dict) or not isinstance(first.get("messages"), list):
         return JSONResponse(error_body(400, "the first NDJSON line must be a chat request", "messages"), 400)
+    try:
+        CreateSessionBody.model_validate(first)
+    except ValidationError as e:
+        return error_response(validation_error(e))
     ingress.check_model(first)
     ingress.check_max_tokens(first)
     stream = bool(first.get("stream"))

@@ -84,7 +84,7 @@ class ClientEvent(_Model):
 
 
 class SessionUpdate(ClientEvent):
-    session: Sampling | None = None
+    session: Sampling
 
 
 class ConversationItemCreate(ClientEvent):
@@ -138,18 +138,20 @@ def event_id_of(raw: Any) -> str | None:
 
 
 def decode(text: str) -> dict[str, Any]:
-    """A text frame as a JSON object with a string `type` (`InvalidEvent` "invalid_json" if it is not)."""
+    """A text frame as a JSON object (`InvalidEvent` "invalid_json" if it is not)."""
     try:
         event = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise InvalidEvent(f"invalid event: {e}", "invalid_json") from None
-    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+    if not isinstance(event, dict):
         raise InvalidEvent("invalid event: an event is a JSON object with a string `type`", "invalid_json", "type")
     return event
 
 
 def parse(event: dict[str, Any]) -> ClientEvent:
     """The validated event (`InvalidEvent` "unknown_event" or "invalid_event", naming the field)."""
+    if not isinstance(event.get("type"), str):  # (its event_id is known by now: the error carries it)
+        raise InvalidEvent("invalid event: an event is a JSON object with a string `type`", "invalid_json", "type")
     model = EVENTS.get(event["type"])
     if model is None:
         raise InvalidEvent(f"unknown event type {event['type']!r}", "unknown_event", "type")

@@ -33,7 +33,13 @@ def test_every_client_event_type_has_a_model() -> None:
         "response.cancel",
     }
     for type_, model in EVENTS.items():
-        if type_ not in ("conversation.item.create", "input_text_buffer.append", "input_text_buffer.replace"):
+        required = (
+            "session.update",
+            "conversation.item.create",
+            "input_text_buffer.append",
+            "input_text_buffer.replace",
+        )
+        if type_ not in required:
             assert isinstance(parse({"type": type_}), model)  # everything else is optional
 
 
@@ -59,7 +65,10 @@ def test_session_update_ga_and_beta_shapes_and_ignored_fields() -> None:
     beta = parse({"type": "session.update", "session": {"modalities": ["text"], "max_response_output_tokens": 9}})
     assert isinstance(beta, SessionUpdate) and beta.session is not None
     assert beta.session.output_modalities == ["text"] and beta.session.given() == {"max_output_tokens": 9}
-    assert parse({"type": "session.update", "session": None}).session is None  # type: ignore[attr-defined]
+    for missing in ({"type": "session.update"}, {"type": "session.update", "session": None}):
+        with pytest.raises(InvalidEvent) as refused:
+            parse(missing)
+        assert refused.value.param == "session"
 
 
 def test_buffer_events_take_delta_or_text() -> None:
@@ -116,7 +125,7 @@ def test_unknown_types_and_frames_that_are_not_events() -> None:
     assert (unknown.value.code, unknown.value.param) == ("unknown_event", "type")
     for frame in ("nope", "[]", "{}", '{"type": null}', "[" * 50_000):
         with pytest.raises(InvalidEvent) as refused:
-            decode(frame)
+            parse(decode(frame))
         assert refused.value.code == "invalid_json"
     assert decode('{"type": "x", "event_id": "e"}') == {"type": "x", "event_id": "e"}
 
@@ -124,3 +133,11 @@ def test_unknown_types_and_frames_that_are_not_events() -> None:
 def test_event_id_of_takes_strings_only() -> None:
     assert event_id_of({"event_id": "e1"}) == "e1"
     assert event_id_of({"event_id": 1}) is None and event_id_of([1]) is None and event_id_of({}) is None
+
+
+def test_an_event_without_a_string_type_still_names_its_event_id() -> None:
+    raw = decode('{"type": null, "event_id": "evt_1"}')
+    assert event_id_of(raw) == "evt_1"
+    with pytest.raises(InvalidEvent) as refused:
+        parse(raw)
+    assert (refused.value.code, refused.value.param) == ("invalid_json", "type")

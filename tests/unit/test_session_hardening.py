@@ -264,3 +264,21 @@ async def test_a_negative_turn_is_refused(server: Server) -> None:
     for call in (server.session_claim, server.session_result):
         refused = await call(session_id=session.id, turn=-7)
         assert refused["error"]["code"] == 400 and refused["error"]["param"] == "turn"
+
+
+async def test_a_retried_chunk_is_acknowledged_even_while_its_answer_runs(server: Server) -> None:
+    session = server.open_session()
+    await server.ready(session, "The last chunk")  # sequence 0, end of input: the answer runs
+    again = await server.session_chunk(
+        session_id=session.id, sequence_id=0, payload="The last chunk", end_of_input=True
+    )
+    assert again["duplicate"] is True and len(session.answers) == 1
+    fresh = await server.session_chunk(session_id=session.id, sequence_id=1, payload="more")
+    assert fresh["error"]["code"] == 409  # new input must wait for the answer
+
+
+async def test_only_the_next_answer_may_be_waited_for(server: Server) -> None:
+    session = server.open_session()
+    for call in (server.session_claim, server.session_result):
+        refused = await call(session_id=session.id, turn=17518)
+        assert refused["error"]["code"] == 404 and refused["error"]["param"] == "turn"
