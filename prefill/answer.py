@@ -35,6 +35,7 @@ class Answer:
     overrides: dict[str, Any] = field(default_factory=dict)  # this response's settings (realtime response.create)
     handed_off_at: float | None = None  # monotonic; NIXL frees an unread hand-off after the lease
     claimed_at: float | None = None
+    alive_at: float | None = None  # its reader's last sign of life (claim, registration, progress reports)
     text: str = ""
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None

@@ -27,6 +27,7 @@ from serve_app import metrics
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 5.0  # the longest a reader's call waits here for an answer to exist or end; it then asks again
 MAX_WAITERS = 8  # readers waiting on one session at once (each holds one of the replica's request slots)
+READER_LEASE_S = 30.0  # a streamed answer whose reader gave no sign of life for this long is given up on
 
 
 class HandOff:
@@ -125,6 +126,7 @@ class HandOff:
         if answer.status != "ready":
             return {**reply, "answer": answer.summary()}
         answer.status, answer.claimed_at = "streaming", time.monotonic()
+        answer.alive_at = answer.claimed_at
         # Wall clock, for the router's last-chunk-to-first-token histogram.
         if session.last_chunk_at is not None:
             reply["last_chunk_time"] = time.time() - (time.monotonic() - session.last_chunk_at)
@@ -171,8 +173,16 @@ class HandOff:
         answer = session.answers[turn] if 0 <= turn < len(session.answers) else None
         if answer is None or answer.status != "streaming":
             return {}
-        answer.decode = decode
+        answer.decode, answer.alive_at = decode, time.monotonic()
         return {"stop": decode} if answer.cancel_requested else {}
+
+    @session_api
+    async def session_alive(self, *, session_id: str, turn: int) -> dict[str, Any]:
+        """The reader of answer `turn` is still streaming it (sent every READER_ALIVE_S while it streams)."""
+        session = self._get(session_id, allow_closed=True)
+        if 0 <= turn < len(session.answers) and session.answers[turn].status == "streaming":
+            session.answers[turn].alive_at = time.monotonic()
+        return {}
 
     @session_api
     async def session_cancel(self, *, session_id: str) -> dict[str, Any]:
@@ -250,6 +260,10 @@ class HandOff:
             return "no reader claimed the answer"
         if answer.status == "streaming" and now - (answer.claimed_at or now) > session.limits.answer_timeout_s:
             return "the answer's reader never reported its end"
+        if answer.status == "streaming" and now - (answer.alive_at or now) > READER_LEASE_S:
+            # Its router stopped moving it (e.g. its client vanished without the router noticing): the
+            # session must not stay answering, holding its KV, until the answer timeout.
+            return "the answer's reader stopped streaming it"
         return None
 
     async def _give_up_answer(self, session: Session, why: str) -> None:

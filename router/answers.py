@@ -26,6 +26,7 @@ from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, 
 
 logger = logging.getLogger(__name__)
 _END = object()
+READER_ALIVE_S = 5.0  # how often a reader streaming a long answer tells its owner it still does (READER_LEASE_S)
 REPORT_WAIT_S = 2.0  # how long the end of a stream waits for the owner to have the outcome
 REPORT_ATTEMPTS, REPORT_RETRY_S = 8, 2.0
 _reports: set[asyncio.Task[Any]] = set()  # outcome reports in flight (kept from garbage collection)
@@ -181,6 +182,7 @@ class AnswerReader:
         assert self._stream is not None and isinstance(self._first, str)
         status = "cancelled"  # the client left, unless the stream ends
         keep_usage = bool(self.claim.get("include_usage"))
+        alive_at = time.monotonic()
         try:
             item: Any = self._first
             while item is not _END:
@@ -191,6 +193,9 @@ class AnswerReader:
                     await self.settle(self.outcome.status)
                 self._streamed = self._streamed or bool(deltas)
                 yield forward, deltas
+                if (now := time.monotonic()) - alive_at > READER_ALIVE_S:  # a long answer: still being read
+                    alive_at = now
+                    _spawn(self._alive())
                 item = await anext(self._stream, _END)
             status = self.outcome.status
         except DecodeFailed as e:
@@ -210,6 +215,10 @@ class AnswerReader:
             self._stream.cancel()
             # A client that left before any text: the answer goes back to its owner for the next reader.
             self.report("released" if status == "cancelled" and not self._streamed else status)
+
+    async def _alive(self) -> None:
+        with contextlib.suppress(Exception):
+            await session_call(self.ingress, "session_alive", session_id=self.session_id, turn=self.turn)
 
     async def _register(self, stream: DecodeStream) -> None:
         """Tell the owner where this answer streams from (a cancel through any router then stops it there)."""

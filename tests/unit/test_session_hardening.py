@@ -282,3 +282,21 @@ async def test_only_the_next_answer_may_be_waited_for(server: Server) -> None:
     for call in (server.session_claim, server.session_result):
         refused = await call(session_id=session.id, turn=17518)
         assert refused["error"]["code"] == 404 and refused["error"]["param"] == "turn"
+
+
+async def test_a_streamed_answer_whose_reader_stopped_is_given_up_on(server: Server) -> None:
+    """A reader that stops moving its answer (its client vanished and its router never noticed) does not keep
+    the session answering, and holding its KV, until the answer timeout."""
+    from prefill.handoff import READER_LEASE_S
+
+    session = server.open_session()
+    await server.ready(session)
+    await server.session_claim(session_id=session.id, turn=0)
+    now = session.answers[0].alive_at
+    assert now is not None
+    assert server._expire_answer(session, now + READER_LEASE_S - 1) is None
+    await server.session_alive(session_id=session.id, turn=0)  # a long answer, still being read
+    alive = session.answers[0].alive_at
+    assert alive is not None and alive >= now
+    assert server._expire_answer(session, alive + READER_LEASE_S - 1) is None
+    assert "stopped" in (server._expire_answer(session, alive + READER_LEASE_S + 1) or "")
