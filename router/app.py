@@ -34,7 +34,7 @@ from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
 from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
-from router.schemas import ChatBody, CompletionBody, openapi_body, validation_error
+from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse, streaming_response
@@ -135,6 +135,8 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if not is_unicode(raw, body):
+        raise APIError(400, "request body holds an unpaired surrogate: its text is not Unicode")
     return body
 
 

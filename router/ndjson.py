@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from router.answers import AnswerReader
 from router.owner import create_session, session_call
-from router.schemas import CreateSessionBody, validation_error
+from router.schemas import CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
 from serve_app.protocol import error_body, error_response, streaming_response
 
@@ -44,9 +44,12 @@ async def ndjson_lines(request: Request, limit: int) -> AsyncGenerator[dict[str,
 
 def _loads(line: bytes) -> Any:
     try:
-        return json.loads(line)
+        value = json.loads(line)
     except RecursionError:  # nested past the parser's depth
         raise ValueError("nested too deeply") from None
+    if not is_unicode(line, value):
+        raise ValueError("an unpaired surrogate: the line's text is not Unicode")
+    return value
 
 
 class InputError(Exception):

@@ -44,6 +44,7 @@ from router.realtime_events import (
     SessionUpdate,
     decode,
     event_id_of,
+    leading_event_id,
     parse,
 )
 from serve_app.protocol import error_status
@@ -217,8 +218,10 @@ class RealtimeConnection:
             await self.error("binary frames are not supported: events are JSON text frames", "binary_not_supported")
             return
         limit = self.limits.max_frame_bytes
-        if len(text) > limit // 4 and len(text.encode()) > limit:  # (4 bytes per character at most)
+        if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:  # (4 bytes a character)
+            self.event_id = leading_event_id(text)  # found without parsing what is refused
             await self.error(f"the frame exceeds the limit of {limit} bytes", "frame_too_large")
+            self.event_id = None
             return
         await self.dispatch(text)
 

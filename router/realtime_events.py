@@ -9,9 +9,12 @@ number and `true` is not an integer.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from router.schemas import is_unicode
 
 
 class InvalidEvent(Exception):
@@ -137,6 +140,15 @@ def event_id_of(raw: Any) -> str | None:
     return event_id if isinstance(event_id, str) else None
 
 
+_EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,256})"')
+
+
+def leading_event_id(text: str) -> str | None:
+    """The `event_id` of a frame too large to parse, if it is among the frame's first characters."""
+    found = _EVENT_ID.search(text, 0, 4096)
+    return found.group(1) if found else None
+
+
 def decode(text: str) -> dict[str, Any]:
     """A text frame as a JSON object (`InvalidEvent` "invalid_json" if it is not)."""
     try:
@@ -145,6 +157,8 @@ def decode(text: str) -> dict[str, Any]:
         raise InvalidEvent(f"invalid event: {e}", "invalid_json") from None
     if not isinstance(event, dict):
         raise InvalidEvent("invalid event: an event is a JSON object with a string `type`", "invalid_json", "type")
+    if not is_unicode(text, event):
+        raise InvalidEvent("invalid event: its text holds an unpaired surrogate (not Unicode)", "invalid_json")
     return event
 
 

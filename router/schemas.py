@@ -8,6 +8,8 @@ refusing a body that is not even that shape before it travels.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +26,13 @@ class _Open(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    # Objects vLLM reads with `.get` before (or without) checking their type: a non-object was a 500.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
 
 
 class ChatBody(_Open):
@@ -56,6 +65,23 @@ class ChunkBody(BaseModel):
     # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.
     mode: Literal["append", "replace"] = "append"
     offset: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+_SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def is_unicode(raw: str | bytes, value: Any) -> bool:
+    """Whether the JSON `value` parsed from `raw` holds only Unicode text: JSON's `\\ud800` escapes can make
+    strings of unpaired surrogates, which nothing downstream can encode. Checked only where `raw` has such an
+    escape (pairs, e.g. emoji, are fine)."""
+    text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
+    if not _SURROGATE.search(text):
+        return True
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -141,3 +141,14 @@ def test_an_event_without_a_string_type_still_names_its_event_id() -> None:
     with pytest.raises(InvalidEvent) as refused:
         parse(raw)
     assert (refused.value.code, refused.value.param) == ("invalid_json", "type")
+
+
+def test_unpaired_surrogates_and_the_event_id_of_a_frame_too_large() -> None:
+    from router.realtime_events import leading_event_id
+
+    with pytest.raises(InvalidEvent) as refused:
+        decode('{"type": "input_text_buffer.append", "delta": "\\ud800"}')
+    assert refused.value.code == "invalid_json"
+    assert leading_event_id('{"type": "input_text_buffer.append", "event_id": "evt_7", "delta": "' + "y" * 10**6) == (
+        "evt_7"
+    )

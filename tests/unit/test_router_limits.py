@@ -146,3 +146,20 @@ def test_fastapis_own_refusals_are_openai_error_json() -> None:
         r = client.request(method, path)
         assert r.status_code == status, (method, path, r.text)
         assert set(r.json()) == {"error"} and r.json()["error"]["code"] == status
+
+
+async def test_unpaired_surrogates_are_a_400_and_emoji_are_fine() -> None:
+    with pytest.raises(APIError) as e:
+        await read_json_object(request(b'{"payload": "\\ud800", "sequence_id": 0}'), 1024)
+    assert e.value.status == 400
+    assert await read_json_object(request(b'{"payload": "\\ud83d\\ude00"}'), 1024) == {"payload": "\U0001f600"}
+
+
+def test_objects_vllm_reads_unchecked_must_be_objects() -> None:
+    from pydantic import ValidationError
+
+    from router.schemas import ChatBody
+
+    for field in ("structured_outputs", "response_format", "stream_options", "chat_template_kwargs"):
+        with pytest.raises(ValidationError):
+            ChatBody.model_validate({"messages": [], field: 1.9})
