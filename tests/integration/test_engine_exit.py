@@ -1,0 +1,210 @@
+"""vLLM's engine processes go with their replica, however it goes: a replica killed outright, the Ray processes
+killed at once (`ray stop --force`, a crash), and `make run` stopped the way a supervisor or a terminal stops it
+(SIGTERM to its process group). None may be left running, re-parented to init, holding the engine's memory (on a
+GPU, that memory makes the next start fail).
+
+Each test starts its own `make run` (the real target, on a free port, with a copy of configs/config.yaml) in
+its own session and under its own Ray temp dir: it neither attaches to nor disturbs the cluster of the `server`
+fixture, which may be up in this process. Every process of that cluster inherits a marker in its environment:
+that is how the test finds its own processes, also once they have been re-parented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from tests.integration.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+MARKER = "RTPD_ENGINE_EXIT_TEST"
+EXIT_WITHIN_S = 30.0
+STARTUP_S = 420.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_engine(proc: psutil.Process) -> bool:
+    """vLLM's engine core and its model workers (`VLLM::EngineCore`, `VLLM::Worker`, by their process titles)."""
+    return _name(proc).startswith("VLLM::")
+
+
+def _report(procs: list[psutil.Process]) -> str:
+    rows = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            rows.append(f"pid {p.pid} ppid {p.ppid()} rss {p.memory_info().rss >> 20} MiB {_name(p)}")
+    return "\n".join(rows)
+
+
+@dataclass
+class Cluster:
+    make: subprocess.Popen
+    port: int
+    token: str
+    log: Path
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process started for this cluster, wherever it has been re-parented to."""
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get(MARKER) == self.token and _alive(proc):
+                    found.append(proc)
+        return found
+
+    def engines(self) -> list[psutil.Process]:
+        return [p for p in self.processes() if _is_engine(p)]
+
+    def replicas(self) -> list[psutil.Process]:
+        return [p for p in self.processes() if _name(p).startswith("ray::ServeReplica")]
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            assert self.make.poll() is None, f"make run exited ({self.make.returncode}):\n{self.log_tail()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
+                    return
+            time.sleep(1)
+        pytest.fail(f"not healthy after {STARTUP_S:.0f} s:\n{self.log_tail()}")
+
+    def stop_like_a_supervisor(self) -> float:
+        """SIGTERM to `make run`'s process group (a terminal's, `timeout`'s or `kill -- -PGID`'s stop); asserts
+        that every process of the cluster is gone within EXIT_WITHIN_S and the port is free; returns the time
+        the engine processes took."""
+        engines = self.engines()
+        started = time.monotonic()
+        os.killpg(self.make.pid, signal.SIGTERM)
+        took = wait_gone(engines, "after SIGTERM to `make run`")
+        deadline = started + EXIT_WITHIN_S
+        while time.monotonic() < deadline and (self.make.poll() is None or self.processes()):
+            time.sleep(0.2)
+        assert self.make.poll() is not None, "make run still running"
+        assert not _port_open(self.port), f"port {self.port} still open"
+        assert not self.engines(), f"engine processes started later still running:\n{_report(self.engines())}"
+        assert not self.processes(), f"left running:\n{_report(self.processes())}"
+        return took
+
+
+def wait_gone(procs: list[psutil.Process], after: str) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < EXIT_WITHIN_S:
+        if not any(_alive(p) for p in procs):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    left = [p for p in procs if _alive(p)]
+    pytest.fail(f"engine processes still running {EXIT_WITHIN_S:.0f} s {after}:\n{_report(left)}")
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    tmp = Path(tempfile.mkdtemp(prefix="rtpd-exit-", dir="/tmp"))  # short: Ray's socket paths live under it
+    port = _free_port()
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    config_path = tmp / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+
+    token = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster, attach to none
+    env.update({MARKER: token, "RAY_TMPDIR": str(tmp)})
+    venv = Path(sys.prefix)
+    stamps = [arg for extra in ("cpu", "cuda") for arg in ("-o", f"{venv}/.installed-{extra}")]  # no (re)install
+    command = ["make", *stamps, "run", f"VENV={venv}", f"CONFIG={config_path}", f"PORT={port}"]
+    log = tmp / "make-run.log"
+    with open(log, "wb") as out:
+        # Its own session: the process group a supervisor or a terminal signals.
+        make = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+    cluster = Cluster(make, port, token, log)
+    try:
+        yield cluster
+    finally:
+        # Whatever the outcome, nothing of this cluster outlives the test (an orphaned engine holds GBs).
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGINT)  # a terminal's Ctrl-C: serve run's own clean stop
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                make.wait(30)
+        for p in cluster.processes():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(STARTUP_S + 120)
+def test_engines_exit_with_a_killed_replica_and_with_make_run(cluster: Cluster) -> None:
+    cluster.wait_healthy()
+    assert len(cluster.engines()) >= 2, f"no prefill and decode engines:\n{_report(cluster.processes())}"
+
+    # A replica killed outright (the OOM killer, `ray.kill`): its engine processes go with it.
+    replica = next(p for p in cluster.replicas() if _name(p).endswith(":decode"))
+    engines = [p for p in replica.children(recursive=True) if _is_engine(p)]
+    assert engines, f"the decode replica has no engine processes:\n{_report(cluster.processes())}"
+    replica.kill()
+    took = wait_gone(engines, "after their replica was killed")
+    print(f"decode engine processes gone {took:.1f} s after their replica")
+
+    # Serve starts a new decode replica meanwhile; a supervisor stops all of it.
+    took = cluster.stop_like_a_supervisor()
+    print(f"engine processes gone {took:.1f} s after SIGTERM to make run")
+
+
+@pytest.mark.timeout(STARTUP_S + 120)
+def test_engines_exit_when_ray_dies_with_the_replicas(cluster: Cluster) -> None:
+    """The raylet and the replicas killed at once, as `ray stop --force` or a crash does: no Ray process is left
+    to clean up after the replicas. (SIGTERM to `make run`'s group gets near this: make forwards a second
+    SIGTERM that cuts `serve run`'s Ray shutdown short, and the raylet dies before the replicas. Without
+    fate-sharing the engines here ran on, re-parented to init, for good.)"""
+    cluster.wait_healthy()
+    engines = cluster.engines()
+    assert len(engines) >= 2, f"no prefill and decode engines:\n{_report(cluster.processes())}"
+    raylet = [p for p in cluster.processes() if _name(p) == "raylet"]
+    for p in [*raylet, *cluster.replicas()]:
+        p.kill()
+    took = wait_gone(engines, "after the raylet and the replicas were killed")
+    print(f"engine processes gone {took:.1f} s after Ray")
+    cluster.stop_like_a_supervisor()
