@@ -104,9 +104,10 @@ class HandOff:
 
     # --- the router's side -------------------------------------------------------------------------
     @session_api
-    async def session_claim(self, *, session_id: str, turn: int | None = None) -> dict[str, Any]:
+    async def session_claim(self, *, session_id: str, turn: int | None = None, fresh: bool = False) -> dict[str, Any]:
         """Take the answer to stream it: `{"request": <decode request>, ...}` for its one reader, or
-        `{"answer": summary}` when it is over, failed, or already being read by another."""
+        `{"answer": summary}` when it is over, failed, or already being read by another. `fresh`: hand the KV
+        off anew (a reader whose decode stream ended before its first frame may have spent the last one)."""
         session = self._get(session_id, allow_closed=True)
         answer = await self._wait_answer(session, turn)
         if answer is None:
@@ -115,7 +116,7 @@ class HandOff:
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
         if answer.status == "ready" and answer.handed_off_at is not None:
             lease = self.config.kv_transfer.lease_s
-            if time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
+            if fresh or time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
                 # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
                 # close reaches it; shielded, so that this claim's caller leaving does not stop it).
                 answer.status = "preparing"

@@ -99,14 +99,20 @@ class AnswerReader:
     def endpoint(self) -> str:
         return self.claim.get("endpoint", "chat")
 
-    async def open(self, stream: bool = True) -> dict[str, Any] | None:
+    async def open(self, stream: bool = True, retried: bool = False) -> dict[str, Any] | None:
         """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
         deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
         while True:  # the owner holds each call a few seconds at most: the long wait is this router's
             call = asyncio.ensure_future(
-                session_call(self.ingress, "session_claim", session_id=self.session_id, turn=self.turn)
+                session_call(
+                    self.ingress,
+                    "session_claim",
+                    session_id=self.session_id,
+                    turn=self.turn,
+                    **({"fresh": True} if retried else {}),
+                )
             )
             try:
                 claim = await asyncio.shield(call)
@@ -154,8 +160,14 @@ class AnswerReader:
                 self._stream = opened
                 _spawn(self._register(opened))
                 first = await anext(opened)
-        except StopAsyncIteration:
-            first = error_body(500, "decode returned nothing")
+        except StopAsyncIteration:  # decode ended the stream before any frame (seen under a disconnect storm)
+            if not retried:
+                # Give the answer back to its owner and claim it anew: the owner hands the KV off again if
+                # need be (the prefix cache has it), so the client gets its answer rather than an error.
+                await asyncio.shield(self.report("released"))
+                self._reported, self._stream = None, None
+                return await self.open(stream, retried=True)
+            first = error_body(502, "decode ended the answer's stream before its first token")
         except DecodeFailed as e:
             first = {"error": e.error}
         except asyncio.CancelledError:

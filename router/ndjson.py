@@ -130,8 +130,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     reader = AnswerReader(ingress, session_id)
     try:
         err = await reader.open(stream=stream)
-    except BaseException:
-        await session_call(ingress, "session_delete", session_id=session_id)
+    except BaseException:  # the client left: the delete runs in a task of its own (this one is cancelled)
+        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
         raise
     if err is not None:
         await session_call(ingress, "session_delete", session_id=session_id)
@@ -140,8 +140,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     if not stream:
         try:
             body = await reader.whole()
-        finally:
-            await session_call(ingress, "session_delete", session_id=session_id)
+        finally:  # in a task of its own: a cancelled request's awaits are cancelled too
+            ingress.background(session_call(ingress, "session_delete", session_id=session_id))
         return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:

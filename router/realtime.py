@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from router.answers import AnswerReader
-from router.owner import create_session, current_tenant, session_call
+from router.owner import create_session, current_tenant, detached, session_call
 from router.realtime_events import (
     BufferAppend,
     BufferClear,
@@ -177,8 +177,8 @@ class RealtimeConnection:
         finally:
             if self.response_task is not None:
                 self.response_task.cancel()
-            # The client is gone: the session's KV goes with it.
-            await session_call(self.ingress, "session_delete", session_id=self.session_id)
+            # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
+            detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
 
     def time_left(self) -> float:
         deadline = min(self.last_event + self.limits.idle_timeout_s, self.opened + self.limits.max_session_s)

@@ -144,8 +144,8 @@ _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,256})"')
 
 
 def leading_event_id(text: str) -> str | None:
-    """The `event_id` of a frame too large to parse, if it is among the frame's first characters."""
-    found = _EVENT_ID.search(text, 0, 4096)
+    """The `event_id` of a frame too large to parse, if it is among the frame's first or last characters."""
+    found = _EVENT_ID.search(text, 0, 4096) or _EVENT_ID.search(text, max(0, len(text) - 4096))
     return found.group(1) if found else None
 
 

@@ -152,3 +152,4 @@ def test_unpaired_surrogates_and_the_event_id_of_a_frame_too_large() -> None:
     assert leading_event_id('{"type": "input_text_buffer.append", "event_id": "evt_7", "delta": "' + "y" * 10**6) == (
         "evt_7"
     )
+    assert leading_event_id('{"delta": "' + "y" * 10**6 + '", "event_id": "evt_8"}') == "evt_8"
