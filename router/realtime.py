@@ -151,18 +151,23 @@ class RealtimeConnection:
     # --- lifecycle ---------------------------------------------------------------------------------
     async def run(self) -> None:
         model = self.settings["model"]
-        created = await create_session(
-            self.ingress, {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
-        )
-        await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+        spec = {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
+        call = asyncio.ensure_future(create_session(self.ingress, spec))
+        try:
+            created = await asyncio.shield(call)
+        except BaseException:  # the client left during the handshake: a session made meanwhile goes too
+            call.add_done_callback(self._delete_made)
+            raise
         if "error" in created:
+            await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
             await self.error(created["error"]["message"], "session_failed")
             await self.ws.close(code=1011)
             return
         self.session_id = created["session_id"]
-        await self.send("session.created", session=self.session_object())
-        self.opened = self.last_event = time.monotonic()  # the session's clocks start once the client has it
         try:
+            await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+            await self.send("session.created", session=self.session_object())
+            self.opened = self.last_event = time.monotonic()  # the session's clocks start once the client has it
             while (message := await self.next_message()) is not None:
                 if message["type"] == "websocket.disconnect":
                     return
@@ -179,6 +184,10 @@ class RealtimeConnection:
                 self.response_task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
             detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
+
+    def _delete_made(self, call: asyncio.Future[Any]) -> None:
+        if not call.cancelled() and call.exception() is None and "session_id" in (made := call.result()):
+            detached(session_call(self.ingress, "session_delete", session_id=made["session_id"]))
 
     def time_left(self) -> float:
         deadline = min(self.last_event + self.limits.idle_timeout_s, self.opened + self.limits.max_session_s)
