@@ -70,6 +70,12 @@ def record(kind: str, /, **detail: Any) -> str:
     return f"{kind}: {json.dumps(entry, default=repr, ensure_ascii=False)[:1500]} (size {size})"
 
 
+def reset() -> None:
+    """Start a module's counts and findings afresh (several modules may run in one pytest process)."""
+    COUNTS.clear()
+    FINDINGS.clear()
+
+
 def dump(module: str) -> dict[str, Any]:
     """Merge this module's counts and findings into the JSON file (other modules' entries are kept)."""
     try:

@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -38,8 +39,8 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.conftest import engine_stats
-from tests.integration.fuzzing import COUNTS, dump, record, summary_lines
+from tests.integration.conftest import METRICS_PORT, engine_stats
+from tests.integration.fuzzing import COUNTS, dump, record, reset, summary_lines
 
 pytestmark = pytest.mark.integration
 
@@ -366,7 +367,20 @@ def wait_settled(baseline: int, timeout: float) -> list[str]:
     return problems
 
 
-ATTRIBUTION_CLIENTS = 4
+ATTRIBUTION_CLIENTS = 10
+
+
+def sessions_by_state() -> dict[str, float]:
+    """The prefill replicas' `rtpd_sessions_open` gauge by state, as Prometheus scrapes it."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    except httpx.HTTPError as e:
+        return {"unavailable": repr(e)}  # type: ignore[dict-item]
+    states: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_rtpd_sessions_open{") and (m := re.search(r'state="([a-z]+)"', line)):
+            states[m.group(1)] = states.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return {k: v for k, v in states.items() if k != "closed"}
 
 
 def attribute_anonymous_leaks(server: str) -> dict[str, int]:
@@ -378,12 +392,15 @@ def attribute_anonymous_leaks(server: str) -> dict[str, int]:
         before = engine_stats("prefill")["sessions_open"]
         clients = [Client(-1, kind, random.Random(rng.random())) for _ in range(ATTRIBUTION_CLIENTS)]
         asyncio.run(storm(server, clients, label="attribution"))
-        time.sleep(5)
-        leaks[kind] = engine_stats("prefill")["sessions_open"] - before
+        deadline = time.time() + 30  # clean-up may take a moment: count what is still open after 30 s
+        while (left := engine_stats("prefill")["sessions_open"] - before) > 0 and time.time() < deadline:
+            time.sleep(1)
+        leaks[kind] = left
     return leaks
 
 
 def test_disconnect_storm(server: str, pytestconfig: pytest.Config) -> None:
+    reset()
     before = wait_settled(10**9, SETTLE_S)  # the engines must be idle to begin with (sessions aside)
     if before:
         pytest.fail(f"the engines were not idle before the storm (left by earlier tests): {before}")
@@ -431,12 +448,14 @@ def test_disconnect_storm(server: str, pytestconfig: pytest.Config) -> None:
                 if c.session_id and (state := session_state(http, c.session_id)) and state["state"] != "closed":
                     left[f"{c.kind} ({state['state']})"] += 1
             unknown = sum(1 for c in clients if c.protocol in ("ndjson", "realtime") and not c.session_id)
+            by_state = sessions_by_state()
             leaks = attribute_anonymous_leaks(server)
-            record("storm_not_idle", problems=problems, open_sessions_by_kind=dict(left), anonymous=leaks)
+            record("storm_not_idle", problems=problems, by_kind=dict(left), by_state=by_state, anonymous=leaks)
             failures.append(
-                f"{SETTLE_S:.0f} s after the storm: {problems}; open sessions by client kind: {dict(left)} "
+                f"{SETTLE_S:.0f} s after the storm: {problems}; open sessions by client kind: {dict(left)}, "
+                f"by state (rtpd_sessions_open): {by_state} "
                 f"(+ up to {unknown} NDJSON/realtime sessions whose id the client never learnt; replaying "
-                f"{ATTRIBUTION_CLIENTS} clients of each such kind alone left this many sessions open: {leaks})"
+                f"{ATTRIBUTION_CLIENTS} clients of each such kind alone left open 30 s later: {leaks})"
             )
 
         fives = [(c.index, c.kind, s) for c in clients for s in c.statuses if s >= 500]

@@ -47,6 +47,7 @@ from tests.integration.fuzzing import (
     junk,
     raw_bodies,
     record,
+    reset,
     shorten,
     sse_error_problems,
     summary_lines,
@@ -63,6 +64,7 @@ MODULE = "test_fuzz"
 # --- plumbing ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def fuzz_report(pytestconfig: pytest.Config) -> Iterator[None]:
+    reset()
     yield
     data = dump(MODULE)
     reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
@@ -763,6 +765,15 @@ def ev(type_: str, event_id: Any = None, **fields: Any) -> str:
     return json.dumps(body, allow_nan=True)
 
 
+def ev_ordered(type_: str, event_id: Any, leading: bool, **fields: Any) -> str:
+    """An event with `event_id` right after `type` (leading) or as its last member."""
+    if event_id is None:
+        return ev(type_, **fields)
+    if leading:
+        return json.dumps({"type": type_, "event_id": event_id, **fields})
+    return json.dumps({"type": type_, **fields, "event_id": event_id})
+
+
 USER_ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say something."}]}
 HUGE = 1_200_000  # > 1 MiB: past limits.max_frame_bytes and the session payload cap
 
@@ -989,10 +1000,14 @@ def bad_step(draw: Any, family: str, conv: RealtimeFuzz, huge_left: list[int]) -
     huge_left[0] -= 1
     if choice == 2:
         return Step("huge non-JSON text frame", ["x" * HUGE])
+    # A client may put `event_id` anywhere in the object: first, or after the huge field.
+    leading = draw(st.booleans())
+    where = "event_id first" if leading else "event_id last"
     if choice == 3:
-        return Step("huge append", [ev("input_text_buffer.append", eid, delta="y" * HUGE)], event_id=eid)
+        frame = ev_ordered("input_text_buffer.append", eid, leading, delta="y" * HUGE)
+        return Step(f"huge append ({where})", [frame], event_id=eid)
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "z" * HUGE}]}
-    return Step("huge item", [ev("conversation.item.create", eid, item=item)], event_id=eid)
+    return Step(f"huge item ({where})", [ev_ordered("conversation.item.create", eid, leading, item=item)], event_id=eid)
 
 
 def check_step(step: Step, seen: list[dict[str, Any]], conv: RealtimeFuzz) -> None:
