@@ -95,6 +95,9 @@ class HandOff:
         session.add_answer(answer.text, failed=answer.status == "failed")
         if session.state == SessionState.CLOSED:
             return
+        if session.ephemeral:  # its request is over: its KV goes now, not when its router gets to delete it
+            await self._close(session, "its answer ended")
+            return
         session.state = SessionState.OPEN
         session.touch()
         try:
@@ -147,6 +150,8 @@ class HandOff:
         if answer.done:
             return answer.summary()
         if answer.cancel_requested and status in ("failed", "released"):  # stopped on decode by a cancel
+            status = "cancelled"
+        if status == "released" and session.ephemeral:  # its one reader left: nobody else will read it
             status = "cancelled"
         if status == "released":  # its reader left before any output: the next reader streams it
             if answer.status == "streaming":

@@ -123,6 +123,8 @@ class Session:
         self.lock = asyncio.Lock()
         # Input committed while an answer is generated joins the conversation after that answer.
         self.deferred: list[dict[str, Any]] = []
+        # One request's session (an NDJSON body): it ends with its answer, whatever its router does after.
+        self.ephemeral = False
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
 
@@ -368,6 +370,7 @@ class Session:
             "payload_bytes": self.payload_bytes,
             "input_ended": self.input_ended,
             "deferred": self.deferred,
+            "ephemeral": self.ephemeral,
             # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
             # here), or, if a router is streaming it, is reported to the adopter when it ends.
             "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
@@ -392,6 +395,7 @@ class Session:
         session.payload_bytes = state["payload_bytes"]
         session.input_ended = state["input_ended"]
         session.deferred = state.get("deferred", [])
+        session.ephemeral = state.get("ephemeral", False)
         for summary in state["answers"]:
             answer = Answer.from_summary(summary)
             answer.overrides = summary.get("overrides") or {}

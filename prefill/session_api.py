@@ -115,6 +115,7 @@ class SessionAPI(HandOff):
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
         session.instructions = spec.get("instructions")
+        session.ephemeral = bool(spec.get("ephemeral"))
         session.tenant = tenant
         self.sessions[session_id] = session
         try:

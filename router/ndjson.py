@@ -24,6 +24,8 @@ from router.schemas import CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
 from serve_app.protocol import error_body, error_response, streaming_response
 
+NDJSON_IDLE_S = 30.0  # a request body silent for this long is over (408), and its session with it
+
 
 async def ndjson_lines(request: Request, limit: int) -> AsyncGenerator[dict[str, Any], None]:
     """The body's lines as JSON values; a line over `limit` bytes is refused (413) before it is read whole."""
@@ -80,7 +82,14 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     messages = first.setdefault("messages", [])
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
     partial = messages.pop()["content"] if last.get("role") == "user" and isinstance(last.get("content"), str) else ""
-    created = await create_session(ingress, session_spec(first))
+    # The session is this request's: it ends with its answer, and a body silent for NDJSON_IDLE_S is over.
+    idle = min(ingress.config.limits.idle_timeout_s, NDJSON_IDLE_S)
+    spec = session_spec(first)
+    asked = spec.get("limits") if isinstance(spec.get("limits"), dict) else {}
+    if isinstance(asked, dict) and isinstance(asked.get("idle_timeout_s"), (int, float)):
+        idle = min(idle, asked["idle_timeout_s"])
+    spec.update(ephemeral=True, limits={**(spec.get("limits") or {}), "idle_timeout_s": idle})
+    created = await create_session(ingress, spec)
     if "error" in created:
         return error_response(created)
     session_id = created["session_id"]
@@ -97,7 +106,6 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         if partial:
             await chunk(seq, partial, False)
             seq += 1
-        idle = ingress.config.limits.idle_timeout_s
         try:
             while True:
                 try:  # a body that stops sending without ending holds nothing forever

@@ -300,3 +300,15 @@ async def test_a_streamed_answer_whose_reader_stopped_is_given_up_on(server: Ser
     assert alive is not None and alive >= now
     assert server._expire_answer(session, alive + READER_LEASE_S - 1) is None
     assert "stopped" in (server._expire_answer(session, alive + READER_LEASE_S + 1) or "")
+
+
+async def test_a_one_request_session_ends_with_its_answer(server: Server) -> None:
+    """An NDJSON body's session is closed by its owner when its answer ends, or when its one reader leaves
+    before any output: its KV does not wait for the router's delete (which a vanished client may never cause)."""
+    for outcome in (completed("Hi!"), {"status": "released"}):
+        session = server.open_session()
+        session.ephemeral = True
+        await server.ready(session)
+        await server.session_claim(session_id=session.id, turn=0)
+        await server.session_answer_done(session_id=session.id, turn=0, outcome=outcome)
+        assert session.state.value == "closed" and session.answers[0].done
