@@ -268,6 +268,8 @@ class RealtimeConnection:
 
     async def item_create(self, event: ConversationItemCreate) -> None:
         item = event.item
+        if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
+            await self.buffer_commit()
         if await self.call("session_message", role=item.role, content=item.text):
             await self.announce_item(item.id or _id("item"), item.role, item.parts)
 

@@ -344,3 +344,24 @@ def test_a_second_response_create_while_one_streams_is_refused_with_its_event_id
         assert error["error"]["event_id"] == "evt_2"
         done, _ = until(ws, "response.done")
         assert done["response"]["status"] == "completed"
+
+
+def test_text_typed_before_an_item_is_committed_first_on_both_sides() -> None:
+    """The owner commits typed text before an item; the router's copy of the buffer follows, so a later
+    `replace` is checked against the same (empty) buffer on both sides."""
+    prefill = FakePrefill()
+    with connect(prefill) as ws:
+        ws.send_json({"type": "input_text_buffer.append", "delta": "ab"})
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "next"}]}
+        ws.send_json({"type": "conversation.item.create", "item": item})
+        committed, _ = until(ws, "input_text_buffer.committed")
+        created, _ = until(ws, "conversation.item.created")
+        assert created["item"]["content"] == [{"type": "input_text", "text": "ab"}]
+        until(ws, "conversation.item.done")
+        created, _ = until(ws, "conversation.item.created")
+        assert created["item"]["content"] == [{"type": "input_text", "text": "next"}]
+        ops = [k.get("op") for name, k in prefill.calls if name in ("session_buffer", "session_message")]
+        assert ops == ["append", "commit", None]
+        ws.send_json({"type": "input_text_buffer.replace", "text": "x", "offset": 2, "event_id": "evt_r"})
+        error, _ = until(ws, "error")
+        assert error["error"]["param"] == "offset" and error["error"]["event_id"] == "evt_r"
