@@ -28,7 +28,7 @@ from prefill.session import (
 )
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
-from serve_app.protocol import Endpoint, validate_openai_body
+from serve_app.protocol import Endpoint, over_max_tokens, validate_openai_body
 
 logger = logging.getLogger(__name__)
 CLOSED_SESSION_RETENTION_S = 60.0
@@ -141,11 +141,8 @@ class SessionAPI(HandOff):
 
     def _check_max_tokens(self, request: dict[str, Any]) -> None:
         """`max_tokens` within the server's limit (the model's context length unless set lower)."""
-        cap = self.config.limits.max_tokens or self.engine.max_model_len
-        for field in ("max_tokens", "max_completion_tokens"):
-            value = request.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and value > cap:
-                raise SessionError(400, f"{field} is {value}, more than this server's limit of {cap}", field)
+        if (over := over_max_tokens(request, self.config.limits.max_tokens or self.engine.max_model_len)) is not None:
+            raise SessionError(400, over[1], over[0])
 
     @session_api
     @serialized

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from router.feeds import DecodeFailed, DecodeStream
-from router.owner import session_call
+from router.owner import detached, session_call
 from serve_app import metrics
 from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, sse
 
@@ -158,7 +158,7 @@ class AnswerReader:
                 first = opened if "error" in opened else opened["response"]
             else:
                 self._stream = opened
-                _spawn(self._register(opened))
+                detached(self._register(opened))
                 first = await anext(opened)
         except StopAsyncIteration:  # decode ended the stream before any frame (seen under a disconnect storm)
             if not retried:
@@ -207,7 +207,7 @@ class AnswerReader:
                 yield forward, deltas
                 if (now := time.monotonic()) - alive_at > READER_ALIVE_S:  # a long answer: still being read
                     alive_at = now
-                    _spawn(self._alive())
+                    detached(self._alive())
                 item = await anext(self._stream, _END)
             status = self.outcome.status
         except DecodeFailed as e:
@@ -322,13 +322,6 @@ class AnswerReader:
         if isinstance(claim, dict) and "request" in claim:
             self.claim, self.turn = claim, claim["turn"]
             self.report("released")
-
-
-def _spawn(call: Any) -> None:
-    """Run `call` in a task of its own, kept from garbage collection until it ends."""
-    task = asyncio.ensure_future(call)
-    _reports.add(task)
-    task.add_done_callback(_reports.discard)
 
 
 def _done_task() -> asyncio.Task[Any]:

@@ -37,7 +37,16 @@ from router.quota import TokenBudgets
 from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
 from serve_app import metrics
 from serve_app.config import AppConfig
-from serve_app.protocol import SSE_DONE, Endpoint, error_body, error_response, error_status, sse, streaming_response
+from serve_app.protocol import (
+    SSE_DONE,
+    Endpoint,
+    error_body,
+    error_response,
+    error_status,
+    over_max_tokens,
+    sse,
+    streaming_response,
+)
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 2.0
@@ -272,11 +281,8 @@ class Router:
 
     def check_max_tokens(self, body: dict[str, Any]) -> None:
         """`limits.max_tokens` (when set; the engine itself refuses more than the context)."""
-        cap = self.config.limits.max_tokens
-        for field in ("max_tokens", "max_completion_tokens"):
-            value = body.get(field)
-            if cap is not None and isinstance(value, int) and not isinstance(value, bool) and value > cap:
-                raise APIError(400, f"{field} is {value}, more than this server's limit of {cap}", field)
+        if (over := over_max_tokens(body, self.config.limits.max_tokens)) is not None:
+            raise APIError(400, over[1], over[0])
 
     def charge(self, usage: dict[str, Any] | None) -> None:
         """The caller's key pays what its request used (router/quota.py)."""

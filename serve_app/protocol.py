@@ -60,6 +60,16 @@ def error_status(payload: dict[str, Any]) -> int:
     return code if isinstance(code, int) and 400 <= code < 600 else 500
 
 
+def over_max_tokens(body: dict[str, Any], cap: int | None) -> tuple[str, str] | None:
+    """(field, message) when the body asks for more than `cap` tokens (`max_tokens` or
+    `max_completion_tokens`); None otherwise or without a cap."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if cap is not None and isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            return field, f"{field} is {value}, more than this server's limit of {cap}"
+    return None
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
