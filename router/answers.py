@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from router.feeds import DecodeFailed, DecodeStream
-from router.owner import detached, session_call
+from router.owner import session_call
+from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, sse
 
@@ -29,7 +30,6 @@ _END = object()
 READER_ALIVE_S = 5.0  # how often a reader streaming a long answer tells its owner it still does (READER_LEASE_S)
 REPORT_WAIT_S = 2.0  # how long the end of a stream waits for the owner to have the outcome
 REPORT_ATTEMPTS, REPORT_RETRY_S = 8, 2.0
-_reports: set[asyncio.Task[Any]] = set()  # outcome reports in flight (kept from garbage collection)
 
 
 @dataclass
@@ -268,17 +268,16 @@ class AnswerReader:
         return self._first
 
     def report(self, status: str) -> asyncio.Task[Any]:
-        """Tell the owner how the answer ended, once; in a task of its own, so that a client that left (a
-        cancelled task) cannot stop it. Returns the report's task (await it to know the owner has it)."""
+        """Tell the owner how the answer ended, once; in a task of its own (router/tasks.py), so that a client
+        that left (a cancelled request) cannot stop it. Returns the report's task (await it to know the owner
+        has it)."""
         if self._reported is not None or self.summary is not None or self.turn is None:
             return self._reported or _done_task()
         self.outcome.status = status
         if status != "released" and (charge := getattr(self.ingress, "charge", None)) is not None:
             charge(self.outcome.usage)  # the caller's key pays for the answer (router/quota.py)
-        task = self._reported = asyncio.create_task(self._deliver(self.turn, self.outcome.as_dict()))
-        _reports.add(task)
-        task.add_done_callback(_reports.discard)
-        return task
+        self._reported = detached(self._deliver(self.turn, self.outcome.as_dict()))
+        return self._reported
 
     async def _deliver(self, turn: int, outcome: dict[str, Any]) -> dict[str, Any] | None:
         """Retried a while: when the owner drains, its adopter becomes known to routers within seconds."""

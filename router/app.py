@@ -209,21 +209,7 @@ class Router:
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
         self._ready_at = 0.0  # when both engines last answered
-        self._background: set[asyncio.Task[None]] = set()
         app.state.ingress = self  # the session and realtime routes reach the handles through it
-
-    def background(self, call: Any) -> None:
-        """Run `call` (an awaitable) to its end without waiting for it; kept from garbage collection."""
-
-        async def run() -> None:
-            try:
-                await call
-            except Exception:
-                logger.exception("background call failed")
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def engines_ready(self) -> bool:
         """Both engines answer (checked at most once a second while ready). Serve does not route to a replica

@@ -16,6 +16,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from router.tasks import detached
 from serve_app.protocol import Endpoint, error_body
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,6 @@ class Feeds:
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
-        self._stops: set[asyncio.Task[Any]] = set()
 
     async def open(self, endpoint: Endpoint, body: dict[str, Any]) -> DecodeStream | dict[str, Any]:
         """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""
@@ -108,7 +108,7 @@ class Feeds:
     def _read(self, replica: str) -> None:
         reader = self.readers.get(replica)
         if reader is None or reader.done():
-            self.readers[replica] = asyncio.get_running_loop().create_task(self._reader(replica))
+            self.readers[replica] = detached(self._reader(replica))  # no request's: it carries them all
 
     async def _reader(self, replica: str) -> None:
         error: dict[str, Any] | None = None
@@ -131,19 +131,16 @@ class Feeds:
         finally:
             mine = [(sid, s) for sid, s in self.streams.items() if s.replica == replica]
             if error is None and mine and not cancelled:  # it ended idle just as a stream started: read anew
-                self.readers[replica] = asyncio.get_running_loop().create_task(self._reader(replica))
+                self.readers[replica] = detached(self._reader(replica))
             elif mine:  # the replica failed: its streams end with the error
                 for stream_id, stream in mine:
                     self.streams.pop(stream_id, None)
                     stream.queue.put_nowait(_End(error))
 
     def stop(self, stream: DecodeStream) -> None:
-        call = self.decode.stop.remote(consumer=self.consumer, stream_id=stream.stream_id, replica=stream.replica)
+        """Abort the stream's request on decode (detached: its client's request is being cancelled)."""
+        detached(self._stop(stream.stream_id, stream.replica))
 
-        async def wait() -> None:
-            with contextlib.suppress(Exception):
-                await call
-
-        task = asyncio.get_running_loop().create_task(wait())
-        self._stops.add(task)
-        task.add_done_callback(self._stops.discard)
+    async def _stop(self, stream_id: str, replica: str | None) -> None:
+        with contextlib.suppress(Exception):
+            await self.decode.stop.remote(consumer=self.consumer, stream_id=stream_id, replica=replica)

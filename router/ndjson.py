@@ -22,6 +22,7 @@ from router.answers import AnswerReader
 from router.owner import create_session, session_call
 from router.schemas import CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
+from router.tasks import detached
 from serve_app.protocol import error_body, error_response, streaming_response
 
 NDJSON_IDLE_S = 30.0  # a request body silent for this long is over (408), and its session with it
@@ -132,14 +133,14 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(e.payload)
     except BaseException:  # the client left mid-body (or the request was cancelled): nothing stays behind
-        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_call(ingress, "session_delete", session_id=session_id))
         raise
 
     reader = AnswerReader(ingress, session_id)
     try:
         err = await reader.open(stream=stream)
     except BaseException:  # the client left: the delete runs in a task of its own (this one is cancelled)
-        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_call(ingress, "session_delete", session_id=session_id))
         raise
     if err is not None:
         await session_call(ingress, "session_delete", session_id=session_id)
@@ -149,7 +150,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         try:
             body = await reader.whole()
         finally:  # in a task of its own: a cancelled request's awaits are cancelled too
-            ingress.background(session_call(ingress, "session_delete", session_id=session_id))
+            detached(session_call(ingress, "session_delete", session_id=session_id))
         return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:
@@ -158,6 +159,6 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
 
     def close() -> None:  # however the response ends, even before its body ran: nothing stays behind
         reader.release()
-        ingress.background(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_call(ingress, "session_delete", session_id=session_id))
 
     return streaming_response(frames(), close, headers)

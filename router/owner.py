@@ -23,16 +23,6 @@ def tenant() -> str:
     return current_tenant.get()
 
 
-_detached: set[asyncio.Future[Any]] = set()
-
-
-def detached(call: Any) -> None:
-    """Run `call` in a task of its own (kept until it ends): clean-up that a cancelled request must still do."""
-    task = asyncio.ensure_future(call)
-    _detached.add(task)
-    task.add_done_callback(_detached.discard)
-
-
 HANDOVER_RETRY_S = 0.25
 HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
 

@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from router.answers import AnswerReader
-from router.owner import create_session, current_tenant, detached, session_call
+from router.owner import create_session, current_tenant, session_call
 from router.realtime_events import (
     BufferAppend,
     BufferClear,
@@ -47,6 +47,7 @@ from router.realtime_events import (
     leading_event_id,
     parse,
 )
+from router.tasks import detached
 from serve_app.protocol import error_status
 
 logger = logging.getLogger(__name__)

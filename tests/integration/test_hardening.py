@@ -80,3 +80,29 @@ def test_ndjson_whose_answer_cannot_be_made_gets_an_error_not_an_empty_200(serve
     r = httpx.post(f"{server}/v1/chat/completions", content=body, headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     wait_idle("prefill")
+
+
+def test_a_client_leaving_ends_only_its_own_stream(server, model_name):
+    """The decode feed carries every stream between this router and its decode replica. It used to be a child
+    of whichever client's request opened it, so Ray's recursive cancellation of that request (its client left)
+    cut every other client's answer short: the storm's "decode stream ended before its first frame"."""
+    import time
+
+    time.sleep(7)  # every feed idles out (decode/server.py FEED_IDLE_S): the next request opens a new one
+    body = {"model": model_name, "prompt": "Once upon a time", "stream": True, "ignore_eos": True}
+    long = {**body, "max_tokens": 1500}
+    other = {**body, "max_tokens": 150, "stream_options": {"include_usage": True}}
+    leaving, staying = httpx.Client(base_url=server, timeout=120), httpx.Client(base_url=server, timeout=120)
+    with leaving.stream("POST", "/v1/completions", json=long) as first:  # it opens the feed
+        assert next(line for line in first.iter_lines() if line.startswith("data: {"))
+        with staying.stream("POST", "/v1/completions", json=other) as second:
+            frames = second.iter_lines()
+            assert next(line for line in frames if line.startswith("data: {"))
+            first.close()  # the first client leaves: its request is cancelled
+            leaving.close()
+            rest = [line for line in frames if line.startswith("data: ")]
+    staying.close()
+    assert rest and rest[-1] == "data: [DONE]", rest[-3:]
+    usage = [json.loads(line[6:])["usage"] for line in rest[:-1] if json.loads(line[6:]).get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == 150, (usage, rest[-3:])
+    wait_idle("decode")

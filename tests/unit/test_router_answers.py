@@ -14,7 +14,7 @@ from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from router import answers
+from router import tasks
 from router.answers import AnswerReader, Outcome, completion_object, replay_frames
 from router.feeds import DecodeFailed
 from serve_app.protocol import error_body
@@ -359,8 +359,8 @@ def claim(endpoint: str = "chat", include_usage: bool = False, **rest: Any) -> d
 async def reported() -> list[Any]:
     """Let the reader's background reports run; what they ended with (a result or an exception)."""
     ended: list[Any] = []
-    while answers._reports:
-        ended += await asyncio.gather(*list(answers._reports), return_exceptions=True)
+    while tasks._kept:
+        ended += await asyncio.gather(*list(tasks._kept), return_exceptions=True)
     return ended
 
 

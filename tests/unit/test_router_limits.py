@@ -94,13 +94,11 @@ class _Calls:
 async def test_an_ndjson_body_that_stops_sending_is_refused_and_its_session_deleted() -> None:
     config = AppConfig(limits={"idle_timeout_s": 0.3})
     prefill = _Calls()
-    tasks: list[Any] = []
     ingress = SimpleNamespace(
         config=SimpleNamespace(limits=config.limits, model_name=config.model_name),
         prefill=prefill,
         check_model=lambda body: None,
         check_max_tokens=lambda body: None,
-        background=lambda call: tasks.append(asyncio.ensure_future(call)),
     )
     app = FastAPI()
 
