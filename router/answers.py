@@ -160,7 +160,7 @@ class AnswerReader:
                 self._stream = opened
                 detached(self._register(opened))
                 first = await anext(opened)
-        except StopAsyncIteration:  # decode ended the stream before any frame (seen under a disconnect storm)
+        except StopAsyncIteration:  # decode ended the stream before any frame (a guard: see router/tasks.py)
             if not retried:
                 # Give the answer back to its owner and claim it anew: the owner hands the KV off again if
                 # need be (the prefix cache has it), so the client gets its answer rather than an error.
