@@ -7,7 +7,7 @@ PORT   ?= 8000
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install model run test unit integration lint bench manifests clean
+.PHONY: install model run test unit integration lint bench bench-quick manifests clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,8 +43,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The benchmark suite (bench/suite.py): trace replay against the paper's workloads and the peers, plots and
+# bench/results/summary.json. bench-quick: every part, small (a smoke run of a few minutes).
 bench: install
-	$(PY) bench/token_path.py
+	$(PY) bench/suite.py
+
+bench-quick: install
+	$(PY) bench/suite.py --quick
 
 manifests: install
 	$(PY) -m serve_app.manifests

@@ -1,0 +1,183 @@
+"""Replays a workload trace (bench/workloads.py) against one system, open loop, as Stream2LLM's drivers do.
+
+Each query starts at its arrival time whatever the others are doing, and its inputs are sent when the trace
+says they become available. TTFT counts from the moment the whole input is available (the last chunk is sent,
+or, for a system given the whole prompt, the prompt is sent) to the first token of the answer: retrieval time
+is excluded, and every system is measured from the same point.
+
+How a query is sent (`mode`):
+- `streaming`: a REST streaming-input session (`start_policy: on_first_chunk`): each chunk as it arrives
+  (`append`; `replace` from the first character that changed, for update-mode traces), the answer read from
+  the session's event stream.
+- `on_end_only`: the same session with `start_policy: on_end_only`: the server holds the input and prefills it
+  after the last chunk (this system not streaming).
+- `whole`: one streamed chat completion with the whole input, sent when the last chunk is available: what a
+  user of a server without streaming input (the peer) does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from workloads import Query, Trace
+
+SESSIONS = "/v1/streaming_input/sessions"
+MODES = ("streaming", "on_end_only", "whole")
+
+
+@dataclass
+class Result:
+    id: int
+    ttft_s: float | None = None
+    error: str | None = None
+    started_s: float = 0.0  # replay-relative: the query's first request
+    ended_s: float = 0.0  # replay-relative: its answer's end (or failure)
+
+
+class QueryFailed(Exception):
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}"[:300])
+        self.kind = kind
+
+
+def common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def first_token(resp: httpx.Response) -> float:
+    """When the first frame with text arrives (or the end, for an answer without text); reads to the end."""
+    if resp.status_code != 200:
+        await resp.aread()
+        raise QueryFailed(f"http_{resp.status_code}", resp.text[:200])
+    first: float | None = None
+    async for line in resp.aiter_lines():
+        if line == "data: [DONE]":
+            first = first or time.perf_counter()
+            continue
+        if not line.startswith("data: {"):
+            continue
+        frame = json.loads(line[6:])
+        if "error" in frame:
+            raise QueryFailed("stream_error", json.dumps(frame["error"])[:200])
+        if first is None and any((c.get("delta") or {}).get("content") or c.get("text") for c in frame["choices"]):
+            first = time.perf_counter()
+    if first is None:
+        raise QueryFailed("no_answer", "the stream ended without an answer")
+    return first
+
+
+async def _session(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float) -> float:
+    """Sends `q` through a streaming-input session; TTFT in seconds."""
+    r = await client.post(SESSIONS, json=body)
+    if r.status_code != 201:
+        raise QueryFailed(f"create_{r.status_code}", r.text[:200])
+    sid = r.json()["session_id"]
+    answer: asyncio.Task[float] | None = None
+    try:
+
+        async def read() -> float:
+            async with client.stream("GET", f"{SESSIONS}/{sid}/events") as resp:
+                return await first_token(resp)
+
+        answer = asyncio.create_task(read())
+        text, sent = "", 0.0
+        for seq, chunk in enumerate(q.chunks):
+            await _until(t0 + q.arrival_s + chunk.at_s)
+            last = seq == len(q.chunks) - 1
+            body_: dict[str, Any] = {"sequence_id": seq, "end_of_input": last}
+            if chunk.mode == "replace" and seq:
+                keep = common_prefix(text, chunk.text)
+                body_ |= {"mode": "replace", "offset": keep, "payload": chunk.text[keep:]}
+                text = chunk.text
+            else:
+                body_["payload"] = chunk.text
+                text += chunk.text
+            sent = time.perf_counter()
+            r = await client.post(f"{SESSIONS}/{sid}/chunks", json=body_)
+            if r.status_code >= 400:
+                raise QueryFailed(f"chunk_{r.status_code}", r.text[:200])
+            if answer.done():  # it failed before the end of input
+                await answer
+        return await answer - sent
+    finally:
+        if answer is not None and not answer.done():
+            answer.cancel()
+        with contextlib.suppress(httpx.HTTPError):
+            await client.delete(f"{SESSIONS}/{sid}", timeout=30)
+
+
+async def _whole(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float) -> float:
+    await _until(t0 + q.ready_s)
+    sent = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "messages": _user(q.final_text)}) as r:
+        return await first_token(r) - sent
+
+
+async def _until(at: float) -> None:
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+
+
+async def replay(
+    trace: Trace,
+    *,
+    base: str,
+    model: str,
+    mode: str,
+    answer_tokens: int = 2,
+    timeout_s: float = 300.0,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Every query of `trace` against the system at `base`; per-query TTFTs (ms, None if it failed), errors by
+    kind and the trace completion time (replay start to the last query's end)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    common = {"model": model, "max_tokens": answer_tokens, "temperature": 0, "stream": True}
+    limits = httpx.Limits(max_connections=4 * len(trace.queries) + 16, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
+        t0 = time.perf_counter()
+
+        async def one(q: Query) -> Result:
+            await _until(t0 + q.arrival_s)
+            res = Result(q.id, started_s=time.perf_counter() - t0)
+            try:
+                if mode == "whole":
+                    call = _whole(client, q, common, t0)
+                else:
+                    policy = "on_first_chunk" if mode == "streaming" else "on_end_only"
+                    call = _session(client, q, {**common, "messages": [], "start_policy": policy}, t0)
+                res.ttft_s = await asyncio.wait_for(call, timeout_s + q.ready_s - q.arrival_s)
+            except QueryFailed as e:
+                res.error = str(e)
+            except asyncio.TimeoutError:
+                res.error = f"timeout: after {timeout_s:.0f}s"
+            except Exception as e:  # noqa: BLE001 - a failed query is counted, never fatal
+                res.error = f"{type(e).__name__}: {e}"[:300]
+            res.ended_s = time.perf_counter() - t0
+            if progress is not None:
+                progress.update(1)
+            return res
+
+        results = await asyncio.gather(*(one(q) for q in trace.queries))
+        completion = time.perf_counter() - t0
+    kinds = Counter((r.error or "").split(":")[0] for r in results if r.error)
+    return {
+        "ttft_ms": [None if r.ttft_s is None else r.ttft_s * 1000 for r in results],
+        "errors": sum(kinds.values()),
+        "error_kinds": dict(kinds),
+        "error_samples": [r.error for r in results if r.error][:5],
+        "completion_s": completion,
+        "queries": len(results),
+        "spans_s": [[round(r.started_s, 3), round(r.ended_s, 3)] for r in results],
+    }
