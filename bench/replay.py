@@ -69,9 +69,10 @@ async def first_token(resp: httpx.Response) -> float:
         if not line.startswith("data: {"):
             continue
         frame = json.loads(line[6:])
-        if "error" in frame:
+        if frame.get("error"):
             raise QueryFailed("stream_error", json.dumps(frame["error"])[:200])
-        if first is None and any((c.get("delta") or {}).get("content") or c.get("text") for c in frame["choices"]):
+        texts = ((c.get("delta") or {}).get("content") or c.get("text") for c in frame.get("choices") or [])
+        if first is None and any(texts):
             first = time.perf_counter()
     if first is None:
         raise QueryFailed("no_answer", "the stream ended without an answer")

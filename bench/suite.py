@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,7 @@ from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-MODEL = "local:medium-llama"
-MAX_MODEL_LEN = 4096
-BLOCK_TOKENS = 128  # vLLM's CPU block size
+MODEL = "local:medium-llama"  # the larger local model: a 3,000-token prefill takes about 1 s on one core
 PARTS = ("append", "update", "pressure", "tokens")
 
 
@@ -62,11 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queries", type=int, default=None, help="queries per append/update run (full 40, quick 6)")
     p.add_argument("--append-qps", type=float, nargs="+", default=None, help="full: 0.5 1.0; the last is headline")
     p.add_argument("--update-qps", type=float, nargs="+", default=None, help="full: 0.5 1.0; the last is headline")
+    p.add_argument("--model", default=MODEL, help="local:medium-llama, or a hub id / path (GPU runs)")
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tokens-median", type=int, default=1800, help="median input tokens per query")
+    p.add_argument("--tokens-min", type=int, default=600)
+    p.add_argument("--tokens-max", type=int, default=3400, help="below max_model_len, with room for the template")
     p.add_argument("--pressure-queries", type=int, default=None, help="full 30, quick 6")
     p.add_argument("--pressure-qps", type=float, default=None, help="full 0.5, quick 1.0")
     p.add_argument("--delay-multiplier", type=float, default=None, help="pressure: full 4, quick 2")
     p.add_argument("--kv-sessions", type=float, default=3.5, help="pressure: prefill KV for this many sessions")
+    p.add_argument("--pressure-kv-gb", type=float, default=None, help="pressure: the prefill KV cache in GiB")
     p.add_argument("--policies", nargs="+", default=["fcfs", "lcas", "mcps"])
     p.add_argument("--answer-tokens", type=int, default=2, help="the paper times the first token only")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a query may take past its last chunk")
@@ -84,32 +88,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def app_args(args: argparse.Namespace, model_path: Path, dtype: str, prefill_kv_gb: float | None) -> dict[str, Any]:
-    """configs/config.yaml's application args on the larger local model (and a small prefill KV cache for the
-    pressure part)."""
+@dataclass
+class Model:
+    name: str
+    path: str
+    dtype: str | None  # None: the config's
+    kv_bytes_per_token: int
+    block_tokens: int
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    """The model to serve: a local one is built if need be; a hub model's KV size comes from its config."""
+    config = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
+    block = int((config.get("engine") or {}).get("block_size") or 128)  # (vLLM's CPU block size is 128)
+    if args.model.startswith("local:"):
+        from serve_app.local_model import make_local_model, spec
+
+        s = spec(args.model)
+        return Model(args.model, str(make_local_model(args.model)), s.dtype, s.kv_bytes_per_token, block)
+    from transformers import AutoConfig
+
+    from serve_app.engine import resolve_model
+
+    path = resolve_model(args.model)
+    c = AutoConfig.from_pretrained(path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return Model(args.model, path, None, 2 * c.num_hidden_layers * kv_heads * head_dim * 2, block)  # K+V, 16-bit
+
+
+def app_args(args: argparse.Namespace, model: Model, prefill_kv_gb: float | None) -> dict[str, Any]:
+    """The config's application args on the benchmark's model (and a small prefill KV cache for the pressure
+    part)."""
     a = copy.deepcopy(yaml.safe_load(args.config.read_text())["applications"][0]["args"])
-    a["model"] = MODEL
+    a["model"] = model.name
     engine = a.setdefault("engine", {})
-    engine["max_model_len"], engine["dtype"] = MAX_MODEL_LEN, dtype
+    engine["max_model_len"] = args.max_model_len
+    if model.dtype:
+        engine["dtype"] = model.dtype
     if prefill_kv_gb is not None:
         a.setdefault("prefill", {}).setdefault("engine", {})["kv_cache_gb"] = prefill_kv_gb
     return a
 
 
-def pressure_kv_gb(args: argparse.Namespace, kv_bytes_per_token: int) -> float:
-    """Room for `--kv-sessions` sessions of the median size (never below one full-length request: vLLM's rule)."""
-    tokens = args.tokens_median + 128  # + the chat template and the answer
-    blocks = max(math.ceil(args.kv_sessions * tokens / BLOCK_TOKENS), math.ceil(MAX_MODEL_LEN / BLOCK_TOKENS) + 1)
-    return blocks * BLOCK_TOKENS * kv_bytes_per_token / 2**30
+def pressure_kv_gb(args: argparse.Namespace, model: Model) -> float:
+    """`--pressure-kv-gb`, or room for `--kv-sessions` sessions of the median size (never below one full-length
+    request: vLLM's rule)."""
+    if args.pressure_kv_gb:
+        return args.pressure_kv_gb
+    tokens, block = args.tokens_median + 128, model.block_tokens  # + the chat template and the answer
+    blocks = max(math.ceil(args.kv_sessions * tokens / block), math.ceil(args.max_model_len / block) + 1)
+    return blocks * block * model.kv_bytes_per_token / 2**30
 
 
 # ------------------------------------------------------------------------------------------- workloads
-def workload(args: argparse.Namespace, kind: str, qps: float, count_tokens: Any) -> tuple[workloads.Trace, Path]:
-    """The trace for (kind, qps): generated once per seed and size and saved, so every system replays it."""
+def workload(
+    args: argparse.Namespace, kind: str, qps: float, level: int, count_tokens: Any
+) -> tuple[workloads.Trace, Path]:
+    """The trace for (kind, qps): generated once per seed and size and saved, so every system replays it. Each
+    QPS level has its own seed (its own text): a system replays each level once, and its prefix cache must
+    not answer one level from another's KV."""
+    seed = args.seed + level
     pressure = kind == "pressure"
     queries = args.pressure_queries if pressure else args.queries
     delay = args.delay_multiplier if pressure else 1.0
-    name = f"{kind}-q{qps:g}-n{queries}-s{args.seed}" + (f"-d{delay:g}" if pressure else "") + ".json"
+    name = f"{kind}-q{qps:g}-n{queries}-s{seed}" + (f"-d{delay:g}" if pressure else "") + ".json"
     path = args.out / "workloads" / name
     if path.exists():
         return workloads.Trace.load(path), path
@@ -117,9 +160,11 @@ def workload(args: argparse.Namespace, kind: str, qps: float, count_tokens: Any)
         "append" if pressure else kind,
         queries=queries,
         qps=qps,
-        seed=args.seed,
+        seed=seed,
         delay_multiplier=delay,
         tokens_median=args.tokens_median,
+        tokens_min=args.tokens_min,
+        tokens_max=args.tokens_max,
         count_tokens=count_tokens,
     )
     trace.kind = kind
@@ -159,6 +204,8 @@ class Runner:
             f"completion {result['completion_s']:.1f}s, errors {result['error_kinds'] or 0}",
             flush=True,
         )
+        for sample in result["error_samples"][:2]:
+            print(f"    e.g. {sample}", flush=True)
         run = {"workload": trace.kind, "qps": trace.qps, "system": label, **result}
         self.runs.append(run)
         return run
@@ -180,11 +227,21 @@ def started(name: str, factory: Any) -> Iterator[systems.System]:
         yield system
 
 
-def idle(timeout: float = 120.0) -> None:
-    """Until the app's prefill engine runs nothing (the runs must not overlap)."""
+def idle(runner: Runner, timeout: float = 120.0) -> None:
+    """Until the app's prefill engine runs nothing (runs must not overlap), then both engines forget their
+    cached prefixes: runs replay the same text, and none may be answered from another's KV."""
     from pressure import wait_idle
+    from ray import serve
 
     wait_idle(timeout)
+    for role in ("prefill", "decode"):
+        handle = serve.get_deployment_handle(role, app_name=systems.APP_NAME)
+        for _ in range(30):  # False while a request still holds blocks (a session being closed)
+            if handle.reset_prefix_cache.remote().result(timeout_s=60):
+                break
+            time.sleep(1.0)
+        else:
+            runner.notes.append(f"the {role} engine's prefix cache could not be reset between two runs")
     time.sleep(1.0)
 
 
@@ -195,6 +252,18 @@ def configure(policy: str) -> dict[str, Any]:
         return {"ok": prefill_call("configure_scheduler", timeout=600, policy=policy)}
     except Exception as e:  # noqa: BLE001 - recorded: the run is then under whatever policy was set
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def pressure_runs(runner: Runner, app: systems.System, trace: workloads.Trace) -> None:
+    """The pressure trace streamed under each policy, then not streamed (`on_end_only`)."""
+    for policy in runner.args.policies:
+        idle(runner)
+        if "error" in (conf := configure(policy)):
+            runner.notes.append(f"configure_scheduler({policy}) failed: {conf['error']}")
+        runner.replay(app, trace, policy, "streaming")
+    idle(runner)
+    configure(runner.args.policies[0])
+    runner.replay(app, trace, "nonstreaming", "on_end_only")
 
 
 def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -230,12 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from serve_app.local_model import make_local_model, spec
-
     started_at = time.perf_counter()
-    model_path = make_local_model("medium-llama")
-    s = spec("medium-llama")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = model_of(args)
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -243,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     runner = Runner(args)
     raw: dict[str, Any] = {
         "provenance": provenance(args, argv),
-        "model": {"name": MODEL, "path": str(model_path), "spec": s.__dict__, "max_model_len": MAX_MODEL_LEN},
+        "model": {**asdict(model), "max_model_len": args.max_model_len},
         "workloads": {},
         "runs": runner.runs,
         "token_streaming": None,
@@ -253,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     for kind, levels in (("append", args.append_qps), ("update", args.update_qps), ("pressure", [args.pressure_qps])):
         if kind not in args.parts:
             continue
-        made = [workload(args, kind, qps, count_tokens) for qps in levels]
+        made = [workload(args, kind, qps, i, count_tokens) for i, qps in enumerate(levels)]
         traces[kind] = [t for t, _ in made]
         raw["workloads"][kind] = {
             "files": [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path) for _, path in made],
@@ -266,40 +332,38 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             raw["workloads"][kind] |= {"delay_multiplier": args.delay_multiplier, "kv_sessions": args.kv_sessions}
 
     main_kinds = [k for k in ("append", "update") if k in traces]
+    pressure = traces["pressure"][0] if "pressure" in traces else None
+    kv_gb = pressure_kv_gb(args, model)
+    blocks = round(kv_gb * 2**30 / (model.block_tokens * model.kv_bytes_per_token))
+    small = f"app with a {blocks}-block prefill KV cache"
+    # Quick mode is a smoke run: one app (the small cache) serves every part, which saves a start-up.
+    shared = args.quick and pressure is not None
+    if pressure is not None:
+        raw["workloads"]["pressure"]["prefill_kv_blocks"] = blocks
     if main_kinds:
-        cfg = app_args(args, model_path, s.dtype, None)
-        raw["app_args"] = cfg
-        with started("app", systems.app(cfg)) as app:
+        cfg = raw["app_args"] = app_args(args, model, kv_gb if shared else None)
+        if shared:
+            runner.notes.append(f"quick mode: every part ran on one app with a {blocks}-block prefill KV cache")
+        with started(small if shared else "app", systems.app(cfg)) as app:
             runner.warm_up(app, ["streaming", "on_end_only"])
             for kind in main_kinds:
                 for trace in traces[kind]:
                     for label in ("streaming", "on_end_only"):
-                        idle()
+                        idle(runner)
                         runner.replay(app, trace, label, label)
+            if shared and pressure is not None:
+                pressure_runs(runner, app, pressure)
         with started("peer (Ray Serve LLM P/D)", systems.rayllm(AppConfig.model_validate(cfg))) as peer:
             runner.warm_up(peer, ["whole"])
             for kind in main_kinds:
                 for trace in traces[kind]:
                     time.sleep(2.0)
                     runner.replay(peer, trace, "peer", "whole")
-
-    if "pressure" in traces:
-        kv_gb = pressure_kv_gb(args, s.kv_bytes_per_token)
-        cfg = app_args(args, model_path, s.dtype, kv_gb)
-        raw["pressure_app_args"] = cfg
-        blocks = round(kv_gb * 2**30 / (BLOCK_TOKENS * s.kv_bytes_per_token))
-        raw["workloads"]["pressure"]["prefill_kv_blocks"] = blocks
-        with started(f"app with a {blocks}-block prefill KV cache", systems.app(cfg)) as app:
+    if pressure is not None and not (shared and main_kinds):
+        cfg = raw["pressure_app_args"] = app_args(args, model, kv_gb)
+        with started(small, systems.app(cfg)) as app:
             runner.warm_up(app, ["streaming", "on_end_only"])
-            trace = traces["pressure"][0]
-            for policy in args.policies:
-                idle()
-                if "error" in (conf := configure(policy)):
-                    runner.notes.append(f"configure_scheduler({policy}) failed: {conf['error']}")
-                runner.replay(app, trace, policy, "streaming")
-            idle()
-            configure(args.policies[0])
-            runner.replay(app, trace, "nonstreaming", "on_end_only")
+            pressure_runs(runner, app, pressure)
 
     if "tokens" in args.parts:
         raw["token_streaming"] = token_streaming(args)

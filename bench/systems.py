@@ -148,7 +148,19 @@ def _engine_settings(config: AppConfig, role: str) -> dict[str, Any]:
     if engine.kv_cache_gb:
         settings["kv_cache_memory_bytes"] = int(engine.kv_cache_gb * 2**30)
     settings["gpu_memory_utilization"] = engine.gpu_memory_utilization or 0.2
+    if engine.tensor_parallel_size:
+        settings["tensor_parallel_size"] = engine.tensor_parallel_size
     return settings
+
+
+def _bundles(config: AppConfig, role: str) -> list[dict[str, float]]:
+    """One CPU on a CPU host (bundles of zero resources are refused there); one GPU per tensor-parallel rank
+    on a GPU host."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [{"CPU": 1}]
+    return [{"CPU": 1, "GPU": 1}] * (config.engine_for(role).tensor_parallel_size or 1)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -190,7 +202,7 @@ def rayllm_args(config: AppConfig) -> dict[str, Any]:
         return {
             "model_loading_config": {"model_id": RAYLLM_MODEL, "model_source": resolve_model(config.model)},
             "engine_kwargs": {**_engine_settings(config, role), "kv_transfer_config": {**transfer, "kv_role": kv_role}},
-            "placement_group_config": {"bundles": [{"CPU": 1}]},  # zero-only bundles are refused on CPU
+            "placement_group_config": {"bundles": _bundles(config, role)},
             "runtime_env": {"env_vars": _engine_env(config, role)},
             "deployment_config": {"num_replicas": 1},
             "log_engine_metrics": False,

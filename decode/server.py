@@ -122,6 +122,9 @@ class DecodeServer:
         serve_app/autoscaling.py `stream_aware_policy`."""
         return {ACTIVE_STREAMS: float(self._active_streams())}
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         return await self.engine.compute_stats(request_id_prefix)
 

@@ -177,6 +177,9 @@ class PrefillServer(SessionAPI):
         """Open sessions hold KV between chunks: load for the autoscaler (serve_app/autoscaling.py)."""
         return {OPEN_SESSIONS: float(sum(s.state != SessionState.CLOSED for s in self.sessions.values()))}
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
     async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.engine.compute_stats(request_id_prefix)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -42,8 +43,22 @@ def resolve_model(model: str) -> str:
     return model
 
 
+# The NIXL side channel's port is picked here and bound later by vLLM. Picked from below Linux's ephemeral range
+# (32768-60999): a port the OS hands out meanwhile to another socket (the other engine's ZMQ and torch ports are
+# such) can then never be it. One such collision left a decode engine's handshake listener dead and its start
+# hung.
+SIDE_CHANNEL_PORTS = range(20000, 32768)
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
+    for port in random.sample(SIDE_CHANNEL_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any free port
         s.bind(("", 0))
         return s.getsockname()[1]
 
@@ -288,6 +303,11 @@ class Engine:
 
     async def check_health(self) -> None:
         await self.client.check_health()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False while requests hold blocks). Benchmarks call it between runs that
+        replay the same text, so that no run is answered from another's KV."""
+        return bool(await self.client.reset_prefix_cache())
 
     def shutdown(self) -> None:
         if self.client is not None:
