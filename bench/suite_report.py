@@ -259,11 +259,19 @@ def _provenance(raw: dict[str, Any]) -> str:
 def _workloads(raw: dict[str, Any]) -> str:
     parts = []
     for name, w in raw.get("workloads", {}).items():
-        ours, paper = _flat(w.get("stats") or {}), _flat(w.get("paper") or {})
+        # stats: one trace's, or {qps: stats} (bench/suite.py: a trace per QPS level): a column each
+        stats = w.get("stats") or {}
+        per_level = stats if stats and all(isinstance(v, dict) for v in stats.values()) else {"": stats}
+        levels = {f"ours{f' @ {q} QPS' if q else ''}": _flat(v) for q, v in per_level.items()}
+        paper = _flat(w.get("paper") or {})
+        files = w.get("files") or ([w["file"]] if w.get("file") else [])
         qps = headline_qps(raw, name)
-        head = f"### {name}\n\nfile `{w.get('file')}`, headline QPS {qps}, QPS {w.get('qps')}\n\n"
-        rows = [[k, _cell(ours.get(k)), _cell(paper.get(k))] for k in dict.fromkeys([*ours, *paper])]
-        parts.append(head + (_table(["stat", "ours", "paper"], rows) if rows else "(no stats)"))
+        extra = {k: w[k] for k in ("delay_multiplier", "kv_sessions", "prefill_kv_blocks") if k in w}
+        head = f"### {name}\n\nheadline QPS {qps}, QPS {w.get('qps')}" + "".join(f", {k} {v}" for k, v in extra.items())
+        head += "".join(f"; `{f}`" for f in files) + "\n\n"
+        keys = dict.fromkeys([*(k for v in levels.values() for k in v), *paper])
+        rows = [[k, *(_cell(v.get(k)) for v in levels.values()), _cell(paper.get(k))] for k in keys]
+        parts.append(head + (_table(["stat", *levels, "paper"], rows) if rows else "(no stats)"))
     return "\n\n".join(parts) or "(no workloads)"
 
 
