@@ -173,14 +173,16 @@ def workload(
     return trace, path
 
 
-def warm_up_trace() -> workloads.Trace:
-    return workloads.generate("append", queries=2, qps=4.0, seed=10**6, tokens_median=600, tokens_min=300)
+def warm_up_trace(count_tokens: Any) -> workloads.Trace:
+    return workloads.generate(
+        "append", queries=2, qps=4.0, seed=10**6, tokens_median=600, tokens_min=300, count_tokens=count_tokens
+    )
 
 
 # ------------------------------------------------------------------------------------------- running
 class Runner:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, count_tokens: Any) -> None:
+        self.args, self.count_tokens = args, count_tokens
         self.runs: list[dict[str, Any]] = []
         self.notes: list[str] = []
 
@@ -214,7 +216,8 @@ class Runner:
     def warm_up(self, system: systems.System, modes: list[str]) -> None:
         """A couple of short queries per mode, not counted: the first requests after start-up are slow."""
         for mode in modes:
-            result = asyncio.run(replay.replay(warm_up_trace(), base=system.base, model=system.model, mode=mode))
+            trace = warm_up_trace(self.count_tokens)
+            result = asyncio.run(replay.replay(trace, base=system.base, model=system.model, mode=mode))
             if result["errors"]:
                 self.notes.append(f"warm-up of {system.name} ({mode}) had errors: {result['error_samples']}")
 
@@ -270,7 +273,7 @@ def pressure_runs(runner: Runner, app: systems.System, trace: workloads.Trace) -
 def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
     """bench/token_path.py in its own process (its systems start their own Ray); its results JSON."""
     tag = "suite_token_path"
-    argv = ["--systems", "app", "plain", "rayllm", "--session-concurrency", "--tag", tag]
+    argv = ["--systems", "app", "plain", "rayllm", "--session-concurrency", "--tag", tag, "--config", str(args.config)]
     argv += ["--quick"] if args.quick else ["--concurrency", "32", "128"]
     before = set(RESULTS.glob(f"{tag}-*.json"))
     print(f"== tokens: bench/token_path.py {' '.join(argv)}", flush=True)
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    runner = Runner(args)
+    runner = Runner(args, count_tokens)
     raw: dict[str, Any] = {
         "provenance": provenance(args, argv),
         "model": {**asdict(model), "max_model_len": args.max_model_len},
