@@ -1,9 +1,11 @@
 """Replays a workload trace (bench/workloads.py) against one system, open loop, as Stream2LLM's drivers do.
 
 Each query starts at its arrival time whatever the others are doing, and its inputs are sent when the trace
-says they become available. TTFT counts from the moment the whole input is available (the last chunk is sent,
-or, for a system given the whole prompt, the prompt is sent) to the first token of the answer: retrieval time
-is excluded, and every system is measured from the same point.
+says they become available, each chunk at its own time (a chunk call slow to return never delays the next).
+TTFT counts from the moment the whole input is available (the trace's time of the last chunk) to the first
+token of the answer: retrieval time is excluded, and every system is measured from the same point, however
+long its chunk calls take. `send_lag_ms` shows how late requests left against the trace (the client's own
+delay, which should stay near zero).
 
 How a query is sent (`mode`):
 - `streaming`: a REST streaming-input session (`start_policy: on_first_chunk`): each chunk as it arrives
@@ -52,6 +54,11 @@ def common_prefix(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
+def _p99_ms(values: list[float]) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 1) if ordered else 0.0
+
+
 def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -79,51 +86,65 @@ async def first_token(resp: httpx.Response) -> float:
     return first
 
 
-async def _session(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float) -> float:
-    """Sends `q` through a streaming-input session; TTFT in seconds."""
+def chunk_bodies(q: Query) -> list[dict[str, Any]]:
+    """The chunk requests of `q`, in order: appends, or replaces from the first character that changed."""
+    bodies, text = [], ""
+    for seq, chunk in enumerate(q.chunks):
+        body: dict[str, Any] = {"sequence_id": seq, "end_of_input": seq == len(q.chunks) - 1}
+        if chunk.mode == "replace" and seq:
+            keep = common_prefix(text, chunk.text)
+            body |= {"mode": "replace", "offset": keep, "payload": chunk.text[keep:]}
+            text = chunk.text
+        else:
+            body["payload"] = chunk.text
+            text += chunk.text
+        bodies.append(body)
+    return bodies
+
+
+async def _session(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float, lags: list[float]) -> float:
+    """Sends `q` through a streaming-input session; TTFT in seconds from when its input was whole.
+
+    Each chunk is sent at the moment it becomes available, whatever became of the previous ones (the server
+    orders chunks by `sequence_id`): a chunk call that is slow to return (a rewrite waiting on the engine)
+    must not delay the next chunk, or its time would be left out of the TTFT."""
     r = await client.post(SESSIONS, json=body)
     if r.status_code != 201:
         raise QueryFailed(f"create_{r.status_code}", r.text[:200])
     sid = r.json()["session_id"]
-    answer: asyncio.Task[float] | None = None
+    tasks: list[asyncio.Task[Any]] = []
     try:
 
         async def read() -> float:
             async with client.stream("GET", f"{SESSIONS}/{sid}/events") as resp:
                 return await first_token(resp)
 
-        answer = asyncio.create_task(read())
-        text, sent = "", 0.0
-        for seq, chunk in enumerate(q.chunks):
-            await _until(t0 + q.arrival_s + chunk.at_s)
-            last = seq == len(q.chunks) - 1
-            body_: dict[str, Any] = {"sequence_id": seq, "end_of_input": last}
-            if chunk.mode == "replace" and seq:
-                keep = common_prefix(text, chunk.text)
-                body_ |= {"mode": "replace", "offset": keep, "payload": chunk.text[keep:]}
-                text = chunk.text
-            else:
-                body_["payload"] = chunk.text
-                text += chunk.text
-            sent = time.perf_counter()
-            r = await client.post(f"{SESSIONS}/{sid}/chunks", json=body_)
+        async def send(chunk_at: float, chunk: dict[str, Any]) -> None:
+            await _until(chunk_at)
+            lags.append(time.perf_counter() - chunk_at)
+            r = await client.post(f"{SESSIONS}/{sid}/chunks", json=chunk)
             if r.status_code >= 400:
                 raise QueryFailed(f"chunk_{r.status_code}", r.text[:200])
-            if answer.done():  # it failed before the end of input
-                await answer
-        return await answer - sent
+
+        answer = asyncio.create_task(read())
+        tasks.append(answer)
+        for chunk, body_ in zip(q.chunks, chunk_bodies(q), strict=True):
+            tasks.append(asyncio.create_task(send(t0 + q.arrival_s + chunk.at_s, body_)))
+        await asyncio.gather(*tasks[1:])  # a refused chunk fails the query
+        return await answer - (t0 + q.ready_s)
     finally:
-        if answer is not None and not answer.done():
-            answer.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(httpx.HTTPError):
             await client.delete(f"{SESSIONS}/{sid}", timeout=30)
 
 
-async def _whole(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float) -> float:
+async def _whole(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float, lags: list[float]) -> float:
     await _until(t0 + q.ready_s)
-    sent = time.perf_counter()
+    lags.append(time.perf_counter() - (t0 + q.ready_s))
     async with client.stream("POST", "/v1/chat/completions", json={**body, "messages": _user(q.final_text)}) as r:
-        return await first_token(r) - sent
+        return await first_token(r) - (t0 + q.ready_s)
 
 
 async def _until(at: float) -> None:
@@ -148,16 +169,17 @@ async def replay(
     limits = httpx.Limits(max_connections=4 * len(trace.queries) + 16, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
         t0 = time.perf_counter()
+        lags: list[float] = []  # how late each request left against its trace time (a busy client shows here)
 
         async def one(q: Query) -> Result:
             await _until(t0 + q.arrival_s)
             res = Result(q.id, started_s=time.perf_counter() - t0)
             try:
                 if mode == "whole":
-                    call = _whole(client, q, common, t0)
+                    call = _whole(client, q, common, t0, lags)
                 else:
                     policy = "on_first_chunk" if mode == "streaming" else "on_end_only"
-                    call = _session(client, q, {**common, "messages": [], "start_policy": policy}, t0)
+                    call = _session(client, q, {**common, "messages": [], "start_policy": policy}, t0, lags)
                 res.ttft_s = await asyncio.wait_for(call, timeout_s + q.ready_s - q.arrival_s)
             except QueryFailed as e:
                 res.error = str(e)
@@ -181,4 +203,5 @@ async def replay(
         "completion_s": completion,
         "queries": len(results),
         "spans_s": [[round(r.started_s, 3), round(r.ended_s, 3)] for r in results],
+        "send_lag_ms": {"max": round(max(lags, default=0.0) * 1000, 1), "p99": _p99_ms(lags)},
     }

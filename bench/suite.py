@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import shlex
@@ -144,7 +145,7 @@ def pressure_kv_gb(args: argparse.Namespace, model: Model) -> float:
 
 # ------------------------------------------------------------------------------------------- workloads
 def workload(
-    args: argparse.Namespace, kind: str, qps: float, level: int, count_tokens: Any
+    args: argparse.Namespace, kind: str, qps: float, level: int, model: str, count_tokens: Any
 ) -> tuple[workloads.Trace, Path]:
     """The trace for (kind, qps): generated once per seed and size and saved, so every system replays it. Each
     QPS level has its own seed (its own text): a system replays each level once, and its prefix cache must
@@ -153,7 +154,9 @@ def workload(
     pressure = kind == "pressure"
     queries = args.pressure_queries if pressure else args.queries
     delay = args.delay_multiplier if pressure else 1.0
-    name = f"{kind}-q{qps:g}-n{queries}-s{seed}" + (f"-d{delay:g}" if pressure else "") + ".json"
+    sizes = [args.tokens_min, args.tokens_median, args.tokens_max, model]  # a change of these is another trace
+    tag = hashlib.sha1(json.dumps(sizes).encode()).hexdigest()[:6]
+    name = f"{kind}-q{qps:g}-n{queries}-s{seed}" + (f"-d{delay:g}" if pressure else "") + f"-{tag}.json"
     path = args.out / "workloads" / name
     if path.exists():
         return workloads.Trace.load(path), path
@@ -204,7 +207,8 @@ class Runner:
         p50 = sorted(ok)[len(ok) // 2] if ok else None
         print(
             f"  {desc}: {len(ok)}/{len(ok) + result['errors']} ok, P50 {'-' if p50 is None else f'{p50:.0f}'} ms, "
-            f"completion {result['completion_s']:.1f}s, errors {result['error_kinds'] or 0}",
+            f"completion {result['completion_s']:.1f}s, errors {result['error_kinds'] or 0}, "
+            f"send lag max {result['send_lag_ms']['max']:.0f} ms",
             flush=True,
         )
         for sample in result["error_samples"][:2]:
@@ -237,15 +241,19 @@ def idle(runner: Runner, timeout: float = 120.0) -> None:
     from pressure import wait_idle
     from ray import serve
 
-    wait_idle(timeout)
+    if not wait_idle(timeout):
+        runner.notes.append(f"the prefill engine was still busy {timeout:.0f}s after a run: the next one overlapped")
     for role in ("prefill", "decode"):
         handle = serve.get_deployment_handle(role, app_name=systems.APP_NAME)
-        for _ in range(30):  # False while a request still holds blocks (a session being closed)
-            if handle.reset_prefix_cache.remote().result(timeout_s=60):
-                break
-            time.sleep(1.0)
-        else:
-            runner.notes.append(f"the {role} engine's prefix cache could not be reset between two runs")
+        try:
+            for _ in range(30):  # False while a request still holds blocks (a session being closed)
+                if handle.reset_prefix_cache.remote().result(timeout_s=60):
+                    break
+                time.sleep(1.0)
+            else:
+                runner.notes.append(f"the {role} engine's prefix cache could not be reset between two runs")
+        except Exception as e:  # noqa: BLE001 - noted; the runs go on
+            runner.notes.append(f"resetting the {role} engine's prefix cache failed: {type(e).__name__}: {e}"[:300])
     time.sleep(1.0)
 
 
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     for kind, levels in (("append", args.append_qps), ("update", args.update_qps), ("pressure", [args.pressure_qps])):
         if kind not in args.parts:
             continue
-        made = [workload(args, kind, qps, i, count_tokens) for i, qps in enumerate(levels)]
+        made = [workload(args, kind, qps, i, model.name, count_tokens) for i, qps in enumerate(levels)]
         traces[kind] = [t for t, _ in made]
         raw["workloads"][kind] = {
             "files": [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path) for _, path in made],
@@ -335,50 +343,54 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         if kind == "pressure":
             raw["workloads"][kind] |= {"delay_multiplier": args.delay_multiplier, "kv_sessions": args.kv_sessions}
 
-    main_kinds = [k for k in ("append", "update") if k in traces]
-    pressure = traces["pressure"][0] if "pressure" in traces else None
-    kv_gb = pressure_kv_gb(args, model)
-    blocks = round(kv_gb * 2**30 / (model.block_tokens * model.kv_bytes_per_token))
-    small = f"app with a {blocks}-block prefill KV cache"
-    # Quick mode is a smoke run: one app (the small cache) serves every part, which saves a start-up.
-    shared = args.quick and pressure is not None
-    if pressure is not None:
-        raw["workloads"]["pressure"]["prefill_kv_blocks"] = blocks
-    if main_kinds:
-        cfg = raw["app_args"] = app_args(args, model, kv_gb if shared else None)
-        if shared:
-            runner.notes.append(f"quick mode: every part ran on one app with a {blocks}-block prefill KV cache")
-        with started(small if shared else "app", systems.app(cfg)) as app:
-            runner.warm_up(app, ["streaming", "on_end_only"])
-            for kind in main_kinds:
-                for trace in traces[kind]:
-                    for label in ("streaming", "on_end_only"):
-                        idle(runner)
-                        runner.replay(app, trace, label, label)
-            if shared and pressure is not None:
+    try:
+        main_kinds = [k for k in ("append", "update") if k in traces]
+        pressure = traces["pressure"][0] if "pressure" in traces else None
+        kv_gb = pressure_kv_gb(args, model)
+        blocks = round(kv_gb * 2**30 / (model.block_tokens * model.kv_bytes_per_token))
+        small = f"app with a {blocks}-block prefill KV cache"
+        # Quick mode is a smoke run: one app (the small cache) serves every part, which saves a start-up.
+        shared = args.quick and pressure is not None
+        if pressure is not None:
+            raw["workloads"]["pressure"]["prefill_kv_blocks"] = blocks
+        if main_kinds:
+            cfg = raw["app_args"] = app_args(args, model, kv_gb if shared else None)
+            if shared:
+                runner.notes.append(f"quick mode: every part ran on one app with a {blocks}-block prefill KV cache")
+            with started(small if shared else "app", systems.app(cfg)) as app:
+                runner.warm_up(app, ["streaming", "on_end_only"])
+                for kind in main_kinds:
+                    for trace in traces[kind]:
+                        for label in ("streaming", "on_end_only"):
+                            idle(runner)
+                            runner.replay(app, trace, label, label)
+                if shared and pressure is not None:
+                    pressure_runs(runner, app, pressure)
+            with started("peer (Ray Serve LLM P/D)", systems.rayllm(AppConfig.model_validate(cfg))) as peer:
+                runner.warm_up(peer, ["whole"])
+                for kind in main_kinds:
+                    for trace in traces[kind]:
+                        time.sleep(2.0)
+                        runner.replay(peer, trace, "peer", "whole")
+        if pressure is not None and not (shared and main_kinds):
+            cfg = raw["pressure_app_args"] = app_args(args, model, kv_gb)
+            with started(small, systems.app(cfg)) as app:
+                runner.warm_up(app, ["streaming", "on_end_only"])
                 pressure_runs(runner, app, pressure)
-        with started("peer (Ray Serve LLM P/D)", systems.rayllm(AppConfig.model_validate(cfg))) as peer:
-            runner.warm_up(peer, ["whole"])
-            for kind in main_kinds:
-                for trace in traces[kind]:
-                    time.sleep(2.0)
-                    runner.replay(peer, trace, "peer", "whole")
-    if pressure is not None and not (shared and main_kinds):
-        cfg = raw["pressure_app_args"] = app_args(args, model, kv_gb)
-        with started(small, systems.app(cfg)) as app:
-            runner.warm_up(app, ["streaming", "on_end_only"])
-            pressure_runs(runner, app, pressure)
 
-    if "tokens" in args.parts:
-        raw["token_streaming"] = token_streaming(args)
-        if raw["token_streaming"] is None:
-            runner.notes.append("the token-path part failed: see its output above")
-
-    raw["provenance"]["total_s"] = round(time.perf_counter() - started_at)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    written = suite_report.write(raw, args.out, stamp)
-    print(f"\nwritten: {', '.join(str(p) for p in written.values())}", flush=True)
-    print((args.out / "summary.json").read_text(), flush=True)
+        if "tokens" in args.parts:
+            raw["token_streaming"] = token_streaming(args)
+            if raw["token_streaming"] is None:
+                runner.notes.append("the token-path part failed: see its output above")
+    except BaseException as e:  # whatever ran is written: a failure late in a 35-minute run keeps the rest
+        runner.notes.append(f"the suite stopped early: {type(e).__name__}: {e}"[:300])
+        raise
+    finally:
+        raw["provenance"]["total_s"] = round(time.perf_counter() - started_at)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        written = suite_report.write(raw, args.out, stamp)
+        print(f"\nwritten: {', '.join(str(p) for p in written.values())}", flush=True)
+        print((args.out / "summary.json").read_text(), flush=True)
     return written
 
 
