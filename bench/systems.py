@@ -100,6 +100,8 @@ def ray_serve(port: int) -> Iterator[None]:
     ray.init(
         address="local",
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled; Ray Serve LLM needs > 2
+        # The pools the GPU configs pin their roles to (configs/gpu/*.yaml), all on this one node.
+        resources={"router_pool": 4, "prefill_pool": 4, "decode_pool": 4},
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}},
@@ -153,6 +155,12 @@ def _engine_settings(config: AppConfig, role: str) -> dict[str, Any]:
     return settings
 
 
+def _kv_buffer_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _bundles(config: AppConfig, role: str) -> list[dict[str, float]]:
     """One CPU on a CPU host (bundles of zero resources are refused there); one GPU per tensor-parallel rank
     on a GPU host."""
@@ -195,7 +203,7 @@ def plain(config: AppConfig) -> Iterator[System]:
 def rayllm_args(config: AppConfig) -> dict[str, Any]:
     """`build_pd_openai_app` args: one prefill and one decode replica, the app's engine settings and cores."""
     kv = config.kv_transfer
-    transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": _kv_buffer_device()}
     transfer |= {"kv_connector_extra_config": {"backends": kv.backends}}
 
     def llm_config(role: str, kv_role: str) -> dict[str, Any]:
