@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from workloads import Query, Trace
+from workloads import Query, Trace, common_prefix
 
 SESSIONS = "/v1/streaming_input/sessions"
 MODES = ("streaming", "on_end_only", "whole")
@@ -48,10 +47,6 @@ class QueryFailed(Exception):
     def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(f"{kind}: {detail}"[:300])
         self.kind = kind
-
-
-def common_prefix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a, b]))
 
 
 def _p99_ms(values: list[float]) -> float:

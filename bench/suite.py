@@ -204,7 +204,7 @@ class Runner:
                 )
             )
         ok = [t for t in result["ttft_ms"] if t is not None]
-        p50 = sorted(ok)[len(ok) // 2] if ok else None
+        p50 = suite_report.pct(ok, 50)
         print(
             f"  {desc}: {len(ok)}/{len(ok) + result['errors']} ok, P50 {'-' if p50 is None else f'{p50:.0f}'} ms, "
             f"completion {result['completion_s']:.1f}s, errors {result['error_kinds'] or 0}, "
@@ -309,14 +309,10 @@ def provenance(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from transformers import AutoTokenizer
 
     started_at = time.perf_counter()
     model = model_of(args)
-    tokenizer = AutoTokenizer.from_pretrained(model.path)
-
-    def count_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    count_tokens = workloads.token_counter(model.path)
 
     runner = Runner(args, count_tokens)
     raw: dict[str, Any] = {

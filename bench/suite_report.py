@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import plots
+from workloads import percentile
 
 PERCENTILES = (50, 95, 99)
 BASELINES = ("peer", "on_end_only")  # what "streaming" is compared with on append and update
@@ -40,13 +41,8 @@ DESCRIPTIONS = {
 
 def pct(values: list[float | None], q: float) -> float | None:
     """q-th percentile (0-100) of the non-None values, linear between closest ranks; None if there are none."""
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return None
-    rank = (len(xs) - 1) * q / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+    xs = [v for v in values if v is not None]
+    return percentile(xs, q) if xs else None
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -192,19 +193,23 @@ class Trace:
             out["interarrival_mean_s"] = (qs[-1].arrival_s - qs[0].arrival_s) / (len(qs) - 1)
         tokens = [q.prompt_tokens for q in qs if q.prompt_tokens is not None]
         if tokens:
-            out |= {"tokens_mean": _mean(tokens), "tokens_p50": _pct(tokens, 50), "tokens_p95": _pct(tokens, 95)}
+            out |= {
+                "tokens_mean": _mean(tokens),
+                "tokens_p50": percentile(tokens, 50),
+                "tokens_p95": percentile(tokens, 95),
+            }
         counts = [len(q.chunks) for q in qs]
         if counts:
-            out |= {"chunks_mean": _mean(counts), "chunks_median": _pct(counts, 50)}
+            out |= {"chunks_mean": _mean(counts), "chunks_median": percentile(counts, 50)}
             out |= {"chunks_min": min(counts), "chunks_max": max(counts)}
         gaps = [b.at_s - a.at_s for q in qs for a, b in zip(q.chunks, q.chunks[1:], strict=False)]
         if gaps:
-            out |= {"gap_p50_s": _pct(gaps, 50), "gap_mean_s": _mean(gaps), "gap_p95_s": _pct(gaps, 95)}
+            out |= {"gap_p50_s": percentile(gaps, 50), "gap_mean_s": _mean(gaps), "gap_p95_s": percentile(gaps, 95)}
             out["gap_max_s"] = max(gaps)
         collect = [q.ready_s - q.arrival_s for q in qs]
         if collect:
-            out |= {"collect_mean_s": _mean(collect), "collect_p50_s": _pct(collect, 50)}
-            out |= {"collect_p95_s": _pct(collect, 95), "duration_s": max(q.ready_s for q in qs)}
+            out |= {"collect_mean_s": _mean(collect), "collect_p50_s": percentile(collect, 50)}
+            out |= {"collect_p95_s": percentile(collect, 95), "duration_s": max(q.ready_s for q in qs)}
         inval = [q.invalidated_tokens for q in qs if q.invalidated_tokens is not None]
         if inval:
             out |= {"invalidated_total": sum(inval), "invalidated_mean": _mean(inval)}
@@ -215,13 +220,21 @@ def _mean(xs: list[float] | list[int]) -> float:
     return sum(xs) / len(xs)
 
 
-def _pct(xs: list[float] | list[int], p: float) -> float:
-    """Percentile with linear interpolation (numpy's default)."""
+def percentile(xs: list[float] | list[int], p: float) -> float:
+    """Percentile with linear interpolation (numpy's default); the bench's one percentile."""
     s = sorted(xs)
     pos = (len(s) - 1) * p / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def token_counter(tokenizer: str) -> Callable[[str], int]:
+    """Counts the tokens of a text with a Hugging Face tokenizer (a path or a name), as prompts are counted."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def estimate_tokens(text: str) -> int:
@@ -337,12 +350,9 @@ def _fit(
     return best[1], best[2]
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_prefix(a: str, b: str) -> int:
+    """Characters `a` and `b` share from the start."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def generate(
@@ -414,7 +424,7 @@ def generate(
             mode = "append"
         invalidated = None
         if update and count_tokens is not None:  # the tail past the common prefix: the cached tokens an update drops
-            invalidated = sum(count_tokens(a[_common_prefix(a, b) :]) for a, b in zip(texts, texts[1:], strict=False))
+            invalidated = sum(count_tokens(a[common_prefix(a, b) :]) for a, b in zip(texts, texts[1:], strict=False))
         chunks = [
             Chunk(at_s=round(s * delay_multiplier, 6), text=x, mode=mode) for s, x in zip(times, texts, strict=True)
         ]
@@ -472,14 +482,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer (path or name) to count tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    count_tokens = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-
-        def count_tokens(text: str) -> int:
-            return len(tok(text, add_special_tokens=False)["input_ids"])
+    count_tokens = token_counter(args.tokenizer) if args.tokenizer else None
 
     trace = generate(
         args.kind,
