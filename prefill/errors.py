@@ -49,6 +49,7 @@ def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         token = caller.set(str(kwargs.pop("tenant", "") or ""))
+        kwargs.pop("route_to", None)  # (read by the request router, router/placement.py)
         try:
             return await method(self, *args, **kwargs)
         except SessionError as e:

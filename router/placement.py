@@ -1,57 +1,97 @@
-"""Session affinity for the prefill pool: a session's requests go to the replica that holds its KV.
+"""Request routing for the two pools: session affinity on prefill, stream-aware placement on decode.
 
-A session id names its owner replica (`sess_<replica>_<secret>`), so every router replica routes alike with
-no shared table. A replica that drains (scale-down, redeploy) hands its open sessions to another replica,
-which then lists the drained owner in its routing stats (`record_routing_stats`), and calls follow it there.
-Requests without a session id take Ray Serve's default power-of-two-choices routing. The decode pool has a
-router of its own (`DecodeRouter`): each router replica's feed is pinned to the decode replica it reads.
+A session id names the replica that created it (`sess_<replica>_<secret>`). A call on a session goes to its
+current owner: the one in the id, or the one a router learnt (`route_to`, router/owner.py keeps what replicas
+answered), or, when that replica is gone, the replica the session's id hashes to among the live ones
+(rendezvous hashing: every router replica picks the same one with no shared table), which then adopts the
+session from its journal (prefill/store.py). A replica that adopted a drained replica's sessions lists it in
+its routing stats (`adopted_owners`). Requests without a session id take Ray Serve's power-of-two choices.
+
+The decode pool has a router of its own (`DecodeRouter`): a call naming a `replica` (a router's feed, a stop)
+goes to it; a new request goes to the replica with the fewest active streams, never to one in `avoid` (the
+replica an answer is being resumed from).
+
+Each router registers itself in `POOLS` by deployment name, so that the ingress can read the replicas' last
+routing stats (their load) for admission control (router/admission.py) without a call of its own.
 """
 
 from __future__ import annotations
+
+import hashlib
+from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from prefill.session import owner_of
 
+POOLS: dict[str, PowerOfTwoChoicesRequestRouter] = {}
 
-class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
+
+def pool_stats(deployment: str) -> list[dict[str, Any]] | None:
+    """The routing stats of every running replica of `deployment` (None: no router for it in this process)."""
+    router = POOLS.get(deployment)
+    if router is None:
+        return None
+    return [dict(r.routing_stats or {}) for r in router.curr_replicas.values()]
+
+
+def rendezvous(key: str, replicas: list[RunningReplica]) -> RunningReplica:
+    """The replica `key` hashes to (highest random weight): stable while that replica lives, and only the keys
+    of a replica that left move when the set changes."""
+
+    def weight(replica: RunningReplica) -> bytes:
+        return hashlib.blake2b(f"{key}/{replica.replica_id.unique_id}".encode(), digest_size=8).digest()
+
+    return max(replicas, key=weight)
+
+
+class _Registered(PowerOfTwoChoicesRequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
+        POOLS[self._deployment_id.name] = self
+
+
+class SessionAffinityRouter(_Registered):
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        session_id = pending_request.kwargs.get("session_id") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        session_id = kwargs.get("session_id")
         owner = owner_of(session_id) if isinstance(session_id, str) else None
-        if owner is not None:
-            for replica in candidate_replicas:
-                if replica.replica_id.unique_id == owner:
-                    return [[replica]]
+        if owner is not None and candidate_replicas:
+            for target in (kwargs.get("route_to"), owner):
+                for replica in candidate_replicas:
+                    if replica.replica_id.unique_id == target:
+                        return [[replica]]
             # The owner drained and handed its sessions over: the adopter says so in its routing stats.
             for replica in candidate_replicas:
                 if owner in (replica.routing_stats or {}).get("adopted_owners", ()):
                     return [[replica]]
+            # Gone: the replica this session hashes to adopts it (or knows who did).
+            return [[rendezvous(session_id, candidate_replicas)]]
         return await super().choose_replicas(candidate_replicas, pending_request)
 
 
-class DecodeRouter(PowerOfTwoChoicesRequestRouter):
-    """The decode pool: a call that names a `replica` (a router's feed, a stop) goes to it; a new request goes
-    to the replica with the fewest active streams (each replica reports them in its routing stats), since
-    streams outlive the short calls that start them and Serve's own queue lengths do not see them."""
-
+class DecodeRouter(_Registered):
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        replica = pending_request.kwargs.get("replica") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        replica = kwargs.get("replica")
         if isinstance(replica, str):
             for candidate in candidate_replicas:
                 if candidate.replica_id.unique_id == replica:
                     return [[candidate]]
             # Gone: any replica answers that it is not the one (and the caller learns it).
             return [candidate_replicas[:1]]
-        if len(candidate_replicas) > 1 and all(r.routing_stats for r in candidate_replicas):
-            ranked = sorted(candidate_replicas, key=lambda r: r.routing_stats.get("active_streams", 0))
+        avoid = set(kwargs.get("avoid") or ())
+        candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
+        if len(candidates) > 1 and all(r.routing_stats for r in candidates):
+            ranked = sorted(candidates, key=lambda r: r.routing_stats.get("active_streams", 0))
             return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return await super().choose_replicas(candidates, pending_request)
