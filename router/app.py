@@ -28,12 +28,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import realtime, sessions
+from router.admission import Admission
 from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
 from router.ndjson import streaming_input_chat
 from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
+from router.restart import RestartWatch
 from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
 from serve_app import metrics
 from serve_app.config import AppConfig
@@ -208,6 +210,10 @@ class Router:
         self.budgets = TokenBudgets(self.config.limits.tokens_per_minute_per_key if self.api_keys.enabled else None)
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
+        # New work is refused while the pools are full (router/admission.py), from their routing stats.
+        self.admission = Admission(self.config.router.admission, self.config.engine_for("decode").max_num_seqs)
+        self.restart = RestartWatch()  # closes realtime connections with 1012 when this replica stops
+        self.restart.start()
         self._ready_at = 0.0  # when both engines last answered
         app.state.ingress = self  # the session and realtime routes reach the handles through it
 
@@ -276,6 +282,9 @@ class Router:
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         started = time.perf_counter()
+        if (refused := self.admission.request()) is not None:  # before any work: the body is not even read
+            metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_429")
+            return error_response(refused.payload())
         body = await self.read_body(request)
         try:
             (ChatBody if endpoint == "chat" else CompletionBody).model_validate(body)

@@ -90,6 +90,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     if isinstance(asked, dict) and isinstance(asked.get("idle_timeout_s"), (int, float)):
         idle = min(idle, asked["idle_timeout_s"])
     spec.update(ephemeral=True, limits={**(spec.get("limits") or {}), "idle_timeout_s": idle})
+    if (admission := getattr(ingress, "admission", None)) and (refused := admission.session()) is not None:
+        return error_response(refused.payload())  # the body's session, refused before it exists
     created = await create_session(ingress, spec)
     if "error" in created:
         return error_response(created)

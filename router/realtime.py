@@ -11,10 +11,22 @@ malformed JSON, wrong types, binary frames, frames over `limits.max_frame_bytes`
 
 - 1008: refused in the handshake (API key, model);
 - 1011: the session could not be created;
+- 1012 (service restart): this router replica is stopping (redeploy, scale-down; router/restart.py). A response
+  streaming finishes first (a few seconds at most); the `error` event before the close (code
+  `server_restarting`) names the session, which is kept: reconnect with `?session_id=<id>` to go on;
+- 1013 (try again later): the server is overloaded (router/admission.py) or every prefill replica is at its
+  session capacity; the `error` event (code `server_overloaded`) carries `retry_after` in seconds;
+- 4404 (reason "session not found"): `?session_id=` names no open session of this API key;
 - 4408 (reason "session expired"): the session is over. Its prefill replica closed or forgot it (idle for
   `limits.idle_timeout_s`, or older than `limits.max_session_s`), or this connection saw no client event for
   `limits.idle_timeout_s` (a response streaming counts as activity), or outlived `limits.max_session_s`.
   An `error` event says why just before.
+
+`GET /v1/realtime?session_id=sess_...` re-attaches to an existing session (same API key only), as after a 1012:
+`session.created` carries the same id, and the conversation, its resident KV and any text appended but not
+committed (it joins the user's turn at the next `response.create`) are the owner replica's as they were. The
+settings this connection shows start from the defaults: the owner keeps the session's own, and a
+`session.update` changes only what it sets. Only a client that leaves deletes its session, never a restart.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from router.admission import OVERLOADED
 from router.answers import AnswerReader
 from router.owner import create_session, current_tenant, session_call
 from router.realtime_events import (
@@ -48,6 +61,7 @@ from router.realtime_events import (
     parse,
 )
 from router.tasks import detached
+from serve_app import metrics
 from serve_app.protocol import error_status
 
 logger = logging.getLogger(__name__)
@@ -55,6 +69,9 @@ logger = logging.getLogger(__name__)
 api = APIRouter()
 
 SESSION_EXPIRED = 4408  # an application close code (4000-4999); 408 as in HTTP's Request Timeout
+SESSION_NOT_FOUND = 4404  # likewise; 404 as in HTTP's Not Found
+SERVICE_RESTART, TRY_AGAIN_LATER = 1012, 1013  # RFC 6455 (IANA registry) codes clients reconnect or back off on
+RESTART_RESPONSE_WAIT_S = 10.0  # how long a stopping router lets a response streaming finish before closing
 
 
 def _id(prefix: str) -> str:
@@ -63,6 +80,10 @@ def _id(prefix: str) -> str:
 
 class SessionGone(Exception):
     """The owner replica closed or forgot the session: every later call would fail, so the connection ends."""
+
+
+class Restarting(Exception):
+    """This router replica is stopping: the connection closes with 1012 and keeps its session."""
 
 
 def session_gone(error: dict[str, Any]) -> bool:
@@ -95,6 +116,11 @@ class RealtimeConnection:
         self.event_id: str | None = None  # the client event being handled: its errors carry this id
         self.opened = self.last_event = time.monotonic()
         self._send_lock = asyncio.Lock()
+        self._restart = asyncio.Event()  # set by router/restart.py when this replica stops
+        self.restarting = False  # closed for a restart: the session stays for the client's reconnect
+
+    def restart(self) -> None:
+        self._restart.set()
 
     @property
     def modalities_key(self) -> str:
@@ -150,7 +176,15 @@ class RealtimeConnection:
         return modalities
 
     # --- lifecycle ---------------------------------------------------------------------------------
-    async def run(self) -> None:
+    async def refuse(self, message: str, code: str, close_code: int, **extra: Any) -> None:
+        """Accept the handshake, say why in an `error` event, and close (a refusal the client can read)."""
+        await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+        error = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None, **extra}
+        await self.send("error", error=error)
+        await self.ws.close(code=close_code)
+        metrics.inc(metrics.REALTIME_CLOSES, 1, "realtime connections closed by the server", code=str(close_code))
+
+    async def open_session(self) -> bool:
         model = self.settings["model"]
         spec = {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
         call = asyncio.ensure_future(create_session(self.ingress, spec))
@@ -160,11 +194,32 @@ class RealtimeConnection:
             call.add_done_callback(self._delete_made)
             raise
         if "error" in created:
-            await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
-            await self.error(created["error"]["message"], "session_failed")
-            await self.ws.close(code=1011)
-            return
+            err = created["error"]
+            if error_status(created) == 429:  # every session slot is taken (the replica's own hard limit)
+                wait = {"retry_after": err.get("retry_after", 1)}
+                await self.refuse(err["message"], OVERLOADED, TRY_AGAIN_LATER, **wait)
+            else:
+                await self.refuse(err["message"], "session_failed", 1011)
+            return False
         self.session_id = created["session_id"]
+        return True
+
+    async def attach(self, session_id: str) -> bool:
+        """Re-attach to an open session of this key (after a restart's 1012); 4404 if there is none."""
+        info = await session_call(self.ingress, "session_info", session_id=session_id)
+        if "error" in info or info.get("state") == "closed":
+            message = f"session {session_id} not found (it ended, expired or belongs to another API key)"
+            await self.refuse(message, "session_not_found", SESSION_NOT_FOUND)
+            return False
+        self.session_id = session_id
+        return True
+
+    async def run(self, resume: str | None = None) -> None:
+        if not await (self.attach(resume) if resume else self.open_session()):
+            return
+        watch = getattr(self.ingress, "restart", None)
+        if watch is not None and not watch.register(self):
+            self.restart()  # the replica began stopping during the handshake
         try:
             await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
             await self.send("session.created", session=self.session_object())
@@ -178,13 +233,30 @@ class RealtimeConnection:
             await self.ws.close(code=SESSION_EXPIRED, reason="session expired")
         except SessionGone:  # its `error` event is sent
             await self.ws.close(code=SESSION_EXPIRED, reason="session expired")
+        except Restarting:
+            await self.close_for_restart()
         except WebSocketDisconnect:
             pass
         finally:
+            if watch is not None:
+                watch.unregister(self)
             if self.response_task is not None:
                 self.response_task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
-            detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
+            # Not when this replica stops: the client reconnects to the session through another one.
+            if not self.restarting:
+                detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
+
+    async def close_for_restart(self) -> None:
+        """1012 with an `error` naming the session, once a response streaming has ended (or after a while)."""
+        self.restarting = True
+        if self.response_task is not None:
+            await asyncio.wait({self.response_task}, timeout=RESTART_RESPONSE_WAIT_S)
+        message = f"the server is restarting: reconnect with session_id={self.session_id} to continue the session"
+        error = {"type": "server_error", "code": "server_restarting", "message": message, "param": None}
+        await self.send("error", error={**error, "event_id": None, "session_id": self.session_id})
+        await self.ws.close(code=SERVICE_RESTART, reason="service restart")
+        metrics.inc(metrics.REALTIME_CLOSES, 1, "realtime connections closed by the server", code=str(SERVICE_RESTART))
 
     def _delete_made(self, call: asyncio.Future[Any]) -> None:
         if not call.cancelled() and call.exception() is None and "session_id" in (made := call.result()):
@@ -204,23 +276,29 @@ class RealtimeConnection:
         return self.response_task is not None and not self.response_task.done()
 
     async def next_message(self) -> dict[str, Any] | None:
-        """The client's next ASGI message; None when the connection expired waiting for it. A response
-        streaming is activity: nothing expires before it ends, and its end counts as the last event."""
+        """The client's next ASGI message; None when the connection expired waiting for it; `Restarting` once
+        this replica stops (between events: none is half applied). A response streaming is activity: nothing
+        expires before it ends, and its end counts as the last event."""
         receiving = asyncio.ensure_future(self.ws.receive())
+        restart = asyncio.ensure_future(self._restart.wait())
         try:
             while True:
                 streaming = self.response_task if self.responding else None
                 if streaming is None:
-                    await asyncio.wait({receiving}, timeout=max(self.time_left(), 0))
+                    timeout = max(self.time_left(), 0)
+                    await asyncio.wait({receiving, restart}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 else:
-                    await asyncio.wait({receiving, streaming}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({receiving, streaming, restart}, return_when=asyncio.FIRST_COMPLETED)
                 if receiving.done():
                     return receiving.result()
+                if restart.done():
+                    raise Restarting
                 if streaming is None:
                     return None
                 self.last_event = time.monotonic()
         finally:
             receiving.cancel()  # (a no-op once it is done)
+            restart.cancel()
 
     async def on_message(self, message: dict[str, Any]) -> None:
         text = message.get("text")
@@ -263,7 +341,9 @@ class RealtimeConnection:
             settings[self.modalities_key] = modalities
         # Stored only once the owner took it: a refused update leaves the session as it was.
         params = self.sampling(settings, self.settings)
-        if await self.call("session_update", instructions=settings["instructions"], params=params):
+        # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
+        # are not the session's).
+        if await self.call("session_update", instructions=session.instructions, params=params):
             self.settings = settings
             await self.send("session.updated", session=self.session_object())
 
@@ -388,7 +468,11 @@ class RealtimeConnection:
         await self.send("response.done", response=response)
 
     async def read_answer(self, turn: int, text_delta: str, where: dict[str, Any]) -> dict[str, Any]:
-        """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included)."""
+        """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included).
+
+        One event per read: everything decode sent while the client was slow to take the last one (the router's
+        stream joins what is queued) goes out as one delta. A slow reader gets fewer, larger deltas, never less
+        text, and never holds the engine: decode pumps into its outbox and the router's feed queues it here."""
         reader = self.reader = AnswerReader(self.ingress, self.session_id, turn)
 
         async def read() -> None:
@@ -398,7 +482,7 @@ class RealtimeConnection:
                 reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
                 return
             async for _, deltas in reader.items():
-                for delta in deltas:
+                if delta := "".join(deltas):
                     await self.send(text_delta, **where, content_index=0, delta=delta)
 
         self.reading = asyncio.create_task(read())
@@ -455,6 +539,16 @@ async def realtime(ws: WebSocket) -> None:
         await ws.close(code=1008)
         return
     beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+    connection = RealtimeConnection(ws, ingress, model, beta)
+    resume = ws.query_params.get("session_id") or None
+    watch = getattr(ingress, "restart", None)
+    if watch is not None and watch.stopping:  # (Serve may route a connection here until it knows)
+        await connection.refuse("the server is restarting: reconnect", "server_restarting", SERVICE_RESTART)
+        return
+    admission = getattr(ingress, "admission", None)
+    if resume is None and admission is not None and (refused := admission.session()) is not None:
+        await connection.refuse(refused.message, OVERLOADED, TRY_AGAIN_LATER, retry_after=refused.retry_after)
+        return
     started = time.monotonic()
-    await RealtimeConnection(ws, ingress, model, beta).run()
+    await connection.run(resume)
     logger.info("realtime connection closed after %.1fs", time.monotonic() - started)

@@ -65,6 +65,8 @@ async def create_session(request: Request) -> Response:
         return error_response(validation_error(e))
     ingress.check_model(body)
     ingress.check_max_tokens(body)
+    if (admission := getattr(ingress, "admission", None)) and (refused := admission.session()) is not None:
+        return error_response(refused.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body))
     if "error" in result:
         return _reply(result)

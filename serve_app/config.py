@@ -122,9 +122,32 @@ class LimitsConfig(_Strict):
     tokens_per_minute_per_key: int | None = Field(default=None, ge=1)
 
 
+class AdmissionConfig(_Strict):
+    """Overload admission in the router (router/admission.py): from the replicas' last routing stats, a new
+    session or plain request is refused at once (429 with Retry-After; Realtime: an `error` event and close
+    1013) when the pools are full, so that the sessions already admitted keep their latency. Calls on an
+    admitted session are never refused here."""
+
+    enabled: bool = True
+    # A prefill replica takes new sessions while its open sessions are under this share of its capacity
+    # (`prefill.scheduler.max_open_sessions`, or three quarters of the engine's slots): the stats are up to
+    # a second old, and the replica itself refuses past its capacity.
+    max_session_fill: float = Field(default=0.95, gt=0, le=1)
+    # A prefill replica is busy with this many requests waiting in its engine, or with less than this share
+    # of its KV blocks free (a new session's input would evict admitted sessions' KV).
+    max_queue_per_replica: int = Field(default=64, ge=1)
+    min_kv_free_fraction: float = Field(default=0.05, ge=0, lt=1)
+    # A decode replica is saturated with this many streams (None: decode's `max_num_seqs` where the config
+    # sets it, else never). A plain request is refused when every prefill replica is busy and every decode
+    # replica saturated (decode could otherwise prefill it itself).
+    max_streams_per_decode: int | None = Field(default=None, ge=1)
+    retry_after_s: int = Field(default=2, ge=1)
+
+
 class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     # API keys (router/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
     api_keys: list[str] = Field(default_factory=list)
 

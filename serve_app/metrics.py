@@ -70,6 +70,8 @@ SCHEDULER_EVICTIONS = "rtpd_scheduler_evictions_total"
 KV_CACHE_USAGE = "rtpd_kv_cache_usage"
 ERRORS = "rtpd_errors_total"
 ROUTER_PREFILLS = "rtpd_router_prefills_total"  # by where (prefill | decode) and reason
+ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason
+REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by the server, by code
 
 ALL = [
     SESSIONS_OPEN,
