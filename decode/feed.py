@@ -8,7 +8,7 @@ asks for the next one and anything is ready.
 
     router                                  decode replica
       start(stream_id, request) ─────────►  engine request; frames go to the router's outbox
-      feed(consumer, replica) ◄── {stream_id: frames}, {stream_id: None | error} ── outbox, per item
+      feed(consumer, replica) ◄── {stream_id: frames}, {stream_id: None | error}, {stream_id: ids} ── outbox
       stop(stream_id)  ─────────►  abort (the client left)
 
 A feed with no stream left ends after a few idle seconds (the router opens a new one with its next request):
@@ -19,10 +19,38 @@ the same router is still attached takes the outbox over; the older one puts back
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
-Batch = tuple[dict[str, str], dict[str, dict[str, Any] | None]]  # (frames by stream, ended streams: None or error)
+TokenIds = tuple[list[int] | None, list[int]]  # (the prompt's ids, once; the ids generated since the last item)
+# (frames by stream, ended streams: None or error, token ids by stream: what the router resumes an answer from)
+Batch = tuple[dict[str, str], dict[str, dict[str, Any] | None], dict[str, TokenIds]]
+
+# vLLM's `return_token_ids` fields in a frame. A key in a JSON string value has its quotes escaped, so only the
+# real keys match; `"token_ids"` never matches inside `"prompt_token_ids"` (the quote).
+_IDS = re.compile(r'"(prompt_token_ids|token_ids)":\[([0-9, ]*)\]')
+
+
+def take_token_ids(text: str, keep: bool) -> tuple[str, list[int] | None, list[int]]:
+    """The frames' token ids (prompt ids, generated ids) and the frames without them (`null`, as vLLM writes a
+    frame whose request did not ask for ids) unless `keep`. A regex, not a JSON parse: this is every token's
+    path."""
+    prompt: list[int] | None = None
+    tokens: list[int] = []
+
+    def cut(match: re.Match[str]) -> str:
+        nonlocal prompt
+        ids = [int(i) for i in match.group(2).split(",")] if match.group(2).strip() else []
+        if match.group(1) == "token_ids":
+            tokens.extend(ids)
+        elif prompt is None:
+            prompt = ids
+        return match.group(0) if keep else f'"{match.group(1)}":null'
+
+    if "token_ids" not in text:
+        return text, None, tokens
+    return _IDS.sub(cut, text), prompt, tokens
 
 
 class Outbox:
@@ -31,6 +59,7 @@ class Outbox:
     def __init__(self) -> None:
         self.frames: dict[str, list[str]] = {}
         self.ended: dict[str, dict[str, Any] | None] = {}
+        self.ids: dict[str, TokenIds] = {}
         self.ready = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[None]] = {}  # stream id -> the task pumping its engine output
         self.drained_at = time.monotonic()  # when the router last took an item (an abandoned outbox is reaped)
@@ -44,8 +73,11 @@ class Outbox:
     def idle(self) -> bool:
         return not (self.tasks or self.frames or self.ended)
 
-    def put(self, stream_id: str, text: str) -> None:
+    def put(self, stream_id: str, text: str, prompt: list[int] | None = None, tokens: list[int] | None = None) -> None:
         self.frames.setdefault(stream_id, []).append(text)
+        if prompt is not None or tokens:
+            had_prompt, had = self.ids.get(stream_id, (None, []))
+            self.ids[stream_id] = (had_prompt if had_prompt is not None else prompt, had + (tokens or []))
         self.ready.set()
 
     def end(self, stream_id: str, error: dict[str, Any] | None = None) -> None:
@@ -60,15 +92,18 @@ class Outbox:
             self.ready.clear()
         self.ready.clear()
         frames = {sid: "".join(parts) for sid, parts in self.frames.items()}
-        ended, self.frames, self.ended = self.ended, {}, {}
+        ended, ids, self.frames, self.ended, self.ids = self.ended, self.ids, {}, {}, {}
         self.drained_at = time.monotonic()
-        return frames, ended
+        return frames, ended, ids
 
     def restore(self, batch: Batch) -> None:
         """Put back a batch its reader could not deliver (it was taken over), ahead of anything newer."""
-        frames, ended = batch
+        frames, ended, ids = batch
         for stream_id, text in frames.items():
             self.frames[stream_id] = [text, *self.frames.get(stream_id, [])]
+        for stream_id, (prompt, tokens) in ids.items():
+            newer_prompt, newer = self.ids.get(stream_id, (None, []))
+            self.ids[stream_id] = (prompt if prompt is not None else newer_prompt, tokens + newer)
         self.ended = {**ended, **self.ended}
         if frames or ended:
             self.ready.set()

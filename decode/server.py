@@ -8,22 +8,30 @@ ready at that moment. Non-streaming requests are answered by `start` itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Literal
 
 from ray import serve
 
-from decode.feed import Batch, Outbox
+from decode.feed import Batch, Outbox, take_token_ids
+from serve_app import metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
 from serve_app.engine import Endpoint, Engine
-from serve_app.protocol import error_body, error_payload
+from serve_app.protocol import error_body, error_payload, error_status
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
 FEED_IDLE_S = 5.0  # a feed with no stream ends after this (so that a draining replica can stop)
+STATS_EXPORT_S = 5.0  # how often the engine scheduler's counters (KV load failures) go to Prometheus
+# What the router asked for with a stream's token ids (router/resume.py): "strip" them from the frames (the
+# router added `return_token_ids`, the client did not ask) or "keep" them (the client asked); both send them
+# beside the frames, in the feed's batch.
+IdsMode = Literal["strip", "keep"]
 
 
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
@@ -35,25 +43,52 @@ class DecodeServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self._reaper = asyncio.create_task(self._reap())
+        self._stats: dict[str, Any] = {}
+        self._exporter = asyncio.create_task(self._export_stats())
 
-    async def start(self, *, consumer: str, stream_id: str, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    async def start(
+        self,
+        *,
+        consumer: str,
+        stream_id: str,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        ids: IdsMode | None = None,
+        avoid: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
         and this engine prefills it). A stream's frames go to `consumer`'s feed: `{"replica": <this one>}`.
-        Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`."""
+        Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`. `avoid` is for the request
+        router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids."""
         result = await self.engine.openai(endpoint, body)
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
-            return error_payload(result)
+            payload = error_payload(result)
+            if error_status(payload) >= 500:  # this engine failed, not the request: the router tries another
+                payload["replica"] = self.replica
+            return payload
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
         outbox = self.outboxes.setdefault(consumer, Outbox())
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, outbox, stream_id))
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, outbox, stream_id, ids))
         return {"replica": self.replica}
 
-    async def _pump(self, stream: AsyncGenerator[str, None], outbox: Outbox, stream_id: str) -> None:
+    async def _pump(
+        self, stream: AsyncGenerator[str, None], outbox: Outbox, stream_id: str, ids: IdsMode | None = None
+    ) -> None:
         error: dict[str, Any] | None = None
         try:
             async for text in stream:
-                outbox.put(stream_id, text)
+                if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
+                    # vLLM writes an engine failure (its engine died) into the stream: end the stream with it
+                    # instead, so that the router resumes the answer on another replica.
+                    logger.error("decode stream %s failed in the engine: %s", stream_id, failed.get("message"))
+                    error = failed
+                    break
+                if ids is None:
+                    outbox.put(stream_id, text)
+                else:
+                    text, prompt, tokens = take_token_ids(text, keep=ids == "keep")
+                    outbox.put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]
         except Exception as e:
@@ -125,8 +160,25 @@ class DecodeServer:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
 
-    async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
-        return await self.engine.compute_stats(request_id_prefix)
+    async def stats(self, request_id_prefix: str | None = None, replica: str | None = None) -> dict[str, Any]:
+        """The engine's figures (`replica` routes the call to that replica: router/placement.py)."""
+        return {**await self.engine.compute_stats(request_id_prefix), "replica": self.replica}
+
+    def pid(self, replica: str | None = None) -> dict[str, Any]:
+        """This replica's id and process id (fault-injection tests kill it)."""
+        return {"replica": self.replica, "pid": os.getpid()}
+
+    async def _export_stats(self) -> None:
+        """The engine scheduler's KV load failures as Prometheus counters (deltas since the last export)."""
+        while True:
+            await asyncio.sleep(STATS_EXPORT_S)
+            try:
+                stats = await self.engine.compute_stats()
+            except Exception:
+                logger.exception("reading engine stats failed")
+                continue
+            previous, self._stats = self._stats, stats
+            metrics.export_kv_load_failures(stats, previous, self.replica)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -134,3 +186,13 @@ class DecodeServer:
     def __del__(self) -> None:
         if (engine := getattr(self, "engine", None)) is not None:
             engine.shutdown()
+
+
+def _server_error(frame: str) -> dict[str, Any] | None:
+    """The error of a vLLM error frame when it is the server's (5xx); None for a client's error or non-JSON."""
+    try:
+        error = json.loads(frame[len("data: ") :])["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return error if isinstance(code, int) and code >= 500 else None

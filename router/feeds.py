@@ -4,6 +4,10 @@
 request's own frames: everything ready at each step, joined. Its decode replica's feed is opened on first use
 and read by one task for as long as the router lives; the frames of all its requests arrive in one Ray item
 per engine step instead of one item per request per token.
+
+A stream outlives its replica: when the replica dies (its feed fails, or the stream ends with a server error)
+the answer goes on on another replica from the tokens already forwarded (router/resume.py), under the same
+stream id, and the consumer reads on. A `start` that fails because its replica died is sent to another one.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import logging
 import uuid
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from decode.feed import TokenIds
+from router import resume
 from router.tasks import detached
-from serve_app.protocol import Endpoint, error_body
+from serve_app import metrics
+from serve_app.protocol import Endpoint, error_body, error_status
 
 logger = logging.getLogger(__name__)
+START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times
+START_RETRY_S = 0.5  # doubled each time: Serve learns of a dead replica from the failed call itself
 
 
 class DecodeFailed(Exception):
@@ -36,33 +46,49 @@ class _End:
 class DecodeStream:
     """One request's SSE text from its decode replica: async-iterate it; `cancel()` when the client leaves."""
 
-    def __init__(self, feeds: Feeds, stream_id: str) -> None:
+    def __init__(
+        self, feeds: Feeds, stream_id: str, endpoint: Endpoint = "chat", body: dict[str, Any] | None = None
+    ) -> None:
         self.feeds, self.stream_id = feeds, stream_id
+        self.endpoint, self.body = endpoint, body or {}  # the request as first sent: a resume starts from it
         self.replica: str | None = None
-        self.queue: asyncio.Queue[str | _End] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[str, TokenIds | None] | _End] = asyncio.Queue()
         self._end: _End | None = None
+        self.ids: str | None = None  # decode's `ids` mode; None: not resumable
+        self.progress = resume.Progress()
+        self.failed: list[str] = []  # replicas it left: avoided, and their late frames dropped
+        self.rewrite: resume.Rewriter | None = None  # a continuation's frames into this stream's shape
 
     def __aiter__(self) -> DecodeStream:
         return self
 
     async def __anext__(self) -> str:
-        if self._end is None:
-            parts: list[str] = []
-            item = await self.queue.get()
-            while True:
-                if isinstance(item, _End):
-                    self._end = item
-                    break
-                parts.append(item)
-                if self.queue.empty():
-                    break
-                item = self.queue.get_nowait()
-            if parts:
-                return "".join(parts)
-        if self._end.error is not None:  # (a stream this router stopped is gone from `streams` before its end)
-            error, self._end.error = self._end.error, None  # raised once
-            raise DecodeFailed(error)
-        raise StopAsyncIteration
+        while True:
+            if self._end is None:
+                parts: list[str] = []
+                item = await self.queue.get()
+                while True:
+                    if isinstance(item, _End):
+                        self._end = item
+                        break
+                    parts.append(self.rewrite(item[0]) if self.rewrite is not None else item[0])
+                    if item[1] is not None:
+                        self.progress.add_ids(*item[1])
+                    if self.queue.empty():
+                        break
+                    item = self.queue.get_nowait()
+                if parts:
+                    text = "".join(parts)
+                    if self.ids is not None:
+                        self.progress.saw(text)
+                    return text
+            if self._end.error is not None:  # (a stream this router stopped is gone from `streams` before its end)
+                error, self._end.error = self._end.error, None  # raised once
+                if await self.feeds.resume(self, error):
+                    self._end = None
+                    continue
+                raise DecodeFailed(error)
+            raise StopAsyncIteration
 
     def cancel(self) -> None:
         """Stop the request on decode (a no-op once it has ended)."""
@@ -79,29 +105,118 @@ class Feeds:
 
     async def open(self, endpoint: Endpoint, body: dict[str, Any]) -> DecodeStream | dict[str, Any]:
         """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""
-        stream = DecodeStream(self, uuid.uuid4().hex)
-        self.streams[stream.stream_id] = stream  # before start: its first frames may come before start returns
-        call = asyncio.ensure_future(
-            self.decode.start.remote(consumer=self.consumer, stream_id=stream.stream_id, endpoint=endpoint, body=body)
-        )
-        try:
-            started = await asyncio.shield(call)
-        except asyncio.CancelledError:  # the client left: once it has started, stop it
-            self.streams.pop(stream.stream_id, None)
-            call.add_done_callback(lambda done: self._stop_started(stream, done))
-            raise
-        except BaseException:
-            self.streams.pop(stream.stream_id, None)
-            raise
+        stream = DecodeStream(self, uuid.uuid4().hex, endpoint, body)
+        if body.get("stream") and resume.refusal(endpoint, body) is None:
+            stream.ids = "keep" if body.get("return_token_ids") else "strip"
+            stream.body = {**body, "return_token_ids": True}
+        started = await self._start(stream, endpoint, stream.body)
         if "replica" not in started:
-            self.streams.pop(stream.stream_id, None)
             return started
         stream.replica = started["replica"]
         self._read(stream.replica)
         return stream
 
+    async def _start(self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+        """`start` on a replica Serve picks, none of those the stream failed on; if that one turns out dead (or
+        its engine does), the request again, elsewhere, without its KV."""
+        for attempt in range(START_ATTEMPTS):
+            self.streams[stream.stream_id] = stream  # before start: its first frames may come before it returns
+            call = asyncio.ensure_future(
+                self.decode.start.remote(
+                    consumer=self.consumer,
+                    stream_id=stream.stream_id,
+                    endpoint=endpoint,
+                    body=body,
+                    ids=stream.ids,
+                    avoid=list(stream.failed),
+                )
+            )
+            try:
+                started = await asyncio.shield(call)
+            except asyncio.CancelledError:  # the client left: once it has started, stop it
+                self.streams.pop(stream.stream_id, None)
+                call.add_done_callback(lambda done: self._stop_started(stream, done))
+                raise
+            except RayActorError as e:
+                self.streams.pop(stream.stream_id, None)
+                if attempt + 1 == START_ATTEMPTS:
+                    raise
+                logger.warning("decode start of %s failed (%s): trying another replica", stream.stream_id, e)
+            except BaseException:
+                self.streams.pop(stream.stream_id, None)
+                raise
+            else:
+                failed_on = started.pop("replica", None) if "error" in started else None
+                if failed_on is None or attempt + 1 == START_ATTEMPTS:
+                    if "replica" not in started:
+                        self.streams.pop(stream.stream_id, None)
+                    return started
+                stream.failed.append(failed_on)  # its engine failed (a 5xx before any output)
+                logger.warning("decode replica %s failed to start %s: trying another", failed_on, stream.stream_id)
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            await asyncio.sleep(START_RETRY_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def resume(self, stream: DecodeStream, error: dict[str, Any]) -> bool:
+        """Go on with `stream` on another replica after its own failed with `error`; False: it cannot."""
+        if error_status({"error": error}) < 500 or stream.ids is None:  # (499: stopped, not failed)
+            return False
+        why = "resumed too often" if len(stream.failed) >= resume.MAX_RESUMES else None
+        progress = stream.progress
+        if why is None and progress.sent and progress.prompt is None:
+            why = "no token ids were seen"
+        if why is not None:
+            logger.error("decode stream %s failed and cannot be resumed (%s): %s", stream.stream_id, why, error)
+            metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome="refused")
+            return False
+        # No stop to the failed replica: a call for a replica that is gone goes to another one, which may be
+        # where this stream id is about to go on.
+        dead, stream.replica = stream.replica, None
+        if dead is not None:
+            stream.failed.append(dead)
+        attempt = len(stream.failed)
+        if progress.finished:  # every token went out: only the end is missing
+            stream.rewrite = None
+            if not progress.done:
+                stream.queue.put_nowait((resume.tail(stream.endpoint, stream.body, progress), None))
+            stream.queue.put_nowait(_End(None))
+            return self._resumed(stream, dead, "finished", error)
+        if progress.prompt is not None:
+            endpoint: Endpoint = "completion"
+            body = resume.continuation(stream.body, progress, attempt)
+            rewrite: resume.Rewriter | None = resume.Rewriter(stream.endpoint, progress, stream.ids == "keep")
+            outcome = "resumed"
+        else:
+            endpoint, body, rewrite, outcome = stream.endpoint, resume.restart(stream.body, attempt), None, "restarted"
+        try:
+            started = await self._start(stream, endpoint, body)
+        except RayActorError as e:
+            started = error_body(503, f"no decode replica could take the answer over: {e}")
+        if "replica" not in started:
+            logger.error("decode stream %s could not be resumed: %s", stream.stream_id, started.get("error"))
+            metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome="failed")
+            return False
+        stream.replica, stream.rewrite = started["replica"], rewrite
+        self._read(stream.replica)
+        return self._resumed(stream, dead, outcome, error)
+
+    def _resumed(self, stream: DecodeStream, dead: str | None, outcome: str, error: dict[str, Any]) -> bool:
+        logger.warning(
+            "decode stream %s %s on replica %s after %d tokens (replica %s failed: %s)",
+            stream.stream_id,
+            outcome,
+            stream.replica,
+            len(stream.progress.generated),
+            dead,
+            error.get("message"),
+        )
+        metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome=outcome)
+        return True
+
     def _stop_started(self, stream: DecodeStream, call: asyncio.Future[Any]) -> None:
-        if not call.cancelled() and call.exception() is None and "replica" in (started := call.result()):
+        if call.cancelled() or call.exception() is not None:
+            return
+        if "replica" in (started := call.result()) and "error" not in started:
             stream.replica = started["replica"]
             self.stop(stream)
 
@@ -115,12 +230,14 @@ class Feeds:
         cancelled = False
         try:
             feed = self.decode.options(stream=True).feed.remote(consumer=self.consumer, replica=replica)
-            async for frames, ended in feed:
+            async for batch in feed:
+                frames, ended, ids = batch if len(batch) == 3 else (*batch, {})
                 for stream_id, text in frames.items():
-                    if (stream := self.streams.get(stream_id)) is not None:
-                        stream.queue.put_nowait(text)
+                    if (stream := self.streams.get(stream_id)) is not None and replica not in stream.failed:
+                        stream.queue.put_nowait((text, ids.get(stream_id)))
                 for stream_id, end in ended.items():
-                    if (stream := self.streams.pop(stream_id, None)) is not None:
+                    if (stream := self.streams.get(stream_id)) is not None and replica not in stream.failed:
+                        del self.streams[stream_id]
                         stream.queue.put_nowait(_End(end))
         except asyncio.CancelledError:
             cancelled = True
@@ -132,7 +249,7 @@ class Feeds:
             mine = [(sid, s) for sid, s in self.streams.items() if s.replica == replica]
             if error is None and mine and not cancelled:  # it ended idle just as a stream started: read anew
                 self.readers[replica] = detached(self._reader(replica))
-            elif mine:  # the replica failed: its streams end with the error
+            elif mine:  # the replica failed: its streams end with the error (and are resumed elsewhere)
                 for stream_id, stream in mine:
                     self.streams.pop(stream_id, None)
                     stream.queue.put_nowait(_End(error))

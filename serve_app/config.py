@@ -31,6 +31,10 @@ class KVTransferConfig(_Strict):
     # (decode's heartbeats extend it while it waits): a request abandoned after its prefill frees its blocks
     # after this, not after the old 480 s abort timeout (NIXL's `kv_lease_duration`).
     lease_s: int = Field(default=30, ge=6)
+    # A decode replica whose KV load fails (the prefill replica died, a handshake or transfer error) computes
+    # the missing tokens itself ("recompute") rather than failing the request ("fail", vLLM's default). The
+    # prefill replica frees the blocks it held for that transfer when their lease ends.
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
     def to_vllm(self, platform_device: str) -> dict[str, Any]:
@@ -39,6 +43,7 @@ class KVTransferConfig(_Strict):
             "kv_connector": self.connector,
             "kv_role": "kv_both",  # NIXL ignores the role; the router decides who prefills
             "kv_buffer_device": device,
+            "kv_load_failure_policy": self.kv_load_failure_policy,
             "kv_connector_extra_config": {
                 "backends": self.backends,
                 "kv_lease_duration": self.lease_s,
@@ -86,6 +91,12 @@ class PrefillConfig(RoleConfig):
     """The prefill pool: a role, plus its streaming scheduler (prefill/scheduler/)."""
 
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    # Where each session's journal is kept so that it outlives its replica (prefill/store.py): `gcs`, Ray's
+    # fault-tolerant store; `memory`, the replica's own process (no failover).
+    session_store: Literal["gcs", "memory"] = "gcs"
+    # Graceful drain: how long a stopping replica may take to hand its sessions over (within the deployment's
+    # `graceful_shutdown_timeout_s`, which must be larger: the configs set 60).
+    drain_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class DisaggregationConfig(_Strict):

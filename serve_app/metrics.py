@@ -70,6 +70,8 @@ SCHEDULER_EVICTIONS = "rtpd_scheduler_evictions_total"
 KV_CACHE_USAGE = "rtpd_kv_cache_usage"
 ERRORS = "rtpd_errors_total"
 ROUTER_PREFILLS = "rtpd_router_prefills_total"  # by where (prefill | decode) and reason
+SESSIONS_ADOPTED = "rtpd_sessions_adopted_total"  # sessions taken over from another replica, by why
+SESSION_CALL_RETRIES = "rtpd_session_call_retries_total"  # router: session calls retried, by why
 ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason
 REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by the server, by code
 
@@ -136,3 +138,23 @@ def export_scheduler(stats: dict[str, Any], previous: dict[str, Any], replica: s
         inc(name, max(0, stats.get(key, 0) - previous.get(key, 0)), description, **tags, **extra)
     for queue in ("queue_running", "queue_waiting", "idle_sessions", "evicted_now"):
         set_gauge(PREFILL_QUEUE, stats.get(queue, 0), "prefill scheduler queues", **tags, queue=queue)
+
+
+# Fault tolerance (README "Fault tolerance"): answers resumed on another decode replica after theirs failed, by
+# outcome (resumed: continued from the tokens already sent; restarted: nothing was sent yet, the request was
+# sent again; refused: the request cannot be resumed exactly; failed: no replica could take it), and KV loads a
+# decode engine could not complete (recomputed there under `kv_load_failure_policy: recompute`).
+DECODE_RESUMES = "rtpd_decode_resumes_total"
+DECODE_KV_LOAD_FAILURES = "rtpd_decode_kv_load_failures_total"
+DECODE_KV_LOAD_FAILED_TOKENS = "rtpd_decode_kv_load_failed_tokens_total"
+FAULTS_ALL = [DECODE_RESUMES, DECODE_KV_LOAD_FAILURES, DECODE_KV_LOAD_FAILED_TOKENS]
+
+
+@_safe
+def export_kv_load_failures(stats: dict[str, Any], previous: dict[str, Any], replica: str) -> None:
+    """A decode engine's KV load failures (serve_app/scheduler.py) as deltas since the last export."""
+    for key, name, description in (
+        ("kv_load_failed_requests", DECODE_KV_LOAD_FAILURES, "requests whose KV load failed on decode"),
+        ("kv_load_failed_tokens", DECODE_KV_LOAD_FAILED_TOKENS, "tokens whose KV load failed on decode"),
+    ):
+        inc(name, max(0, stats.get(key, 0) - previous.get(key, 0)), description, replica=replica)

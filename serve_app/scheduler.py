@@ -6,6 +6,10 @@ engine really computed, this scheduler counts, per request, the prompt tokens it
 (each scheduled token is one computed KV slot). The counts are read from the frontend through an
 EngineCore utility call (`rtpd_compute_stats`), the same channel vLLM uses for its own utility methods.
 
+It also counts KV loads that failed (a NIXL transfer or handshake that did not complete): with
+`kv_load_failure_policy: recompute` (serve_app/config.py) vLLM recomputes those tokens here instead of failing
+the request, and these counts say how often and how much.
+
 Configured with vLLM's extension point: `scheduler_cls="serve_app.scheduler.AccountingScheduler"`.
 """
 
@@ -17,6 +21,7 @@ from typing import Any
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request, RequestStatus
 
 MAX_TRACKED_REQUESTS = 20_000
 
@@ -26,6 +31,34 @@ class AccountingScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.prompt_tokens_computed: OrderedDict[str, int] = OrderedDict()
         self.total_prompt_tokens_computed = 0
+        self.kv_load_failed_requests = 0
+        self.kv_load_failed_tokens = 0  # tokens whose KV did not arrive (recomputed, or the request failed)
+        self._counted_failed: set[str] = set()  # (the connector reports a failed request's blocks too)
+
+    def _handle_failed_recving(self, failed_req_ids: set[str]) -> set[str]:
+        """Whole requests whose KV load failed (a transfer or handshake error reported by the connector)."""
+        self._counted_failed = set()
+        for req_id in failed_req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._counted_failed.add(req_id)
+                self.kv_load_failed_requests += 1
+                self.kv_load_failed_tokens += request.num_computed_tokens  # (super() resets it to recompute)
+        return super()._handle_failed_recving(failed_req_ids)
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """Requests with some blocks that failed to load: super() cuts them back to their valid prefix."""
+        holders: list[Request] = [*self.running, *self.kv_holding_waiting]
+        before = {r.request_id: r.num_computed_tokens for r in holders}
+        failed_before = set(self.failed_recving_kv_req_ids)
+        skipped = super()._handle_invalid_blocks(invalid_block_ids, num_scheduled_tokens)
+        affected = (skipped | (self.failed_recving_kv_req_ids - failed_before)) - self._counted_failed
+        self._counted_failed = set()
+        self.kv_load_failed_requests += len(affected)
+        self.kv_load_failed_tokens += sum(
+            max(0, before[r.request_id] - r.num_computed_tokens) for r in holders if r.request_id in affected
+        )
+        return skipped
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -51,6 +84,8 @@ class AccountingScheduler(Scheduler):
             "kv_blocks_total": pool.num_gpu_blocks - 1,  # minus the null block
             "kv_blocks_free": pool.get_num_free_blocks(),
             "block_size": self.block_size,
+            "kv_load_failed_requests": self.kv_load_failed_requests,
+            "kv_load_failed_tokens": self.kv_load_failed_tokens,
         }
         if request_id_prefix is not None:
             # vLLM appends a random suffix to the caller's id, and its serving layer a prefix.

@@ -28,8 +28,8 @@ def test_outbox_hands_over_everything_ready_in_one_item() -> None:
         return [first, second, waiting.done()]
 
     first, second, blocked = asyncio.run(run())
-    assert first == ({"a": "data: 1\n\ndata: 2\n\n", "b": "data: x\n\n"}, {})
-    assert second == ({}, {"a": None, "b": {"message": "boom", "code": 500}})
+    assert first == ({"a": "data: 1\n\ndata: 2\n\n", "b": "data: x\n\n"}, {}, {})
+    assert second == ({}, {"a": None, "b": {"message": "boom", "code": 500}}, {})
     assert blocked is False  # nothing ready: the feed waits, it does not spin
 
 
@@ -229,7 +229,7 @@ def test_a_newer_feed_takes_the_outbox_over_and_the_older_one_leaves_it_intact(
         return got, server.outboxes, alive
 
     got, outboxes, alive = asyncio.run(run())
-    assert got == ({"s1": "frame"}, {})
+    assert got == ({"s1": "frame"}, {}, {})
     assert alive  # the older feed's end cancelled nothing and kept the outbox
     assert outboxes == {}  # the newer feed, closed by its router, cleaned up
 
