@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
+from prefill.journal import current_call
 from prefill.session import SessionError
 from serve_app import metrics
 from serve_app.protocol import error_body
@@ -44,22 +45,42 @@ def serialized(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[...
 def session_api(method: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """A session call's errors become OpenAI error JSON; a broken input also closes the session (a refused
     chunk does not: past a limit nothing is applied, and the session keeps what it had).
-    `tenant`, the caller's key id, is taken from the call and checked where the session is looked up."""
+    `tenant`, the caller's key id, is taken from the call and checked where the session is looked up.
+    A session held elsewhere is located first (prefill/failover.py: adopted here if its owner died, or the
+    router is told where it is), and a call retried after a failover (`call_id`) that was applied already is
+    acknowledged, not applied twice."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         token = caller.set(str(kwargs.pop("tenant", "") or ""))
         kwargs.pop("route_to", None)  # (read by the request router, router/placement.py)
+        call_id = kwargs.pop("call_id", None)
+        call_token = current_call.set(call_id)
+        session_id = kwargs.get("session_id")
         try:
-            return await method(self, *args, **kwargs)
+            if isinstance(session_id, str) and session_id not in self.sessions:
+                await self._locate(session_id)
+            session = self.sessions.get(session_id or "")
+            if call_id is not None and session is not None and call_id in session.applied_calls:
+                metrics.inc(metrics.SESSION_CALL_RETRIES, 1, "session calls retried", why="already_applied")
+                reply = session.describe()
+                return {**reply, "answer": session.answers[-1].summary()} if session.answers else reply
+            result = await method(self, *args, **kwargs)
+            if call_id is not None and session is not None and "error" not in result:
+                session.remember_call(call_id)
+            return result
         except SessionError as e:
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"session_{e.status}")
             if e.close and (session := self.sessions.get(kwargs.get("session_id", ""))):
                 await self._close(session, e.message)
-            return error_body(e.status, e.message, e.param)
+            body = error_body(e.status, e.message, e.param)
+            if (owner := getattr(e, "owner", None)) is not None:
+                body["error"]["owner"] = owner  # where the session is now (router/owner.py goes there)
+            return body
         except TimeoutError:  # a bounded wait on the engine ran out: the input is kept, the client retries
             return overloaded(self.settings.retry_after_s)
         finally:
+            current_call.reset(call_token)
             caller.reset(token)
 
     return wrapper

@@ -53,8 +53,10 @@ class HandOff:
         answer = Answer(turn=len(session.answers), overrides=dict(overrides))
         session.answers.append(answer)
         session.state = SessionState.ANSWERING
+        recorded = session.record("answer", overrides=answer.overrides)
         answer.task = asyncio.create_task(self._hand_off(session, answer))
         await _notify(session)
+        await recorded
         return answer
 
     async def _hand_off(self, session: Session, answer: Answer) -> None:
@@ -93,8 +95,10 @@ class HandOff:
         if answer.status == "failed":
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
         session.add_answer(answer.text, failed=answer.status == "failed")
+        recorded = session.record("ended", turn=answer.turn, summary=answer.summary())
         if session.state == SessionState.CLOSED:
             return
+        await recorded
         if session.ephemeral:  # its request is over: its KV goes now, not when its router gets to delete it
             await self._close(session, "its answer ended")
             return
@@ -131,6 +135,7 @@ class HandOff:
             return {**reply, "answer": answer.summary()}
         answer.status, answer.claimed_at = "streaming", time.monotonic()
         answer.alive_at = answer.claimed_at
+        await session.record("claimed", turn=answer.turn)
         # Wall clock, for the router's last-chunk-to-first-token histogram.
         if session.last_chunk_at is not None:
             reply["last_chunk_time"] = time.time() - (time.monotonic() - session.last_chunk_at)
@@ -156,6 +161,7 @@ class HandOff:
         if status == "released":  # its reader left before any output: the next reader streams it
             if answer.status == "streaming":
                 answer.status, answer.claimed_at, answer.decode = "ready", None, None
+                await session.record("released", turn=answer.turn)
                 await _notify(session)
             return answer.summary()
         if answer.task is not None and not answer.task.done():  # cancelled before its hand-off was claimed

@@ -14,6 +14,8 @@ import asyncio
 import json
 import secrets
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable
 from enum import Enum
 from typing import Any, Literal
 
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prefill.answer import Answer
 from prefill.streaming import StreamingPrefill
 
+MAX_REMEMBERED_CALLS = 64
 _MARK = "\ue000"  # a private-use character no input contains: marks the end of the stable text
 
 
@@ -76,6 +79,10 @@ class SessionError(Exception):
         self.status, self.message, self.param, self.close = status, message, param, close
 
 
+async def _nothing() -> None:
+    return None
+
+
 def new_session_id(owner: str) -> str:
     """Unguessable, and names its owner replica so every router replica can route to it."""
     return f"sess_{owner}_{secrets.token_urlsafe(18)}"
@@ -127,6 +134,22 @@ class Session:
         self.ephemeral = False
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
+        # Where its changes are recorded so that it outlives this replica (prefill/journal.py); None in unit tests.
+        self.journal: Any = None
+        # Ids of the last client calls applied (a call retried after a failover is acknowledged, not reapplied).
+        self.applied_calls: OrderedDict[str, None] = OrderedDict()
+
+    def remember_call(self, call: str) -> None:
+        self.applied_calls[call] = None
+        if len(self.applied_calls) > MAX_REMEMBERED_CALLS:
+            self.applied_calls.popitem(last=False)
+
+    def record(self, op: str, **fields: Any) -> Awaitable[None]:
+        """Journal a change (prefill/journal.py): called right after making it, awaited before the call that
+        made it is acknowledged."""
+        if self.journal is not None:
+            return self.journal.write(op, **fields)
+        return _nothing()
 
     # --- input -------------------------------------------------------------------------------------
     def touch(self) -> None:

@@ -16,7 +16,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from prefill.errors import caller, overloaded, serialized, session_api
+from prefill.failover import Failover
 from prefill.handoff import HandOff
+from prefill.journal import Journal, create_record
 from prefill.session import (
     Session,
     SessionError,
@@ -24,7 +26,6 @@ from prefill.session import (
     SessionState,
     StartPolicy,
     new_session_id,
-    owner_of,
 )
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
@@ -77,12 +78,12 @@ def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
 
 
-class SessionAPI(HandOff):
-    """Mixin of `PrefillServer`: the session calls a router makes on a session's owner replica."""
+class SessionAPI(HandOff, Failover):
+    """Mixin of `PrefillServer`: the session calls a router makes on a session's owner replica. Each change is
+    journaled (prefill/journal.py) before the call returns, so that the session outlives this replica."""
 
     engine: Any
     replica: str
-    adopted_owners: set[str]
     _export_scheduler_stats: Any
 
     def _streaming(self, session_id: str) -> StreamingPrefill:
@@ -119,6 +120,11 @@ class SessionAPI(HandOff):
         session.tenant = tenant
         self.sessions[session_id] = session
         try:
+            if self.store is not None:
+                session.journal = Journal(self.store, session_id)
+                await asyncio.gather(
+                    self.store.set_owner(session_id, self.replica), session.record("create", **create_record(session))
+                )
             await self._prefill_stable(session)
         except BaseException:  # nothing half-made stays behind
             await self._close(session, "its creation failed")
@@ -158,6 +164,10 @@ class SessionAPI(HandOff):
     ) -> dict[str, Any]:
         session = self._get(session_id)
         result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset)
+        recorded = None
+        if not result["duplicate"]:
+            chunk = {"seq": sequence_id, "payload": payload, "eoi": end_of_input, "mode": mode, "offset": offset}
+            recorded = session.record("chunk", **chunk)
         if result["applied"]:
             applied = session.chunk_log[-len(result["applied"]) :]
             _count_input(len(applied), sum(len(c["payload"].encode()) for c in applied))
@@ -167,6 +177,8 @@ class SessionAPI(HandOff):
                 await self._start_answer(session, {})
             else:
                 await self._prefill_stable(session)
+        if recorded is not None:
+            await recorded
         return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
 
     @session_api
@@ -176,6 +188,7 @@ class SessionAPI(HandOff):
         if role not in ("user", "system", "assistant", "developer"):
             raise SessionError(400, f"role {role!r} is not a conversation role", "role")
         session.add_message(role, content)
+        await session.record("message", role=role, content=content)
         _count_input(1, len(content.encode()))
         await self._prefill_stable(session)
         return session.describe()
@@ -199,6 +212,7 @@ class SessionAPI(HandOff):
             session.clear_text()
         else:
             raise SessionError(400, f"unknown buffer operation {op!r}")
+        await session.record("buffer", kind=op, text=text, offset=offset)
         await self._prefill_stable(session)
         return session.describe()
 
@@ -212,6 +226,7 @@ class SessionAPI(HandOff):
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
+        await session.record("update", instructions=instructions, params=params)
         await self._prefill_stable(session)
         return session.describe()
 
@@ -275,10 +290,6 @@ class SessionAPI(HandOff):
         if session is not None and session.tenant != caller.get():
             session = None  # another key's session does not exist for this caller
         if session is None:
-            owner = owner_of(session_id)
-            if owner is not None and owner != self.replica and owner not in self.adopted_owners:
-                # Its owner is draining or gone, and routers have not yet learnt who adopted it.
-                raise SessionError(503, f"session {session_id} is being handed over; retry", "session_id")
             raise SessionError(404, f"session {session_id} not found", "session_id")
         if not allow_closed:
             session.check_open()
@@ -307,6 +318,8 @@ class SessionAPI(HandOff):
         if session.answering and (task := session.answers[-1].task) is not None and not task.done():
             task.cancel()  # a hand-off in progress; an answer a router streams ends on its own
         await session.streaming.close()
+        if session.journal is not None:  # nothing left to take over
+            await session.journal.forget()
         async with session.changed:
             session.changed.notify_all()
 

@@ -1,16 +1,23 @@
 """Calls on a session's owner prefill replica, from any router replica.
 
 The session-affinity request router (router/placement.py) sends each call to the replica named in the session
-id. While a draining replica hands its sessions over, a call answers 503 until routers learn the adopter:
-such calls are retried for a few seconds, after which the session counts as gone (404).
+id, or to the one this router learnt holds it now. When that replica is gone, the call reaches the replica the
+session id hashes to, which adopts the session from its journal (prefill/failover.py) or says where it is (503
+with `owner`); a call cut by its replica's death is retried with the same id. The client sees a delay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
+from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any
 
+from ray.exceptions import RayActorError
+
+from serve_app import metrics
 from serve_app.protocol import error_body, error_status
 
 # Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
@@ -24,7 +31,16 @@ def tenant() -> str:
 
 
 HANDOVER_RETRY_S = 0.25
-HANDOVER_WAIT_S = 5.0  # a drained replica's sessions reappear on their adopter within a few seconds
+# How long a call keeps trying while its session changes owner: Serve notices a dead replica within seconds,
+# and a drained replica's sessions are handed over within its drain timeout.
+FAILOVER_WAIT_S = 30.0
+MAX_KNOWN_OWNERS = 100_000
+# Calls that change a session carry an id, so that one retried after its owner died is not applied twice.
+MUTATING = frozenset(
+    {"session_chunk", "session_message", "session_buffer", "session_update", "session_finish", "session_respond"}
+)
+# Where sessions are now, as replicas answered (503 with `owner`): calls go straight there next time.
+owners: OrderedDict[str, str] = OrderedDict()
 
 
 def handing_over(result: Any) -> bool:
@@ -32,9 +48,15 @@ def handing_over(result: Any) -> bool:
 
 
 def not_found(result: dict[str, Any]) -> dict[str, Any]:
-    """No replica owns or adopted the session after the hand-over window: it does not exist (any more)."""
-    message = result["error"]["message"].replace("is being handed over; retry", "not found")
-    return error_body(404, message, "session_id")
+    """The session did not settle on a live replica within the failover window: it counts as gone."""
+    return error_body(404, f"session not found: {result['error']['message']}", "session_id")
+
+
+def _learn(session_id: str, owner: str) -> None:
+    owners[session_id] = owner
+    owners.move_to_end(session_id)
+    if len(owners) > MAX_KNOWN_OWNERS:
+        owners.popitem(last=False)
 
 
 async def create_session(ingress: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -44,14 +66,31 @@ async def create_session(ingress: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
-    """A call on the session's owner replica, retried while the session is being handed over (503)."""
+    """A call on the session's owner replica. While the session changes owner (its replica died or drains),
+    the call is retried, with the same `call_id`, until it lands where the session now is (bounded)."""
     kwargs.setdefault("tenant", current_tenant.get())
-    waited = 0.0
+    session_id = kwargs.get("session_id")
+    if method in MUTATING:
+        kwargs.setdefault("call_id", uuid.uuid4().hex)
+    deadline = time.monotonic() + FAILOVER_WAIT_S
     while True:
-        result = await getattr(ingress.prefill, method).remote(**kwargs)
+        route = {"route_to": owners[session_id]} if session_id in owners else {}
+        try:
+            result = await getattr(ingress.prefill, method).remote(**kwargs, **route)
+        except RayActorError:  # the owner died with the call: the session's next owner answers the retry
+            if time.monotonic() > deadline:
+                raise
+            metrics.inc(metrics.SESSION_CALL_RETRIES, 1, "session calls retried", why="replica_died")
+            owners.pop(session_id, None)
+            await asyncio.sleep(HANDOVER_RETRY_S)
+            continue
         if not handing_over(result):
             return result
-        if waited >= HANDOVER_WAIT_S:
+        moved = result["error"].get("owner")
+        if time.monotonic() > deadline:
             return not_found(result)
+        if moved is not None and moved != route.get("route_to"):
+            _learn(session_id, moved)  # held by that replica: straight there
+            continue
+        metrics.inc(metrics.SESSION_CALL_RETRIES, 1, "session calls retried", why="handing_over")
         await asyncio.sleep(HANDOVER_RETRY_S)
-        waited += HANDOVER_RETRY_S

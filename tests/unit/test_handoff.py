@@ -205,9 +205,9 @@ async def test_claim_on_an_unknown_session_is_a_404(server: Server) -> None:
     assert set(claim) == {"error"}
     assert claim["error"]["code"] == 404 and claim["error"]["type"] == "NotFoundError"
     assert claim["error"]["param"] == "session_id"
-    # A session of another replica, not adopted here: it is being handed over, the router retries.
+    # A session of another replica, with no journal anywhere (tests/unit/test_failover.py has the rest).
     elsewhere = await server.session_claim(session_id=new_session_id("other"))
-    assert elsewhere["error"]["code"] == 503
+    assert elsewhere["error"]["code"] == 404
 
 
 async def test_respond_overrides_shape_the_decode_request(server: Server) -> None:
