@@ -3,7 +3,7 @@
 Two kinds of work: a whole prompt (`prefill`: the router then calls decode), and streaming-input sessions that
 live here between chunks, their KV resident (prefill/session_api.py), and hand off to decode at end of input
 (prefill/handoff.py). This module is the deployment: the engine, whole prompts, the scheduler's settings and
-figures, and the hand-over of open sessions when the replica drains.
+figures; sessions changing owner (a dead replica's, or a draining one's) are prefill/failover.py's.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import time
 from typing import Any
 
 from ray import serve
 
 from prefill.errors import overloaded
 from prefill.scheduler.config import SchedulerSettings
-from prefill.session import Session, SessionError, SessionState
+from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
+from prefill.store import make_store
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
 from serve_app.autoscaling import OPEN_SESSIONS
@@ -39,7 +39,6 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
-DRAIN_HANDOFFS_S = 3.0  # how long a draining replica lets hand-offs in progress finish before handing over
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +64,7 @@ class PrefillServer(SessionAPI):
         self.replica = context.replica_id.unique_id
         self.app_name, self.deployment = context.app_name, context.deployment
         self.sessions: dict[str, Session] = {}
-        self.adopted_owners: set[str] = set()  # drained replicas whose sessions this one took over
+        self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
         self._sweeper = asyncio.create_task(self._sweep())
 
@@ -129,49 +128,17 @@ class PrefillServer(SessionAPI):
         previous, self._scheduler_stats = self._scheduler_stats, stats
         metrics.export_scheduler(stats, previous, self.replica)
 
-    # --- draining: finish answers, hand open sessions over -----------------------------------------
-    async def adopt_sessions(self, owner: str, states: list[dict[str, Any]]) -> dict[str, Any]:
-        """Take over a draining replica's sessions: re-prefill each one's kept input here."""
-        for state in states:
-            session = Session.adopt(state, self._streaming(state["id"]))
-            self.sessions[session.id] = session
-            answer = session.answers[-1] if session.answers else None
-            try:
-                if answer is not None and answer.status in ("preparing", "ready"):
-                    # Its hand-off was made on the drained replica, whose KV is going: make it again here.
-                    session.state = SessionState.ANSWERING
-                    answer.task = asyncio.create_task(self._hand_off(session, answer))
-                elif answer is not None and answer.status == "streaming":
-                    session.state = SessionState.ANSWERING  # its router reports the end here
-                    answer.claimed_at = time.monotonic()
-                else:
-                    await self._prefill_stable(session)
-            except SessionError:
-                logger.exception("adopting session %s", session.id)
-        self.adopted_owners.add(owner)
-        logger.info("adopted %d sessions from drained replica %s", len(states), owner)
-        return {"adopted": [s["id"] for s in states], "by": self.replica}
-
     def record_routing_stats(self) -> dict[str, Any]:
-        """Tells the session-affinity router whose sessions this replica adopted."""
-        return {"adopted_owners": sorted(self.adopted_owners)}
-
-    async def drain(self) -> None:
-        """Before this replica stops, hand every open session to another replica of the deployment. Serve no
-        longer routes to a stopping replica, so nothing is waited for but hand-offs in progress (briefly): an
-        answer a router is streaming is exported as such, and its router reports its end to the adopter (it
-        retries until routers know who that is); one handed off but not claimed is handed off again there."""
-        deadline = time.monotonic() + DRAIN_HANDOFFS_S
-        while time.monotonic() < deadline and any(
-            s.answers and s.answers[-1].status == "preparing" for s in self.sessions.values()
-        ):
-            await asyncio.sleep(0.1)
-        states = [s.export() for s in self.sessions.values() if s.state != SessionState.CLOSED]
-        if not states:
-            return
-        handle = serve.get_deployment_handle(self.deployment, self.app_name)
-        result = await handle.adopt_sessions.remote(self.replica, states)
-        logger.info("handed %d sessions to replica %s", len(result["adopted"]), result["by"])
+        """Tells the routers' admission
+        control (router/admission.py) how full it is. KV figures are the engine's last step's (its stat logger)."""
+        total = int(self.engine.client.vllm_config.cache_config.num_gpu_blocks or 1) - 1  # minus the null block
+        return {
+            "open_sessions": sum(s.state != SessionState.CLOSED for s in self.sessions.values()),
+            "session_capacity": self.settings.session_capacity(self.engine.max_num_seqs),
+            "kv_blocks_free": round(total * (1.0 - self.engine.totals.kv_cache_usage)),
+            "kv_blocks_total": total,
+            "queue_waiting": int(self._scheduler_stats.get("queue_waiting", 0)),
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Open sessions hold KV between chunks: load for the autoscaler (serve_app/autoscaling.py)."""

@@ -4,8 +4,8 @@ A session id names the replica that created it (`sess_<replica>_<secret>`). A ca
 current owner: the one in the id, or the one a router learnt (`route_to`, router/owner.py keeps what replicas
 answered), or, when that replica is gone, the replica the session's id hashes to among the live ones
 (rendezvous hashing: every router replica picks the same one with no shared table), which then adopts the
-session from its journal (prefill/store.py). A replica that adopted a drained replica's sessions lists it in
-its routing stats (`adopted_owners`). Requests without a session id take Ray Serve's power-of-two choices.
+session from its journal (prefill/failover.py). Requests without a session id take Ray Serve's power-of-two
+choices.
 
 The decode pool has a router of its own (`DecodeRouter`): a call naming a `replica` (a router's feed, a stop)
 goes to it; a new request goes to the replica with the fewest active streams, never to one in `avoid` (the
@@ -66,11 +66,8 @@ class SessionAffinityRouter(_Registered):
                 for replica in candidate_replicas:
                     if replica.replica_id.unique_id == target:
                         return [[replica]]
-            # The owner drained and handed its sessions over: the adopter says so in its routing stats.
-            for replica in candidate_replicas:
-                if owner in (replica.routing_stats or {}).get("adopted_owners", ()):
-                    return [[replica]]
-            # Gone: the replica this session hashes to adopts it (or knows who did).
+            # Gone (died, or drained): the replica this session hashes to adopts it, or holds it already (a
+            # draining replica hands each session to exactly this replica), or knows who does.
             return [[rendezvous(session_id, candidate_replicas)]]
         return await super().choose_replicas(candidate_replicas, pending_request)
 
