@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -147,13 +148,18 @@ class PrefillServer(SessionAPI):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
 
-    async def stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
+    async def stats(self, request_id_prefix: str | None = None, route_to: str | None = None) -> dict[str, Any]:
+        """(`route_to`: a replica id, to ask that replica; router/placement.py)"""
         stats = await self.engine.compute_stats(request_id_prefix)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]
         return {**stats, "sessions_open": len(open_sessions), "replica": self.replica}
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def pid(self, route_to: str | None = None) -> int:
+        """This replica's process (fault tests kill it)."""
+        return os.getpid()
 
     async def __del__(self) -> None:
         # Serve awaits an async destructor during graceful shutdown (scale-down, redeploy).

@@ -61,11 +61,11 @@ class SessionAffinityRouter(_Registered):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         session_id = kwargs.get("session_id")
         owner = owner_of(session_id) if isinstance(session_id, str) else None
+        for target in (kwargs.get("route_to"), owner):
+            for replica in candidate_replicas:
+                if target is not None and replica.replica_id.unique_id == target:
+                    return [[replica]]
         if owner is not None and candidate_replicas:
-            for target in (kwargs.get("route_to"), owner):
-                for replica in candidate_replicas:
-                    if replica.replica_id.unique_id == target:
-                        return [[replica]]
             # Gone (died, or drained): the replica this session hashes to adopts it, or holds it already (a
             # draining replica hands each session to exactly this replica), or knows who does.
             return [[rendezvous(session_id, candidate_replicas)]]

@@ -29,6 +29,9 @@ def build_app(args: dict[str, Any]) -> Application:
     decode = DecodeServer.options(request_router_config=decode_router, **config.decode.deployment).bind(payload)
     # Streaming sessions live on one prefill replica: route their calls by session id.
     router_config = {"request_router_class": SESSION_ROUTER, "request_routing_stats_period_s": 1.0}
-    prefill_options = {"request_router_config": router_config, **config.prefill.deployment}
+    # A stopping replica hands its sessions over within `prefill.drain_timeout_s` (prefill/failover.py); Serve
+    # must not kill it before: its graceful shutdown allows the drain and a margin, unless the config says more.
+    drain_budget = {"graceful_shutdown_timeout_s": config.prefill.drain_timeout_s + 30}
+    prefill_options = {"request_router_config": router_config, **drain_budget, **config.prefill.deployment}
     prefill = PrefillServer.options(**prefill_options).bind(payload)
     return Router.options(**config.router.deployment).bind(prefill, decode, payload)

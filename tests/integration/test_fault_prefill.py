@@ -1,0 +1,167 @@
+"""A prefill replica's process is killed while its sessions are open and answers stream: no session is lost.
+
+A second app with two prefill replicas runs on the test cluster. Sessions are spread over both; on the victim
+one is mid-input, one has its answer handed off but not read, and one has its answer streaming to a client.
+The victim's process is SIGKILLed. Every session then completes with the answer the same request gets whole
+(greedy, compared as text: the same tokens), the app serves new sessions, and no engine holds a KV block.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from prefill.session import owner_of
+from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
+
+pytestmark = pytest.mark.integration
+
+APP, PREFIX = "faults-prefill", "/faults-prefill"
+MAX_TOKENS = 12
+LONG = {"max_tokens": 300, "ignore_eos": True}  # an answer still streaming when its prefill replica dies
+
+
+def deploy(args: dict[str, Any]) -> None:
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {
+        "name": APP,
+        "route_prefix": PREFIX,
+        "import_path": "serve_app.builder:build_app",
+        "args": args,
+        "deployments": [{"name": "prefill", "num_replicas": 2}],
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    wait_running(2)
+
+
+def wait_running(prefill_replicas: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = serve.status().applications.get(APP)
+        running = status is not None and status.status == "RUNNING"
+        if running and status.deployments["prefill"].replica_states.get("RUNNING", 0) == prefill_replicas:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{APP} did not reach {prefill_replicas} prefill replicas: {serve.status()}")
+
+
+def prefill_replicas() -> list[str]:
+    prefix = f"SERVE_REPLICA::{APP}#prefill#"
+    return [a["name"][len(prefix) :] for a in ray.util.list_named_actors(True) if a["name"].startswith(prefix)]
+
+
+def stats_of(replica: str) -> dict[str, Any]:
+    return serve.get_deployment_handle("prefill", APP).stats.remote(route_to=replica).result(timeout_s=60)
+
+
+def post_chunk(base: str, sid: str, seq: int, piece: str, end: bool = False) -> None:
+    body = {"sequence_id": seq, "payload": piece, "end_of_input": end}
+    r = httpx.post(f"{base}/{sid}/chunks", json=body, timeout=120)
+    assert r.status_code == 202, r.text
+
+
+def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
+    from tests.integration.conftest import app_args
+
+    deploy(copy.deepcopy(app_args()))
+    base = f"{server}{PREFIX}/v1/streaming_input/sessions"
+    pieces = split_inside_words(TEXT, 6)
+    expected = whole_chat(server, [{"role": "user", "content": TEXT}], MAX_TOKENS)["choices"][0]["message"]["content"]
+    try:
+        body = {"messages": [], "max_tokens": MAX_TOKENS, "temperature": 0}
+        by_owner: dict[str, list[str]] = {}
+        for _ in range(40):
+            sid = httpx.post(base, json=body, timeout=60).json()["session_id"]
+            by_owner.setdefault(owner_of(sid), []).append(sid)
+            if len(by_owner) == 2 and all(len(v) >= 2 for v in by_owner.values()):
+                break
+        assert len(by_owner) == 2, "new sessions spread over both prefill replicas"
+        victim, survivor = sorted(by_owner)
+        mid_input, ready = by_owner[victim][:2]
+        others = by_owner[survivor][:1]
+        for _ in range(40):
+            streaming = httpx.post(base, json={**body, **LONG}, timeout=60).json()["session_id"]
+            if owner_of(streaming) == victim:
+                break
+        assert owner_of(streaming) == victim
+        long_expected = httpx.post(
+            f"{server}/v1/chat/completions",
+            json={**body, **LONG, "messages": [{"role": "user", "content": TEXT}]},
+            timeout=300,
+        ).json()["choices"][0]["message"]["content"]
+
+        for sid in (mid_input, *others):
+            for seq, piece in enumerate(pieces[:3]):
+                post_chunk(base, sid, seq, piece)
+        for sid in (ready, streaming):
+            for seq, piece in enumerate(pieces):
+                post_chunk(base, sid, seq, piece, end=seq == len(pieces) - 1)
+
+        # A client streams `streaming`'s answer from decode (through this router) across the kill.
+        frames: list[str] = []
+        first = threading.Event()
+
+        def read_events() -> None:
+            with httpx.stream("GET", f"{base}/{streaming}/events", timeout=120) as r:
+                for line in r.iter_lines():
+                    frames.append(line)
+                    first.set()
+
+        reader = threading.Thread(target=read_events)
+        reader.start()
+        assert first.wait(60)
+
+        pid = serve.get_deployment_handle("prefill", APP).pid.remote(route_to=victim).result(timeout_s=30)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        # Mid-input: the next chunks land on the adopter (the client sees a delay), the answer is the same.
+        for seq, piece in enumerate(pieces[3:], start=3):
+            post_chunk(base, mid_input, seq, piece, end=seq == len(pieces) - 1)
+        for sid in (mid_input, ready, *others):
+            answer = httpx.get(f"{base}/{sid}/result", timeout=120).json()["answer"]
+            assert answer["text"] == expected, (sid == ready, answer)
+        recovered_in = time.monotonic() - killed_at
+
+        reader.join(120)
+        text = "".join(
+            json.loads(f[6:])["choices"][0]["delta"].get("content") or ""
+            for f in frames
+            if f.startswith("data: {") and '"choices":[{' in f
+        )
+        assert text == long_expected
+        # Its router reported the end to the adopter: the session knows its answer, and goes on.
+        info = httpx.get(f"{base}/{streaming}", timeout=60).json()
+        assert info["turns"] == 1 and info["state"] in ("open", "prefilling"), info
+        post_chunk(base, streaming, len(pieces), "And why?", end=True)
+        follow_up = httpx.get(f"{base}/{streaming}/result", timeout=120).json()["answer"]
+        assert follow_up["status"] == "completed"
+
+        # The app serves new sessions afterwards.
+        new = httpx.post(base, json=body, timeout=60).json()["session_id"]
+        post_chunk(base, new, 0, TEXT, end=True)
+        assert httpx.get(f"{base}/{new}/result", timeout=120).json()["answer"]["text"] == expected
+
+        for sid in (mid_input, ready, streaming, new, *others):
+            assert httpx.delete(f"{base}/{sid}", timeout=60).status_code == 200
+        wait_running(2)  # Serve replaced the victim
+        for replica in prefill_replicas():
+            deadline = time.time() + 60
+            while (stats := stats_of(replica))["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
+                assert time.time() < deadline, f"prefill replica {replica} still holds KV: {stats}"
+                time.sleep(0.5)
+        print(f"sessions recovered and answered {recovered_in:.1f} s after the kill")
+    finally:
+        serve.delete(APP)
