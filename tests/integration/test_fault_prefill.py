@@ -8,6 +8,7 @@ The victim's process is SIGKILLed. Every session then completes with the answer 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+import websockets
 from ray import serve
 
 from prefill.session import owner_of
@@ -72,6 +74,57 @@ def post_chunk(base: str, sid: str, seq: int, piece: str, end: bool = False) -> 
     assert r.status_code == 202, r.text
 
 
+class RealtimeClient(threading.Thread):
+    """A Realtime conversation on `victim`: typed before the kill, answered after it."""
+
+    def __init__(self, url: str, victim: str, before: list[str], after: list[str]) -> None:
+        super().__init__()
+        self.url, self.victim, self.before, self.after = url, victim, before, after
+        self.typed, self.killed = threading.Event(), threading.Event()
+        self.answer: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self.converse())
+        except BaseException as e:
+            self.error = e
+            self.typed.set()
+
+    async def converse(self) -> None:
+        for _ in range(40):  # a connection whose session the victim holds
+            ws = await websockets.connect(self.url)
+            created = json.loads(await ws.recv())
+            if owner_of(created["session"]["id"]) == self.victim:
+                break
+            await ws.close()
+        else:
+            raise AssertionError("no realtime session landed on the victim")
+        async with ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0}}))
+            for piece in self.before:
+                await ws.send(json.dumps({"type": "input_text_buffer.append", "delta": piece}))
+            await until(ws, "session.updated")
+            self.typed.set()
+            await asyncio.to_thread(self.killed.wait, 120)
+            for piece in self.after:
+                await ws.send(json.dumps({"type": "input_text_buffer.append", "delta": piece}))
+            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": MAX_TOKENS}}))
+            seen = await until(ws, "response.done")
+            self.answer = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+            errors = [e for e in seen if e["type"] == "error"]
+            assert not errors, errors
+
+
+async def until(ws: Any, kind: str) -> list[dict[str, Any]]:
+    seen = []
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), 180))
+        seen.append(event)
+        if event["type"] == kind:
+            return seen
+
+
 def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
     from tests.integration.conftest import app_args
 
@@ -109,6 +162,11 @@ def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
             for seq, piece in enumerate(pieces):
                 post_chunk(base, sid, seq, piece, end=seq == len(pieces) - 1)
 
+        url = server.replace("http://", "ws://") + f"{PREFIX}/v1/realtime"
+        realtime = RealtimeClient(url, victim, pieces[:3], pieces[3:])
+        realtime.start()
+        assert realtime.typed.wait(120) and realtime.error is None, realtime.error
+
         # A client streams `streaming`'s answer from decode (through this router) across the kill.
         frames: list[str] = []
         first = threading.Event()
@@ -126,6 +184,7 @@ def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
         pid = serve.get_deployment_handle("prefill", APP).pid.remote(route_to=victim).result(timeout_s=30)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
+        realtime.killed.set()
 
         # Mid-input: the next chunks land on the adopter (the client sees a delay), the answer is the same.
         for seq, piece in enumerate(pieces[3:], start=3):
@@ -134,6 +193,10 @@ def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
             answer = httpx.get(f"{base}/{sid}/result", timeout=120).json()["answer"]
             assert answer["text"] == expected, (sid == ready, answer)
         recovered_in = time.monotonic() - killed_at
+
+        realtime.join(180)
+        assert realtime.error is None, realtime.error
+        assert realtime.answer == expected
 
         reader.join(120)
         text = "".join(
