@@ -58,6 +58,7 @@ class DecodeStream:
         self.progress = resume.Progress()
         self.failed: list[str] = []  # replicas it left: avoided, and their late frames dropped
         self.rewrite: resume.Rewriter | None = None  # a continuation's frames into this stream's shape
+        self.cancelled = False
 
     def __aiter__(self) -> DecodeStream:
         return self
@@ -92,6 +93,7 @@ class DecodeStream:
 
     def cancel(self) -> None:
         """Stop the request on decode (a no-op once it has ended)."""
+        self.cancelled = True
         if self.feeds.streams.pop(self.stream_id, None) is not None and self.replica is not None:
             self.feeds.stop(self)
 
@@ -142,6 +144,8 @@ class Feeds:
                 if attempt + 1 == START_ATTEMPTS:
                     raise
                 logger.warning("decode start of %s failed (%s): trying another replica", stream.stream_id, e)
+                # A replica that was only unreachable may have started it: its frames must not reach this stream.
+                stream.stream_id = uuid.uuid4().hex
             except BaseException:
                 self.streams.pop(stream.stream_id, None)
                 raise
@@ -197,6 +201,10 @@ class Feeds:
             metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome="failed")
             return False
         stream.replica, stream.rewrite = started["replica"], rewrite
+        if stream.cancelled:  # cancelled while it was being resumed (Realtime `response.cancel`)
+            self.stop(stream)
+            stream.queue.put_nowait(_End(None))
+            return True
         self._read(stream.replica)
         return self._resumed(stream, dead, outcome, error)
 
