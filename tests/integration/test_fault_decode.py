@@ -234,8 +234,10 @@ def prefill_stats() -> dict[str, Any]:
     return handle("prefill").stats.remote().result(timeout_s=60)
 
 
-def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_the_lease(faults: str) -> None:
-    body = {"prompt": TEXT, "max_tokens": 16, "temperature": 0}
+def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_the_lease(
+    faults: str, model_name: str
+) -> None:
+    body = {"model": model_name, "prompt": TEXT, "max_tokens": 16, "temperature": 0}
     expected = whole(faults, "/v1/completions", body)
     failures = {rid: replica_stats(rid).get("kv_load_failed_requests", 0) for rid in decode_pids()}
 
@@ -254,7 +256,7 @@ def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_
     def failed_now() -> int:
         return sum(replica_stats(rid).get("kv_load_failed_requests", 0) - n for rid, n in failures.items())
 
-    assert failed_now() == 1
+    assert failed_now() >= 1
     # Nobody reads the prefill's blocks: they are freed when the NIXL lease ends.
     deadline = time.time() + LEASE_S + 30
     while (stats := prefill_stats())["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
