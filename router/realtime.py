@@ -117,9 +117,11 @@ class RealtimeConnection:
         self.opened = self.last_event = time.monotonic()
         self._send_lock = asyncio.Lock()
         self._restart = asyncio.Event()  # set by router/restart.py when this replica stops
+        self._restart_by = 0.0  # a response streaming then may finish until this time
         self.restarting = False  # closed for a restart: the session stays for the client's reconnect
 
     def restart(self) -> None:
+        self._restart_by = time.monotonic() + RESTART_RESPONSE_WAIT_S
         self._restart.set()
 
     @property
@@ -248,10 +250,8 @@ class RealtimeConnection:
                 detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
 
     async def close_for_restart(self) -> None:
-        """1012 with an `error` naming the session, once a response streaming has ended (or after a while)."""
+        """1012, with an `error` naming the session before it."""
         self.restarting = True
-        if self.response_task is not None:
-            await asyncio.wait({self.response_task}, timeout=RESTART_RESPONSE_WAIT_S)
         message = f"the server is restarting: reconnect with session_id={self.session_id} to continue the session"
         error = {"type": "server_error", "code": "server_restarting", "message": message, "param": None}
         await self.send("error", error={**error, "event_id": None, "session_id": self.session_id})
@@ -277,22 +277,27 @@ class RealtimeConnection:
 
     async def next_message(self) -> dict[str, Any] | None:
         """The client's next ASGI message; None when the connection expired waiting for it; `Restarting` once
-        this replica stops (between events: none is half applied). A response streaming is activity: nothing
-        expires before it ends, and its end counts as the last event."""
+        this replica stops (between events: none is half applied), after a response streaming has ended (or
+        `RESTART_RESPONSE_WAIT_S`), its client's events still handled meanwhile. A response streaming is
+        activity: nothing expires before it ends, and its end counts as the last event."""
         receiving = asyncio.ensure_future(self.ws.receive())
         restart = asyncio.ensure_future(self._restart.wait())
         try:
             while True:
                 streaming = self.response_task if self.responding else None
+                if restart.done() and (streaming is None or time.monotonic() >= self._restart_by):
+                    raise Restarting
                 if streaming is None:
-                    timeout = max(self.time_left(), 0)
-                    await asyncio.wait({receiving, restart}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    waiting, timeout = {receiving, restart}, max(self.time_left(), 0)
+                elif restart.done():
+                    waiting, timeout = {receiving, streaming}, max(self._restart_by - time.monotonic(), 0)
                 else:
-                    await asyncio.wait({receiving, streaming, restart}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting, timeout = {receiving, streaming, restart}, None
+                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if receiving.done():
                     return receiving.result()
                 if restart.done():
-                    raise Restarting
+                    continue  # (decided above)
                 if streaming is None:
                     return None
                 self.last_event = time.monotonic()

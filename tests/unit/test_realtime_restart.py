@@ -80,10 +80,12 @@ def test_a_response_streaming_ends_before_the_restart_close() -> None:
         ws.send_json({"type": "response.create"})
         assert ws.receive_json()["type"] == "response.created"
         stopping.set()
+        ws.send_json({"type": "input_text_buffer.append", "delta": "typed meanwhile"})  # still applied
         done, _ = until(ws, "response.done")
         assert done["response"]["status"] == "completed"
         assert ws.receive_json()["error"]["code"] == "server_restarting"
         assert closed_with(ws) == realtime.SERVICE_RESTART
+    assert prefill.called("session_buffer")[0]["text"] == "typed meanwhile"
 
 
 def test_reconnect_with_session_id_reattaches() -> None:

@@ -52,9 +52,9 @@ class Source:
 
     async def pump(self) -> None:
         for token in TOKENS:
-            self.stream.queue.put_nowait(frame(token))
+            self.stream.queue.put_nowait((frame(token), None))  # (text, token ids)
             await asyncio.sleep(0.001)
-        self.stream.queue.put_nowait(frame("", "stop") + SSE_DONE)
+        self.stream.queue.put_nowait((frame("", "stop") + SSE_DONE, None))
         self.stream.queue.put_nowait(_End(None))
         self.done_at = time.monotonic()
 
