@@ -85,10 +85,12 @@ class Failover:
                     continue
                 await self._adopt_journal(session_id)
             elif await self._alive(owner):
+                logger.info("session %s is held by replica %s: the router goes there", session_id, owner)
                 raise SessionMoved(session_id, owner)
             else:
                 winner = await self.store.claim(session_id, owner, self.replica)
                 if winner != self.replica:
+                    logger.info("session %s was taken over from %s by %s", session_id, owner, winner)
                     raise SessionMoved(session_id, winner)
                 await self._adopt_journal(session_id)
             return

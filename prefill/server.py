@@ -22,7 +22,7 @@ from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
 from prefill.store import make_store
 from prefill.streaming import StreamingPrefill
-from serve_app import metrics
+from serve_app import logs, metrics
 from serve_app.autoscaling import OPEN_SESSIONS
 from serve_app.config import AppConfig
 from serve_app.engine import Engine
@@ -58,6 +58,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 @serve.deployment(name="prefill", max_ongoing_requests=1024, health_check_period_s=10)
 class PrefillServer(SessionAPI):
     async def __init__(self, app_config: dict[str, Any]) -> None:
+        logs.setup()
         self.config = AppConfig.model_validate(app_config)
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()

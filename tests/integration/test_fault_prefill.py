@@ -190,6 +190,13 @@ def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
         for seq, piece in enumerate(pieces[3:], start=3):
             post_chunk(base, mid_input, seq, piece, end=seq == len(pieces) - 1)
         for sid in (mid_input, ready, *others):
+            deadline = time.time() + 90
+            while (info := httpx.get(f"{base}/{sid}", timeout=60).json()).get("answers", [{}])[-1].get("status") in (
+                None,
+                "preparing",
+            ):
+                assert time.time() < deadline, f"no answer was handed off after the kill: {info}"
+                time.sleep(0.5)
             answer = httpx.get(f"{base}/{sid}/result", timeout=120).json()["answer"]
             assert answer["text"] == expected, (sid == ready, answer)
         recovered_in = time.monotonic() - killed_at
