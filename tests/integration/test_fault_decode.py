@@ -121,7 +121,7 @@ def sse_lines(r: httpx.Response, reader: Reader, piece: Callable[[dict[str, Any]
     for line in r.iter_lines():
         if line.startswith("data: {"):
             data = json.loads(line[6:])
-            if "error" in data:
+            if data.get("error"):  # (`session.done`'s summary has `"error": null`)
                 reader.errors.append(data["error"])
             elif data.get("choices"):
                 reader.got(piece(data["choices"][0]))
