@@ -187,8 +187,9 @@ def test_a_killed_prefill_replica_loses_no_session(server: str) -> None:
         realtime.killed.set()
 
         # Mid-input: the next chunks land on the adopter (the client sees a delay), the answer is the same.
-        for seq, piece in enumerate(pieces[3:], start=3):
-            post_chunk(base, mid_input, seq, piece, end=seq == len(pieces) - 1)
+        for sid in (mid_input, *others):
+            for seq, piece in enumerate(pieces[3:], start=3):
+                post_chunk(base, sid, seq, piece, end=seq == len(pieces) - 1)
         for sid in (mid_input, ready, *others):
             deadline = time.time() + 90
             while (info := httpx.get(f"{base}/{sid}", timeout=60).json()).get("answers", [{}])[-1].get("status") in (
