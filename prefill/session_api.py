@@ -272,6 +272,10 @@ class SessionAPI(HandOff, Failover):
         return {
             **session.describe(),
             "close_reason": session.close_reason,
+            # What a client re-attaching to the session needs (router/realtime.py `attach`).
+            "instructions": session.instructions,
+            "buffer": session.buffer,
+            "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens")},
             "request_ids": session.streaming.request_ids,
             "prompt_tokens_computed": stats["prompt_tokens_computed"],
             "block_size": stats["block_size"],

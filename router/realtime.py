@@ -214,6 +214,13 @@ class RealtimeConnection:
             await self.refuse(message, "session_not_found", SESSION_NOT_FOUND)
             return False
         self.session_id = session_id
+        # The connection's view of the session as the session holds it (settings, text typed and not committed).
+        sampling = info.get("sampling") or {}
+        self.settings["instructions"] = info.get("instructions") or ""
+        if sampling.get("temperature") is not None:
+            self.settings["temperature"] = sampling["temperature"]
+        self.settings["max_output_tokens"] = sampling.get("max_tokens") or "inf"
+        self.buffer = info.get("buffer") or ""
         return True
 
     async def run(self, resume: str | None = None) -> None:
