@@ -13,10 +13,24 @@ a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`,
 
 Calls on an admitted session (chunks, responses, answers) never come here. Unknown state (no stats yet, a key
 missing) admits: the replicas keep their own hard limits (prefill answers 429 past its session capacity or queue).
+
+Capacity in slots is not capacity in latency: a replica with room for 96 sessions may serve them slowly. So each
+router replica also keeps an **adaptive limit** on the work it admitted that is still in flight (open sessions
+and plain requests; `LatencyLimit`), as Netflix's concurrency-limits (AIMD on a latency percentile) and Envoy's
+adaptive concurrency do: it observes the time from end of input to first token of every answer it streams,
+and per window of samples shrinks the limit multiplicatively while their P90 is over the target (or the prefill
+engines' waiting queues are long: the early signal) and grows it additively while under, never under
+`min_sessions`. The target is `target_first_token_s` or `latency_tolerance` times the latency this router sees
+with no queue (its best windows' P10), whichever is larger: the same defaults fit a GPU (tens of ms) and a
+2-core CPU (seconds). Each admission returns a `Ticket`, released when the session or request ends.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +40,11 @@ from serve_app import metrics
 from serve_app.config import AdmissionConfig
 from serve_app.protocol import error_body
 
+logger = logging.getLogger(__name__)
+
 Stats = dict[str, Any]
 OVERLOADED = "server_overloaded"  # the Realtime `error` event's code for a refusal
+LOG_EVERY_S = 10.0  # the limit's state in the router's log at most this often (and at every decrease)
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,126 @@ class Refusal:
         body = error_body(429, f"{self.message}; retry in {self.retry_after} s")
         body["error"]["retry_after"] = self.retry_after
         return body
+
+
+class Ticket:
+    """One admitted session or request, counted in flight until `release()` (idempotent: every way out of a
+    session or request may call it)."""
+
+    def __init__(self, owner: Admission | None = None, kind: str = "") -> None:
+        self.owner, self.kind = owner, kind
+        self.admitted_at = time.monotonic()
+
+    def release(self) -> None:
+        if self.owner is not None:
+            self.owner._release(self)
+            self.owner = None
+
+
+def admit_session(ingress: Any) -> Refusal | Ticket:
+    """The ingress's decision on a new session: a refusal, or the session's ticket (a no-op one where the ingress
+    has no admission control, as in unit tests' fakes)."""
+    admission = getattr(ingress, "admission", None)
+    decided = admission.session() if admission is not None else None
+    return decided if decided is not None else Ticket()
+
+
+def release_session(ingress: Any, session_id: str) -> None:
+    """A REST session's ticket, by id, when it ends here (deleted, or its answer read to its end)."""
+    if (admission := getattr(ingress, "admission", None)) is not None and hasattr(admission, "release_session"):
+        admission.release_session(session_id)
+
+
+def bind_session(ingress: Any, session_id: str, ticket: Ticket) -> None:
+    """Keep a REST session's ticket until the session ends (its calls come one HTTP request at a time)."""
+    if (admission := getattr(ingress, "admission", None)) is not None and hasattr(admission, "bind_session"):
+        admission.bind_session(session_id, ticket)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile (nearest rank): no interpolation needed at these sample counts."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class LatencyLimit:
+    """An AIMD limit on admitted work in flight, driven by end-of-input to first-token latency.
+
+    Samples are taken in windows (at least `window_s` long and `min_samples` samples; or at once when the queue
+    signal fires). A window whose `latency_percentile` is over the target, or with the prefill engines' mean
+    waiting queue at `max_queue_waiting`, shrinks the limit to `backoff` times what was in flight (not times the
+    old limit, which may be far above it), at most once per the latency just seen: the sessions admitted before
+    a decrease make the answers of the next one. A window under target grows it by `growth` of itself (at least
+    1) while the limit binds (in flight at 3/4 of it or more): an idle router's limit does not grow unbounded.
+    """
+
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.clock = config, clock
+        self.limit = float(config.max_in_flight)  # no evidence yet: the replicas' own capacity rules
+        self.samples: list[float] = []
+        self.window_started = clock()
+        self.hold_until = 0.0  # no second decrease before the last one could show in the latency
+        self.floors: deque[float] = deque(maxlen=config.baseline_windows)  # recent windows' P10
+        self.p90: float | None = None  # the last window's percentile (for messages and the log)
+        self.queue: float = 0.0
+        self._logged = 0.0
+
+    @property
+    def baseline(self) -> float | None:
+        """The latency with no queue: the best recent window's P10."""
+        return min(self.floors) if self.floors else None
+
+    @property
+    def target(self) -> float:
+        baseline = self.baseline
+        relative = self.config.latency_tolerance * baseline if baseline is not None else 0.0
+        return max(self.config.target_first_token_s, relative)
+
+    def observe(self, seconds: float) -> None:
+        self.samples.append(max(0.0, seconds))
+
+    def update(self, in_flight: int, queue_waiting: float | None) -> bool:
+        """Close the window if it is complete and adapt the limit; whether it did."""
+        now = self.clock()
+        self.queue = queue_waiting or 0.0
+        queued = queue_waiting is not None and queue_waiting >= self.config.max_queue_waiting
+        if now - self.window_started < self.config.window_s or (
+            len(self.samples) < self.config.min_samples and not queued
+        ):
+            return False
+        samples, self.samples, self.window_started = self.samples, [], now
+        over = queued
+        if len(samples) >= self.config.min_samples:
+            self.p90 = quantile(samples, self.config.latency_percentile)
+            self.floors.append(quantile(samples, 0.1))  # (the first window is judged against its own P10)
+            over = over or self.p90 > self.target
+        config = self.config
+        if over:
+            if now >= self.hold_until:
+                self.limit = max(float(config.min_sessions), min(self.limit, in_flight) * config.backoff)
+                self.hold_until = now + max(config.window_s, self.p90 or 0.0)
+                self._log(in_flight, "decreased", now)
+        elif in_flight >= 0.75 * self.limit:
+            self.limit = min(float(config.max_in_flight), self.limit + max(1.0, config.growth * self.limit))
+        if now - self._logged >= LOG_EVERY_S:
+            self._log(in_flight, "at", now)
+        return True
+
+    def _log(self, in_flight: int, what: str, now: float) -> None:
+        self._logged = now
+        p90 = f"{self.p90:.3f}" if self.p90 is not None else "-"
+        baseline = f"{self.baseline:.3f}" if self.baseline is not None else "-"
+        logger.info(
+            "admission limit %s %.1f: %d in flight, P90 first token %s s, target %.3f s (baseline %s s), "
+            "prefill queue %.1f",
+            what,
+            self.limit,
+            in_flight,
+            p90,
+            self.target,
+            baseline,
+            self.queue,
+        )
 
 
 def kv_low(stats: Stats, config: AdmissionConfig) -> bool:
@@ -72,6 +209,12 @@ def decode_saturated(stats: Stats, limit: int | None) -> bool:
     return isinstance(limit, int) and isinstance(streams, int) and streams >= limit
 
 
+def mean_queue_waiting(prefill: list[Stats]) -> float | None:
+    """The prefill replicas' mean engine waiting queue (None: none reports one)."""
+    queues = [s["queue_waiting"] for s in prefill if isinstance(s.get("queue_waiting"), int)]
+    return sum(queues) / len(queues) if queues else None
+
+
 class Admission:
     """The router replica's admission control; `stats(deployment)` gives each running replica's routing stats."""
 
@@ -80,23 +223,85 @@ class Admission:
         config: AdmissionConfig,
         decode_capacity: int | None = None,
         stats: Callable[[str], list[Stats] | None] = pool_stats,
+        clock: Callable[[], float] = time.monotonic,
+        max_hold_s: float = 3600.0,
     ) -> None:
         self.config = config
         self.decode_capacity = config.max_streams_per_decode or decode_capacity
         self.stats = stats
+        self.limiter = LatencyLimit(config, clock)
+        self.clock = clock
+        # A ticket never released (a REST session deleted through another router, or one that just expired) stops
+        # counting after this long (the longest a session may live): a leak cannot shut the router.
+        self.max_hold_s = max_hold_s
+        self._open: dict[Ticket, float] = {}
+        self._sessions: dict[str, Ticket] = {}  # REST sessions' tickets by id
+        self._replica = _replica_id()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    @property
+    def limit(self) -> int:
+        return int(self.limiter.limit)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """An answer's end of input to first token (a plain request's arrival to first token)."""
+        self.limiter.observe(seconds)
+        self._adapt()
+
+    def _adapt(self, prefill: list[Stats] | None = None) -> None:
+        if prefill is None:
+            prefill = self.stats("prefill") or []
+        self._expire()
+        if self.limiter.update(self.in_flight, mean_queue_waiting(prefill)):
+            tag = {"replica": self._replica}
+            metrics.set_gauge(metrics.ADMISSION_LIMIT, self.limiter.limit, "router admission limit", **tag)
+            metrics.set_gauge(metrics.ADMISSION_IN_FLIGHT, self.in_flight, "admitted work in flight", **tag)
+
+    def _expire(self) -> None:
+        if self._open and (cutoff := self.clock() - self.max_hold_s) > next(iter(self._open.values())):
+            for ticket in [t for t, at in self._open.items() if at < cutoff]:
+                ticket.release()
+
+    def _ticket(self, kind: str) -> Ticket:
+        ticket = Ticket(self, kind)
+        self._open[ticket] = self.clock()
+        metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="admitted", reason="")
+        return ticket
+
+    def _release(self, ticket: Ticket) -> None:
+        self._open.pop(ticket, None)
+
+    def bind_session(self, session_id: str, ticket: Ticket) -> None:
+        if ticket.owner is self:
+            self._sessions[session_id] = ticket
+
+    def release_session(self, session_id: str) -> None:
+        if (ticket := self._sessions.pop(session_id, None)) is not None:
+            ticket.release()
+        for stale in [s for s, t in self._sessions.items() if t.owner is None]:  # expired meanwhile
+            del self._sessions[stale]
 
     def _refuse(self, kind: str, reason: str, message: str) -> Refusal:
         metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="refused", reason=reason)
         return Refusal(reason, message, self.config.retry_after_s)
 
-    def _admit(self, kind: str) -> None:
-        metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="admitted", reason="")
-
-    def session(self) -> Refusal | None:
-        """None if a new session may be created now; otherwise why not."""
-        if not self.config.enabled:
+    def _over_limit(self, kind: str) -> Refusal | None:
+        if self.in_flight < self.limiter.limit:
             return None
+        p90 = self.limiter.p90
+        seen = f"first token P90 {p90:.2f} s, target {self.limiter.target:.2f} s" if p90 is not None else "queued"
+        message = f"the server is overloaded: {self.in_flight} in flight, this router's limit ({self.limit}; {seen})"
+        return self._refuse(kind, "latency", message)
+
+    def session(self) -> Refusal | Ticket:
+        """A ticket if a new session may be created now (release it when the session ends); otherwise why not."""
+        if not self.config.enabled:
+            return Ticket()
         prefill = self.stats("prefill") or []
+        self._adapt(prefill)
         if prefill and not any(session_room(s, self.config) for s in prefill):
             if all(kv_low(s, self.config) for s in prefill):
                 return self._refuse("session", "kv_low", "the server is overloaded: no prefill replica has KV free")
@@ -104,18 +309,28 @@ class Admission:
             sessions = f"{best.get('open_sessions')}/{best.get('session_capacity')}"
             message = f"the server is overloaded: every prefill replica is full ({sessions} sessions open at best)"
             return self._refuse("session", "sessions_full", message)
-        self._admit("session")
-        return None
+        return self._over_limit("session") or self._ticket("session")
 
-    def request(self) -> Refusal | None:
-        """None if a new plain (whole-prompt) request may start now; otherwise why not."""
+    def request(self) -> Refusal | Ticket:
+        """A ticket if a new plain (whole-prompt) request may start now (release it when it ends); otherwise why
+        not."""
         if not self.config.enabled:
-            return None
+            return Ticket()
         prefill, decode = self.stats("prefill") or [], self.stats("decode") or []
+        self._adapt(prefill)
         prefill_full = bool(prefill) and all(prefill_busy(s, self.config) for s in prefill)
         decode_full = bool(decode) and all(decode_saturated(s, self.decode_capacity) for s in decode)
         if prefill_full and decode_full:
             message = "the server is overloaded: every prefill queue is full and every decode replica saturated"
             return self._refuse("request", "saturated", message)
-        self._admit("request")
-        return None
+        return self._over_limit("request") or self._ticket("request")
+
+
+def _replica_id() -> str:
+    """This router replica's id for the gauges' tag ("" outside a replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return ""

@@ -256,6 +256,8 @@ class AnswerReader:
         if (at := self.claim.get("last_chunk_time")) is not None:
             waited = max(0.0, time.time() - at)
             metrics.observe(metrics.LAST_CHUNK_TO_FIRST_TOKEN, waited, "last input chunk to first token")
+            if (admission := getattr(self.ingress, "admission", None)) is not None:
+                admission.observe_first_token(waited)  # the latency admission adapts its limit to
 
     async def whole(self) -> dict[str, Any]:
         """The answer as one non-streaming response object (`open(stream=False)` first)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -28,7 +28,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import realtime, sessions
-from router.admission import Admission
+from router.admission import Admission, Refusal, Ticket
 from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
@@ -211,7 +211,11 @@ class Router:
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
         # New work is refused while the pools are full (router/admission.py), from their routing stats.
-        self.admission = Admission(self.config.router.admission, self.config.engine_for("decode").max_num_seqs)
+        self.admission = Admission(
+            self.config.router.admission,
+            self.config.engine_for("decode").max_num_seqs,
+            max_hold_s=self.config.limits.max_session_s,
+        )
         self.restart = RestartWatch()  # closes realtime connections with 1012 when this replica stops
         self.restart.start()
         self._ready_at = 0.0  # when both engines last answered
@@ -282,9 +286,19 @@ class Router:
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         started = time.perf_counter()
-        if (refused := self.admission.request()) is not None:  # before any work: the body is not even read
+        if isinstance(ticket := self.admission.request(), Refusal):  # before any work: the body is not even read
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_429")
-            return error_response(refused.payload())
+            return error_response(ticket.payload())
+        try:  # the request is in flight for admission until its answer ends
+            response = await self._forward(endpoint, request, started, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+        if not isinstance(response, StreamingResponse):  # (a streamed answer releases it when it ends)
+            ticket.release()
+        return response
+
+    async def _forward(self, endpoint: Endpoint, request: Request, started: float, ticket: Ticket) -> Response:
         body = await self.read_body(request)
         try:
             (ChatBody if endpoint == "chat" else CompletionBody).model_validate(body)
@@ -346,6 +360,12 @@ class Router:
                 self.charge(first.get("usage"))
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
+        self.admission.observe_first_token(now - started)
         assert isinstance(opened, DecodeStream)
         frames = relay(first, opened, self.charge if charging else None, keep=wants_usage)
-        return streaming_response(frames, opened.cancel, headers)
+
+        def close() -> None:
+            opened.cancel()
+            ticket.release()
+
+        return streaming_response(frames, close, headers)

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from router.admission import Refusal, admit_session
 from router.answers import AnswerReader
 from router.owner import create_session, session_call
 from router.schemas import CreateSessionBody, is_unicode, validation_error
@@ -90,10 +91,11 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     if isinstance(asked, dict) and isinstance(asked.get("idle_timeout_s"), (int, float)):
         idle = min(idle, asked["idle_timeout_s"])
     spec.update(ephemeral=True, limits={**(spec.get("limits") or {}), "idle_timeout_s": idle})
-    if (admission := getattr(ingress, "admission", None)) and (refused := admission.session()) is not None:
-        return error_response(refused.payload())  # the body's session, refused before it exists
+    if isinstance(ticket := admit_session(ingress), Refusal):
+        return error_response(ticket.payload())  # the body's session, refused before it exists
     created = await create_session(ingress, spec)
     if "error" in created:
+        ticket.release()
         return error_response(created)
     session_id = created["session_id"]
 
@@ -132,9 +134,11 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             if "error" in finished:
                 raise InputError(finished)
     except InputError as e:
+        ticket.release()
         await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(e.payload)
     except BaseException:  # the client left mid-body (or the request was cancelled): nothing stays behind
+        ticket.release()
         detached(session_call(ingress, "session_delete", session_id=session_id))
         raise
 
@@ -142,9 +146,11 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     try:
         err = await reader.open(stream=stream)
     except BaseException:  # the client left: the delete runs in a task of its own (this one is cancelled)
+        ticket.release()
         detached(session_call(ingress, "session_delete", session_id=session_id))
         raise
     if err is not None:
+        ticket.release()
         await session_call(ingress, "session_delete", session_id=session_id)
         return error_response(err)
     headers = {"X-Session-Id": session_id}
@@ -152,6 +158,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         try:
             body = await reader.whole()
         finally:  # in a task of its own: a cancelled request's awaits are cancelled too
+            ticket.release()
             detached(session_call(ingress, "session_delete", session_id=session_id))
         return JSONResponse(body, headers=headers)
 
@@ -161,6 +168,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
 
     def close() -> None:  # however the response ends, even before its body ran: nothing stays behind
         reader.release()
+        ticket.release()
         detached(session_call(ingress, "session_delete", session_id=session_id))
 
     return streaming_response(frames(), close, headers)

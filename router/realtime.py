@@ -41,7 +41,7 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from router.admission import OVERLOADED
+from router.admission import OVERLOADED, Refusal, Ticket, admit_session
 from router.answers import AnswerReader
 from router.owner import create_session, current_tenant, session_call
 from router.realtime_events import (
@@ -557,10 +557,13 @@ async def realtime(ws: WebSocket) -> None:
     if watch is not None and watch.stopping:  # (Serve may route a connection here until it knows)
         await connection.refuse("the server is restarting: reconnect", "server_restarting", SERVICE_RESTART)
         return
-    admission = getattr(ingress, "admission", None)
-    if resume is None and admission is not None and (refused := admission.session()) is not None:
-        await connection.refuse(refused.message, OVERLOADED, TRY_AGAIN_LATER, retry_after=refused.retry_after)
+    ticket = admit_session(ingress) if resume is None else Ticket()  # (a re-attach is no new session)
+    if isinstance(ticket, Refusal):
+        await connection.refuse(ticket.message, OVERLOADED, TRY_AGAIN_LATER, retry_after=ticket.retry_after)
         return
     started = time.monotonic()
-    await connection.run(resume)
+    try:
+        await connection.run(resume)
+    finally:
+        ticket.release()  # the session is over for this router's admission
     logger.info("realtime connection closed after %.1fs", time.monotonic() - started)

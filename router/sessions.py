@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from router import owner
+from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
 from router.owner import session_call
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
@@ -65,11 +66,13 @@ async def create_session(request: Request) -> Response:
         return error_response(validation_error(e))
     ingress.check_model(body)
     ingress.check_max_tokens(body)
-    if (admission := getattr(ingress, "admission", None)) and (refused := admission.session()) is not None:
-        return error_response(refused.payload())  # (calls on sessions already made are never refused)
+    if isinstance(ticket := admit_session(ingress), Refusal):
+        return error_response(ticket.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body))
     if "error" in result:
+        ticket.release()
         return _reply(result)
+    bind_session(ingress, result["session_id"], ticket)  # released when it is deleted or answered here
     return JSONResponse(
         {"object": "streaming_input.session", **result, "session_id": result["session_id"]}, status_code=201
     )
@@ -129,12 +132,14 @@ async def result(
     if (err := await reader.open(stream=False)) is not None:
         return error_response(err)
     body = await reader.whole()
+    release_session(ingress, session_id)  # answered: no longer in flight for admission
     summary = reader.summary or {"turn": reader.turn, **reader.outcome.as_dict()}
     return JSONResponse({**body, "session_id": session_id, "turn": reader.turn, "answer": summary})
 
 
 @api.delete("/{session_id}")
 async def delete(session_id: str, request: Request) -> Response:
+    release_session(_ingress(request), session_id)
     return _reply(await session_call(_ingress(request), "session_delete", session_id=session_id))
 
 
@@ -155,4 +160,9 @@ async def events(session_id: str, request: Request, turn: Annotated[int | None, 
             reader.release()  # the client left before the end (a no-op once the outcome is reported)
 
     headers = {"X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
-    return streaming_response(frames(), reader.release, headers)
+
+    def close() -> None:  # however the response ends: answered (or left), no longer in flight for admission
+        reader.release()
+        release_session(_ingress(request), session_id)
+
+    return streaming_response(frames(), close, headers)

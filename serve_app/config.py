@@ -153,6 +153,24 @@ class AdmissionConfig(_Strict):
     # replica saturated (decode could otherwise prefill it itself).
     max_streams_per_decode: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=2, ge=1)
+    # The adaptive limit on work in flight through each router replica (router/admission.py `LatencyLimit`):
+    # while the `latency_percentile` of end of input to first token in a window of answers is over the target
+    # (`target_first_token_s`, or `latency_tolerance` times the best recent window's P10 if larger: about
+    # the no-queue latency, so one default fits a GPU's tens of ms and a small CPU's seconds), or the prefill
+    # engines wait on `max_queue_waiting` requests on average (the early signal), the limit shrinks to
+    # `backoff` times what is in flight; under target it grows by `growth` of itself per window; never under
+    # `min_sessions`, never over `max_in_flight` (where it starts: no evidence, no limit).
+    target_first_token_s: float = Field(default=0.5, gt=0)
+    latency_tolerance: float = Field(default=4.0, ge=1)
+    latency_percentile: float = Field(default=0.9, gt=0, lt=1)
+    min_sessions: int = Field(default=8, ge=1)
+    max_in_flight: int = Field(default=4096, ge=1)
+    max_queue_waiting: int = Field(default=16, ge=1)
+    backoff: float = Field(default=0.9, gt=0, lt=1)
+    growth: float = Field(default=0.02, ge=0)
+    window_s: float = Field(default=1.0, gt=0)
+    min_samples: int = Field(default=20, ge=1)
+    baseline_windows: int = Field(default=120, ge=1)  # the baseline is the best P10 of this many recent windows
 
 
 class RouterConfig(_Strict):

@@ -1,13 +1,27 @@
 """Router admission control (router/admission.py) on fake routing stats: new sessions and plain requests are refused
-(429 with Retry-After) only when every replica is full, and unknown state admits."""
+(429 with Retry-After) when every replica is full or when this router's adaptive limit, driven by first-token
+latency and the prefill queues, is reached; unknown state admits; admitted sessions' calls are never refused."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
-from router.admission import Admission, decode_saturated, prefill_busy, session_room
+from router import sessions
+from router.admission import (
+    Admission,
+    LatencyLimit,
+    Refusal,
+    Ticket,
+    decode_saturated,
+    prefill_busy,
+    quantile,
+    session_room,
+)
 from serve_app.config import AdmissionConfig, AppConfig
 from serve_app.protocol import error_headers, error_status
 
@@ -53,18 +67,26 @@ def test_busy_and_saturated() -> None:
     assert decode_saturated({"active_streams": 2, "stream_capacity": 2}, None)  # the replica's own figure wins
 
 
+def admitted(decision: Refusal | Ticket) -> bool:
+    return isinstance(decision, Ticket)
+
+
+def refused(decision: Refusal | Ticket) -> Refusal:
+    assert isinstance(decision, Refusal), decision
+    return decision
+
+
 def test_a_session_is_admitted_while_any_prefill_replica_has_room() -> None:
-    assert admission([prefill(open_=9), prefill(open_=3)], []).session() is None
-    refused = admission([prefill(open_=9), prefill(open_=10)], []).session()
-    assert refused is not None and refused.reason == "sessions_full"
-    assert "9/10" in refused.message  # the least full replica's figures, to explain it
-    kv = admission([prefill(free=1), prefill(free=2)], []).session()
-    assert kv is not None and kv.reason == "kv_low"
+    assert admitted(admission([prefill(open_=9), prefill(open_=3)], []).session())
+    full = refused(admission([prefill(open_=9), prefill(open_=10)], []).session())
+    assert full.reason == "sessions_full"
+    assert "9/10" in full.message  # the least full replica's figures, to explain it
+    assert refused(admission([prefill(free=1), prefill(free=2)], []).session()).reason == "kv_low"
 
 
 def test_refusal_is_429_with_retry_after() -> None:
     refused = admission([prefill(open_=10)], []).session()
-    assert refused is not None
+    assert isinstance(refused, Refusal)
     payload = refused.payload()
     assert error_status(payload) == 429
     assert payload["error"]["type"] == "RateLimitError"
@@ -74,17 +96,17 @@ def test_refusal_is_429_with_retry_after() -> None:
 def test_a_plain_request_is_refused_only_when_prefill_and_decode_are_both_full() -> None:
     busy, idle = prefill(waiting=9), prefill(waiting=0)
     full, free = {"active_streams": 4}, {"active_streams": 1}
-    assert admission([busy, busy], [full, full]).request() is not None
-    assert admission([busy, idle], [full, full]).request() is None  # one prefill queue has room
-    assert admission([busy, busy], [full, free]).request() is None  # decode can prefill it itself
-    assert admission([busy], [{"active_streams": 9}], max_streams_per_decode=10).request() is None  # config wins
+    assert refused(admission([busy, busy], [full, full]).request()).reason == "saturated"
+    assert admitted(admission([busy, idle], [full, full]).request())  # one prefill queue has room
+    assert admitted(admission([busy, busy], [full, free]).request())  # decode can prefill it itself
+    assert admitted(admission([busy], [{"active_streams": 9}], max_streams_per_decode=10).request())  # config wins
 
 
 def test_unknown_state_and_disabled_admit() -> None:
-    assert admission(None, None).session() is None  # no request router in this process yet
-    assert admission([], []).request() is None  # no replica running
-    assert admission([prefill(open_=10)], [], enabled=False).session() is None
-    assert admission([prefill(waiting=99)], [{"active_streams": 99}], enabled=False).request() is None
+    assert admitted(admission(None, None).session())  # no request router in this process yet
+    assert admitted(admission([], []).request())  # no replica running
+    assert admitted(admission([prefill(open_=10)], [], enabled=False).session())
+    assert admitted(admission([prefill(waiting=99)], [{"active_streams": 99}], enabled=False).request())
 
 
 def test_the_config_has_it() -> None:
@@ -92,3 +114,177 @@ def test_the_config_has_it() -> None:
     assert config.router.admission.max_session_fill == 0.5 and config.router.admission.enabled
     with pytest.raises(ValueError):
         AppConfig.model_validate({"router": {"admission": {"max_session_fil": 0.5}}})
+
+
+# The adaptive limit (`LatencyLimit`), on a fake clock: windows of 1 s and at least 5 samples.
+LIMITS = AdmissionConfig(
+    target_first_token_s=1.0, latency_tolerance=4.0, min_sessions=4, max_in_flight=100, max_queue_waiting=8,
+    backoff=0.5, growth=0.1, window_s=1.0, min_samples=5,
+)  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limited(clock: Clock, waiting: int = 0, **kw: Any) -> tuple[Admission, dict[str, Any]]:
+    stats = prefill(capacity=1000, waiting=waiting)
+    return Admission(LIMITS.model_copy(update=kw), stats=lambda name: [stats], clock=clock), stats
+
+
+def window(gate: Admission, clock: Clock, latency_s: float, n: int = 5) -> None:
+    """One window of `n` answers, each `latency_s` from end of input to first token."""
+    clock.now += 1.0
+    for _ in range(n):
+        gate.observe_first_token(latency_s)
+
+
+def test_quantile() -> None:
+    assert quantile([float(i) for i in range(1, 11)], 0.9) == 9.0 and quantile([3.0], 0.1) == 3.0
+
+
+def test_the_limit_shrinks_under_slow_answers_and_grows_back_under_fast_ones() -> None:
+    clock = Clock()
+    gate, _ = limited(clock)
+    assert gate.limit == 100  # no evidence yet: open
+    tickets = [gate.session() for _ in range(40)]
+    assert all(admitted(t) for t in tickets) and gate.in_flight == 40
+    window(gate, clock, 0.2)  # fast: the baseline (P10) is 0.2 s, the target max(1.0, 4 * 0.2) = 1.0 s
+    assert gate.limit == 100 and gate.limiter.target == 1.0
+    window(gate, clock, 3.0)  # slow: from what is in flight, not from the old limit
+    assert gate.limit == 20
+    window(gate, clock, 3.0)  # still slow, but too soon: that window's answers were admitted before the cut
+    assert gate.limit == 20
+    clock.now += 3.0
+    window(gate, clock, 3.0)  # one latency later, still slow: down again
+    assert gate.limit == 10
+    for _ in range(10):
+        window(gate, clock, 3.0)
+        clock.now += 3.0
+    assert gate.limit == 4  # never under min_sessions
+    for t in tickets[10:]:
+        t.release()
+    for _ in range(3):  # fast again and the limit binds (10 in flight, limit 4): it grows
+        window(gate, clock, 0.3)
+    assert gate.limit == 7
+    for t in tickets[:10]:
+        t.release()
+    window(gate, clock, 0.3)
+    assert gate.limit == 7  # idle: a limit that does not bind does not grow
+    for _ in range(100):  # clients take every room the limit gives, answers stay fast
+        while admitted(gate.session()):
+            pass
+        window(gate, clock, 0.3)
+    assert gate.limit == 100 and gate.in_flight == 100  # never over max_in_flight
+
+
+def test_refusals_past_the_limit_give_retry_after_and_admitted_tickets_free_room() -> None:
+    clock = Clock()
+    gate, _ = limited(clock)
+    tickets = [gate.session() for _ in range(10)]
+    window(gate, clock, 0.2)
+    window(gate, clock, 5.0)
+    assert gate.limit == 5 and gate.in_flight == 10
+    no = refused(gate.session())
+    assert no.reason == "latency" and "P90 5.00 s" in no.message
+    assert error_status(no.payload()) == 429 and error_headers(no.payload()) == {"Retry-After": "2"}
+    assert refused(gate.request()).reason == "latency"  # plain requests count against the same limit
+    for t in tickets[:6]:
+        assert isinstance(t, Ticket)
+        t.release()
+        t.release()  # idempotent: every way out of a session may release it
+    assert gate.in_flight == 4 and admitted(gate.session()) and gate.in_flight == 5
+    assert refused(gate.session()).reason == "latency"
+
+
+def test_the_prefill_queue_is_an_early_signal() -> None:
+    clock = Clock()
+    gate, stats = limited(clock)
+    tickets = [gate.session() for _ in range(20)]
+    stats["queue_waiting"] = 8  # answers still fast, but the engine queues: shrink before the latency shows it
+    clock.now += 1.0
+    gate.observe_first_token(0.1)  # (the queue signal needs no full window of samples)
+    assert gate.limit == 10
+    assert refused(gate.session()).message.endswith("(10; queued)")
+    stats["queue_waiting"] = 0
+    for _ in range(3):
+        window(gate, clock, 0.1)
+    assert gate.limit > 10 and len(tickets) == 20
+
+
+def test_the_target_follows_the_no_queue_latency() -> None:
+    clock = Clock()
+    gate, _ = limited(clock)
+    _ = [gate.session() for _ in range(50)]
+    for _ in range(3):
+        window(gate, clock, 1.5)  # a slow machine: 1.5 s with no queue is its best
+    assert gate.limiter.target == 6.0 and gate.limit == 100  # 4 x 1.5 s: not overloaded
+    window(gate, clock, 7.0)
+    assert gate.limit == 25
+
+
+def test_a_ticket_never_released_stops_counting_after_max_hold() -> None:
+    clock = Clock()
+    gate = Admission(LIMITS, stats=lambda name: [], clock=clock, max_hold_s=60.0)
+    gate.session()
+    clock.now += 30.0
+    gate.session()
+    clock.now += 31.0
+    gate.session()
+    assert gate.in_flight == 2  # the first one expired
+
+
+async def test_an_admitted_sessions_calls_are_never_refused() -> None:
+    """Past the limit a new REST session gets 429, while the calls on one admitted before all pass; deleting it
+    frees its room."""
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1)
+    calls: list[str] = []
+
+    class Prefill:
+        def __getattr__(self, method: str) -> Any:
+            class Method:
+                def remote(self, *args: Any, **kwargs: Any) -> Any:
+                    calls.append(method)
+
+                    async def reply() -> dict[str, Any]:
+                        return {"session_id": f"sess_r1_{len(calls)}"} if method == "create_session" else {}
+
+                    return reply()
+
+            return Method()
+
+    config = AppConfig()
+    ingress = SimpleNamespace(
+        config=config, prefill=Prefill(), admission=gate, check_model=lambda body: None,
+        check_max_tokens=lambda body: None, read_body=lambda request: request.json(),
+    )  # fmt: skip
+    app = FastAPI()
+    app.include_router(sessions.api)
+    app.state.ingress = ingress
+    base = "/v1/streaming_input/sessions"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        made = await client.post(base, json={"messages": []})
+        assert made.status_code == 201 and gate.in_flight == 1
+        session_id = made.json()["session_id"]
+        again = await client.post(base, json={"messages": []})
+        assert again.status_code == 429 and again.headers["retry-after"] == "2"
+        chunk = {"sequence_id": 0, "payload": "hi", "end_of_input": True}
+        assert (await client.post(f"{base}/{session_id}/chunks", json=chunk)).status_code == 202
+        assert (await client.post(f"{base}/{session_id}/finish")).status_code == 202
+        assert (await client.delete(f"{base}/{session_id}")).status_code == 200
+        assert gate.in_flight == 0
+        assert (await client.post(base, json={"messages": []})).status_code == 201
+    assert calls.count("create_session") == 2 and "session_chunk" in calls
+
+
+def test_the_config_has_the_limits_fields() -> None:
+    config = AppConfig.model_validate({"router": {"admission": {"target_first_token_s": 0.2, "min_sessions": 2}}})
+    assert config.router.admission.target_first_token_s == 0.2 and config.router.admission.min_sessions == 2
+    with pytest.raises(ValueError):
+        AdmissionConfig(backoff=1.5)
+    assert LatencyLimit(AdmissionConfig()).limit == AdmissionConfig().max_in_flight
