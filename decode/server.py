@@ -18,7 +18,7 @@ from typing import Any, Literal
 from ray import serve
 
 from decode.feed import Batch, Outbox, take_token_ids
-from serve_app import metrics
+from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
 from serve_app.engine import Endpoint, Engine
@@ -37,6 +37,7 @@ IdsMode = Literal["strip", "keep"]
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
 class DecodeServer:
     async def __init__(self, app_config: dict[str, Any]) -> None:
+        logs.setup()
         self.config = AppConfig.model_validate(app_config)
         self.engine = Engine(self.config, "decode")
         await self.engine.start()
@@ -149,8 +150,9 @@ class DecodeServer:
         return sum(len(o.tasks) for o in self.outboxes.values())
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Streams running here: the request router spreads new requests by it (router/placement.py)."""
-        return {ACTIVE_STREAMS: self._active_streams()}
+        """Streams running here: the request router spreads new requests by it (router/placement.py), and the
+        routers' admission control (router/admission.py) compares them with what the engine runs at once."""
+        return {ACTIVE_STREAMS: self._active_streams(), "stream_capacity": self.engine.max_num_seqs}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Streams are the load (Serve sees only the short calls that start them, and the feeds):

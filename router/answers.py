@@ -94,6 +94,7 @@ class AnswerReader:
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
         self._streamed = False  # whether any of the answer reached the client
+        self._registered: str | None = None  # the decode replica the owner was told this answer streams from
 
     @property
     def endpoint(self) -> str:
@@ -158,6 +159,7 @@ class AnswerReader:
                 first = opened if "error" in opened else opened["response"]
             else:
                 self._stream = opened
+                self._registered = getattr(opened, "replica", None)
                 detached(self._register(opened))
                 first = await anext(opened)
         except StopAsyncIteration:  # decode ended the stream before any frame (a guard: see router/tasks.py)
@@ -204,6 +206,9 @@ class AnswerReader:
                     # next input never finds the answer still in progress.
                     await self.settle(self.outcome.status)
                 self._streamed = self._streamed or bool(deltas)
+                if (replica := getattr(self._stream, "replica", None)) != self._registered:
+                    self._registered = replica  # resumed on another decode replica (router/resume.py)
+                    detached(self._register(self._stream))
                 yield forward, deltas
                 if (now := time.monotonic()) - alive_at > READER_ALIVE_S:  # a long answer: still being read
                     alive_at = now

@@ -37,7 +37,7 @@ from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
 from router.restart import RestartWatch
 from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
-from serve_app import metrics
+from serve_app import logs, metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import (
     SSE_DONE,
@@ -199,6 +199,7 @@ async def relay(
 @serve.ingress(app)
 class Router:
     def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, app_config: dict[str, Any]) -> None:
+        logs.setup()
         self.config = AppConfig.model_validate(app_config)
         # Calls to prefill and decode go over gRPC, by value, rather than through Ray's object store: measured
         # 1.7-1.9x the tokens/s at 32 and 128 streams (serve_app/serve_env.py has the proxy's half).
