@@ -1,4 +1,5 @@
-"""Two Ray nodes on this machine, prefill on one and decode on the other, the P/D path with NIXL between them.
+"""Prefill and decode on different Ray nodes (a head and workers started on this machine), NIXL between them;
+then the node that runs an answer's decode replica is lost, and the answers and sessions go on.
 
 Run as a script (it owns its Ray cluster); prints one JSON line with what it saw. tests/multinode/ runs it.
 """
@@ -7,6 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
+from typing import Any
 
 import httpx
 import yaml
@@ -17,14 +21,94 @@ from serve_app.builder import build_app
 from tests.integration.conftest import ROOT
 
 PORT = 8766
+APP = "realtime-pd"
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # answers still streaming when the node goes
+
+
+def decode_replicas() -> dict[str, dict[str, Any]]:
+    """Each decode replica's engine figures (its node among them), by replica id."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#decode#"
+    ids = [a["name"][len(prefix) :] for a in ray.util.list_named_actors(True) if a["name"].startswith(prefix)]
+    handle = serve.get_deployment_handle("decode", APP)
+    return {rid: handle.stats.remote(replica=rid).result(timeout_s=60) for rid in ids}
+
+
+def stream_text(
+    base: str, path: str, body: dict[str, Any] | None, out: dict[str, Any], started: threading.Event
+) -> None:
+    """Read an SSE answer (a chat completion, or a session's /events) to its end: its text and any error."""
+    text, errors = [], []
+    method = "POST" if body is not None else "GET"
+    with httpx.stream(method, f"{base}{path}", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            frame = json.loads(line[6:])
+            if "error" in frame:
+                errors.append(frame["error"])
+            for choice in frame.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                if piece:
+                    text.append(piece)
+                    started.set()
+    out.update(text="".join(text), errors=errors)
+    started.set()
+
+
+def lose_the_decode_node(cluster: Cluster, base: str) -> dict[str, Any]:
+    """Two answers streaming (a chat completion and a session's), the node of the decode replica that runs
+    them removed mid-answer; both must end with the uninterrupted answer's text, and the session goes on."""
+    messages = [{"role": "user", "content": "Two nodes, one machine, and one of them is lost. " * 20}]
+    sessions = f"{base}/v1/streaming_input/sessions"
+    sid = httpx.post(sessions, json={"messages": [], **LONG}, timeout=120).json()["session_id"]
+    chunk = {"sequence_id": 0, "payload": messages[0]["content"], "end_of_input": True}
+    assert httpx.post(f"{sessions}/{sid}/chunks", json=chunk, timeout=120).status_code == 202
+
+    chat, session = {}, {}
+    chat_started, session_started = threading.Event(), threading.Event()
+    body = {"messages": messages, "stream": True, **LONG}
+    events = f"/v1/streaming_input/sessions/{sid}/events"
+    readers = [
+        threading.Thread(target=stream_text, args=(base, "/v1/chat/completions", body, chat, chat_started)),
+        threading.Thread(target=stream_text, args=(base, events, None, session, session_started)),
+    ]
+    for reader in readers:
+        reader.start()
+    assert chat_started.wait(300) and session_started.wait(300)
+    busy = {rid: s for rid, s in decode_replicas().items() if s.get("num_running", 0) or s.get("num_requests", 0)}
+    assert busy, "the answers run on a decode replica"
+    victim_replica, victim = max(busy.items(), key=lambda kv: kv[1].get("num_requests", 0))
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == victim["node_id"])
+    cluster.remove_node(node, allow_graceful=False)  # the raylet and every process of that node
+    lost_at = time.monotonic()
+    for reader in readers:
+        reader.join(600)
+
+    reference = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=600).json()
+    expected = reference["choices"][0]["message"]["content"]
+    # The session goes on: a second turn on the decode replica left.
+    chunk = {"sequence_id": 1, "payload": "And once more, briefly.", "end_of_input": True}
+    assert httpx.post(f"{sessions}/{sid}/chunks", json=chunk, timeout=120).status_code == 202
+    second = httpx.get(f"{sessions}/{sid}/result", timeout=600).json()["answer"]
+    return {
+        "lost_node_replica": victim_replica,
+        "chat_equal": chat.get("text") == expected and not chat.get("errors"),
+        "session_equal": session.get("text") == expected and not session.get("errors"),
+        "answers_done_after_loss_s": round(time.monotonic() - lost_at, 1),
+        "second_turn": second["status"],
+        "errors": (chat.get("errors") or []) + (session.get("errors") or []),
+    }
 
 
 def main() -> None:
-    # A head and a worker, each with its own resources, as `ray start --head` / `ray start --address` do.
+    # A head (the router, prefill) and two decode workers, each with its own resources, as `ray start` does.
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "resources": {"prefill_pool": 1}, "include_dashboard": False},
     )
+    cluster.add_node(num_cpus=4, resources={"decode_pool": 1})
     cluster.add_node(num_cpus=4, resources={"decode_pool": 1})
     cluster.wait_for_nodes()
     import ray
@@ -33,29 +117,31 @@ def main() -> None:
     try:
         args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
         args["prefill"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"prefill_pool": 0.5}}
-        args["decode"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"decode_pool": 0.5}}
+        # One decode replica per decode node.
+        args["decode"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"decode_pool": 1}}
+        args["decode"]["deployment"]["num_replicas"] = 2
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app(args), name="realtime-pd", route_prefix="/")
+        serve.run(build_app(args), name=APP, route_prefix="/")
         base = f"http://127.0.0.1:{PORT}"
         messages = [{"role": "user", "content": "Two nodes, one machine. " * 40}]
         body = {"messages": messages, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
         answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300).json()
-        prefill = serve.get_deployment_handle("prefill", "realtime-pd").stats.remote().result()
-        decode = serve.get_deployment_handle("decode", "realtime-pd").stats.remote().result()
-        print(
-            json.dumps(
-                {
-                    "answer_tokens": answer["choices"][0]["token_ids"],
-                    "prompt_tokens": answer["usage"]["prompt_tokens"],
-                    "prefill_node": prefill["node_id"],
-                    "decode_node": decode["node_id"],
-                    "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],
-                    "decode_kv_transfers": decode["kv_transfers"],
-                    "decode_prompt_tokens_computed": decode["prompt_tokens_computed_total"],
-                    "block_size": decode["block_size"],
-                }
-            )
-        )
+        prefill = serve.get_deployment_handle("prefill", APP).stats.remote().result()
+        decodes = decode_replicas()
+        served = [s for s in decodes.values() if s["kv_transfers"]]
+        seen = {
+            "answer_tokens": answer["choices"][0]["token_ids"],
+            "prompt_tokens": answer["usage"]["prompt_tokens"],
+            "prefill_node": prefill["node_id"],
+            "decode_node": served[0]["node_id"] if served else None,
+            "decode_nodes": sorted({s["node_id"] for s in decodes.values()}),
+            "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],
+            "decode_kv_transfers": sum(s["kv_transfers"] for s in decodes.values()),
+            "decode_prompt_tokens_computed": sum(s["prompt_tokens_computed_total"] for s in served),
+            "block_size": next(iter(decodes.values()))["block_size"],
+        }
+        seen["decode_node_lost"] = lose_the_decode_node(cluster, base)
+        print(json.dumps(seen))
     finally:
         serve.shutdown()
         ray.shutdown()
