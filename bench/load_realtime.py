@@ -45,12 +45,14 @@ class PhaseStats:
     refused: int = 0  # handshakes refused as overloaded (1013)
     turns: int = 0  # responses that reached `response.done`
     latencies_s: list[float] = field(default_factory=list)  # response.create -> first delta
+    refusal_s: list[float] = field(default_factory=list)  # connect -> the overload error (how quickly excess is told)
     errors: Counter[str] = field(default_factory=Counter)
 
 
 def summarize(stats: PhaseStats) -> dict[str, Any]:
     """The phase's figures, JSON-ready: latencies in ms, errors by kind, refusals apart from other errors."""
     lat = [x * 1000 for x in stats.latencies_s]
+    refusal = [x * 1000 for x in stats.refusal_s]
     overload = {"server_overloaded", "close_1013", "http_429"}
     return {
         "phase": stats.name,
@@ -64,6 +66,10 @@ def summarize(stats: PhaseStats) -> dict[str, Any]:
             "p50": round(percentile(lat, 50), 1) if lat else None,
             "p99": round(percentile(lat, 99), 1) if lat else None,
             "max": round(max(lat), 1) if lat else None,
+        },
+        "refusal_ms": {
+            "p50": round(percentile(refusal, 50), 1) if refusal else None,
+            "p99": round(percentile(refusal, 99), 1) if refusal else None,
         },
         "errors": dict(sorted(stats.errors.items())),
         "unexpected_errors": sum(n for kind, n in stats.errors.items() if kind not in overload),
@@ -90,10 +96,13 @@ async def client(url: str, stats: PhaseStats, deadline: float, rng: random.Rando
     await asyncio.sleep(rng.uniform(0, args.ramp_s))
     while time.monotonic() < deadline:
         try:
+            connecting = time.monotonic()
             async with websockets.connect(url, open_timeout=60, max_size=None, ping_timeout=None) as ws:
                 first = json.loads(await asyncio.wait_for(ws.recv(), 60))
                 if first["type"] == "error":
-                    stats.refused += first["error"].get("code") == "server_overloaded"
+                    if first["error"].get("code") == "server_overloaded":
+                        stats.refused += 1
+                        stats.refusal_s.append(time.monotonic() - connecting)
                     stats.errors[str(first["error"].get("code"))] += 1
                     await asyncio.sleep(float(first["error"].get("retry_after") or 1) * rng.uniform(0.5, 1.5))
                     continue
@@ -178,8 +187,16 @@ async def run(url: str, phases: list[tuple[str, int, float]], args: argparse.Nam
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("turns", "chunks", "chunk_gap_s", "think_s", "max_tokens", "ramp_s", "seed", "start")
-    return {k: getattr(args, k) for k in keys}
+    keys = ("turns", "chunks", "chunk_gap_s", "think_s", "max_tokens", "ramp_s", "seed", "start", "admission")
+    return {k: getattr(args, k, None) for k in keys}  # (callers' namespaces may lack the newer ones)
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """`key=value` with a YAML value: `min_sessions=8`, `target_first_token_s=0.5`."""
+    import yaml
+
+    key, _, value = text.partition("=")
+    return key, yaml.safe_load(value)
 
 
 def parse_phase(text: str) -> tuple[str, int, float]:
@@ -187,8 +204,9 @@ def parse_phase(text: str) -> tuple[str, int, float]:
     return name, int(clients), float(seconds)
 
 
-def start_server(config: str, port: int) -> str:
-    """The config's application on this machine, as the integration tests start it."""
+def start_server(config: str, port: int, admission: list[tuple[str, Any]] | None = None) -> str:
+    """The config's application on this machine, as the integration tests start it (with `router.admission`
+    fields overridden by `admission`)."""
     import httpx
     import ray
     import yaml
@@ -199,6 +217,7 @@ def start_server(config: str, port: int) -> str:
 
     serve_env.apply()
     args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+    args.setdefault("router", {}).setdefault("admission", {}).update(dict(admission or []))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="realtime-pd", route_prefix="/")
@@ -218,7 +237,8 @@ def print_report(report: dict[str, Any]) -> None:
         lat = p["first_delta_ms"]
         print(
             f"{p['phase']:>6}: {p['clients']} clients {p['duration_s']:.0f}s  sessions={p['sessions']} "
-            f"refused={p['refused']} turns={p['turns']}  first delta p50={lat['p50']} ms p99={lat['p99']} ms  "
+            f"refused={p['refused']} (in p50={p['refusal_ms']['p50']} ms p99={p['refusal_ms']['p99']} ms) "
+            f"turns={p['turns']}  first delta p50={lat['p50']} ms p99={lat['p99']} ms  "
             f"errors={p['errors']} (unexpected {p['unexpected_errors']})"
         )
     rss = report["router_rss"]
@@ -233,6 +253,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--app", default="realtime-pd", help="the Serve application (for the router's RSS)")
     parser.add_argument("--phase", action="append", type=parse_phase, help="name:clients:seconds (repeatable)")
+    parser.add_argument(
+        "--admission", action="append", type=parse_setting, default=[], help="with --start: router.admission key=value"
+    )
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--chunk-gap-s", type=float, default=0.3)
@@ -244,7 +267,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     phases = args.phase or [("under", 80, 150.0), ("over", 300, 150.0)]
-    url = start_server(args.start, args.port) if args.start else args.url
+    url = start_server(args.start, args.port, args.admission) if args.start else args.url
     report = asyncio.run(run(f"{url}/v1/realtime", phases, args))
     print_report(report)
     out = args.out or RESULTS / f"load_realtime-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"

@@ -107,10 +107,11 @@ class LatencyLimit:
 
     Samples are taken in windows (at least `window_s` long and `min_samples` samples; or at once when the queue
     signal fires). A window whose `latency_percentile` is over the target, or with the prefill engines' mean
-    waiting queue at `max_queue_waiting`, shrinks the limit to `backoff` times what was in flight (not times the
-    old limit, which may be far above it), at most once per the latency just seen: the sessions admitted before
-    a decrease make the answers of the next one. A window under target grows it by `growth` of itself (at least
-    1) while the limit binds (in flight at 3/4 of it or more): an idle router's limit does not grow unbounded.
+    waiting queue at `max_queue_waiting`, shrinks the limit to what was in flight (not the old limit, which may
+    be far above it) times `backoff`, or times target/latency if that is less (not under half), at most once
+    per the latency just seen: the sessions admitted before a decrease make the answers of the next one. A
+    window under target grows it by `growth` of itself (at least 1) while the limit binds (in flight at 3/4 of
+    it or more): an idle router's limit does not grow unbounded.
     """
 
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -156,7 +157,9 @@ class LatencyLimit:
         config = self.config
         if over:
             if now >= self.hold_until:
-                self.limit = max(float(config.min_sessions), min(self.limit, in_flight) * config.backoff)
+                # The further over, the deeper the cut (a gradient, as Netflix's Gradient2): down to half at most.
+                factor = max(0.5, min(config.backoff, self.target / self.p90 if self.p90 else 1.0))
+                self.limit = max(float(config.min_sessions), min(self.limit, in_flight) * factor)
                 self.hold_until = now + max(config.window_s, self.p90 or 0.0)
                 self._log(in_flight, "decreased", now)
         elif in_flight >= 0.75 * self.limit:
@@ -235,8 +238,16 @@ class Admission:
         # counting after this long (the longest a session may live): a leak cannot shut the router.
         self.max_hold_s = max_hold_s
         self._open: dict[Ticket, float] = {}
+        # Retry-After follows the backlog: refused clients come back after it, so while refusals outpace the room
+        # that frees (tickets released), it grows, and it shrinks back to `retry_after_s` when they stop. Each
+        # retry costs a handshake on the same cores: a fixed Retry-After lets the excess crowd out the admitted.
+        self.retry_after = float(config.retry_after_s)
+        self._refused = self._released = 0
+        self._counted_at = clock()
         self._sessions: dict[str, Ticket] = {}  # REST sessions' tickets by id
         self._replica = _replica_id()
+        if self._replica:
+            _to_serve_log()
 
     @property
     def in_flight(self) -> int:
@@ -255,6 +266,7 @@ class Admission:
         if prefill is None:
             prefill = self.stats("prefill") or []
         self._expire()
+        self._pace_retries()
         if self.limiter.update(self.in_flight, mean_queue_waiting(prefill)):
             tag = {"replica": self._replica}
             metrics.set_gauge(metrics.ADMISSION_LIMIT, self.limiter.limit, "router admission limit", **tag)
@@ -272,7 +284,19 @@ class Admission:
         return ticket
 
     def _release(self, ticket: Ticket) -> None:
-        self._open.pop(ticket, None)
+        if self._open.pop(ticket, None) is not None:
+            self._released += 1
+
+    def _pace_retries(self) -> None:
+        """Once a window: Retry-After times refusals over releases (at most x2 or /2 a window), within bounds."""
+        now = self.clock()
+        if now - self._counted_at < self.config.window_s:
+            return
+        ratio = self._refused / max(self._released, 1)
+        self._refused = self._released = 0
+        self._counted_at = now
+        paced = self.retry_after * min(2.0, max(0.5, ratio))
+        self.retry_after = min(float(self.config.max_retry_after_s), max(float(self.config.retry_after_s), paced))
 
     def bind_session(self, session_id: str, ticket: Ticket) -> None:
         if ticket.owner is self:
@@ -286,7 +310,8 @@ class Admission:
 
     def _refuse(self, kind: str, reason: str, message: str) -> Refusal:
         metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="refused", reason=reason)
-        return Refusal(reason, message, self.config.retry_after_s)
+        self._refused += 1
+        return Refusal(reason, message, math.ceil(self.retry_after))
 
     def _over_limit(self, kind: str) -> Refusal | None:
         if self.in_flight < self.limiter.limit:
@@ -334,3 +359,14 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:
         return ""
+
+
+def _to_serve_log() -> None:
+    """The limit's INFO lines in the router's Serve log (Ray Serve configures only its own logger)."""
+    handlers = logging.getLogger("ray.serve").handlers
+    for handler in handlers:
+        if handler not in logger.handlers:
+            logger.addHandler(handler)
+    if handlers:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -153,6 +153,9 @@ class AdmissionConfig(_Strict):
     # replica saturated (decode could otherwise prefill it itself).
     max_streams_per_decode: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=2, ge=1)
+    # Retry-After grows from `retry_after_s` up to this while refusals outpace the room that frees (and shrinks
+    # back when they stop): every retry costs a handshake on the cores the admitted sessions need.
+    max_retry_after_s: int = Field(default=30, ge=1)
     # The adaptive limit on work in flight through each router replica (router/admission.py `LatencyLimit`):
     # while the `latency_percentile` of end of input to first token in a window of answers is over the target
     # (`target_first_token_s`, or `latency_tolerance` times the best recent window's P10 if larger: about
@@ -163,7 +166,7 @@ class AdmissionConfig(_Strict):
     target_first_token_s: float = Field(default=0.5, gt=0)
     latency_tolerance: float = Field(default=4.0, ge=1)
     latency_percentile: float = Field(default=0.9, gt=0, lt=1)
-    min_sessions: int = Field(default=8, ge=1)
+    min_sessions: int = Field(default=64, ge=1)
     max_in_flight: int = Field(default=4096, ge=1)
     max_queue_waiting: int = Field(default=16, ge=1)
     backoff: float = Field(default=0.9, gt=0, lt=1)

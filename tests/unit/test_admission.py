@@ -182,6 +182,16 @@ def test_the_limit_shrinks_under_slow_answers_and_grows_back_under_fast_ones() -
     assert gate.limit == 100 and gate.in_flight == 100  # never over max_in_flight
 
 
+def test_the_further_over_target_the_deeper_the_cut() -> None:
+    for latency_s, limit in ((1.05, 36), (1.6, 25), (9.0, 20)):  # x0.9, x target/latency, x0.5 at most
+        clock = Clock()
+        gate, _ = limited(clock, backoff=0.9)
+        _ = [gate.session() for _ in range(40)]
+        window(gate, clock, 0.1)
+        window(gate, clock, latency_s)
+        assert gate.limit == limit, latency_s
+
+
 def test_refusals_past_the_limit_give_retry_after_and_admitted_tickets_free_room() -> None:
     clock = Clock()
     gate, _ = limited(clock)
