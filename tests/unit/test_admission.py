@@ -211,6 +211,26 @@ def test_refusals_past_the_limit_give_retry_after_and_admitted_tickets_free_room
     assert refused(gate.session()).reason == "latency"
 
 
+def test_retry_after_grows_while_refusals_outpace_releases_and_shrinks_back() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=2, max_retry_after_s=10)
+    held = [gate.session(), gate.session()]
+    waits = []
+    for _ in range(4):  # 20 refusals a window, nothing released: the backlog grows, so does Retry-After
+        clock.now += 1.0
+        waits.append(max(refused(gate.session()).retry_after for _ in range(20)))
+    assert waits == [2, 4, 8, 10]  # doubling at most per window, up to max_retry_after_s
+    for ticket in held:
+        assert isinstance(ticket, Ticket)
+        ticket.release()
+    for _ in range(4):  # no refusals: back down to retry_after_s
+        clock.now += 1.0
+        ticket = gate.session()
+        assert isinstance(ticket, Ticket)
+        ticket.release()
+    assert gate.retry_after == 2.0
+
+
 def test_the_prefill_queue_is_an_early_signal() -> None:
     clock = Clock()
     gate, stats = limited(clock)
