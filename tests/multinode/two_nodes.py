@@ -86,16 +86,34 @@ def lose_the_decode_node(cluster: Cluster, base: str) -> dict[str, Any]:
     for reader in readers:
         reader.join(600)
 
+    # What each would have had: the same requests again, with no node lost.
     reference = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=600).json()
     expected = reference["choices"][0]["message"]["content"]
+    again = httpx.post(sessions, json={"messages": [], **LONG}, timeout=120).json()["session_id"]
+    chunk = {"sequence_id": 0, "payload": messages[0]["content"], "end_of_input": True}
+    assert httpx.post(f"{sessions}/{again}/chunks", json=chunk, timeout=120).status_code == 202
+    session_expected = httpx.get(f"{sessions}/{again}/result", timeout=600).json()["answer"]["text"]
     # The session goes on: a second turn on the decode replica left.
     chunk = {"sequence_id": 1, "payload": "And once more, briefly.", "end_of_input": True}
     assert httpx.post(f"{sessions}/{sid}/chunks", json=chunk, timeout=120).status_code == 202
     second = httpx.get(f"{sessions}/{sid}/result", timeout=600).json()["answer"]
+
+    def diverges(text: str) -> int | None:
+        """Where `text` leaves the expected answer (None: it does not)."""
+        if text == expected:
+            return None
+        return next(
+            (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b), min(len(text), len(expected))
+        )
+
     return {
         "lost_node_replica": victim_replica,
+        "busy_replicas": sorted(busy),
+        "chat_diverges_at": diverges(chat.get("text", ""), expected),
+        "session_diverges_at": diverges(session.get("text", ""), session_expected),
+        "session_vs_chat_diverges_at": diverges(session_expected, expected),
         "chat_equal": chat.get("text") == expected and not chat.get("errors"),
-        "session_equal": session.get("text") == expected and not session.get("errors"),
+        "session_equal": session.get("text") == session_expected and not session.get("errors"),
         "answers_done_after_loss_s": round(time.monotonic() - lost_at, 1),
         "second_turn": second["status"],
         "errors": (chat.get("errors") or []) + (session.get("errors") or []),
