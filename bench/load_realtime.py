@@ -8,11 +8,15 @@ the `retry_after` it was given and tries again. Per phase it reports the session
 capacity; refusals above it) and the router replica's RSS over time (bounded if nothing leaks).
 
     flock /tmp/rtpd-heavy.lock .venv/bin/python bench/load_realtime.py --start configs/config.yaml \
-        --phase under:80:150 --phase over:300:150
+        --phase under:60:90 --phase over:300:90
+    flock /tmp/rtpd-heavy.lock .venv/bin/python bench/load_realtime.py --start configs/config.yaml \
+        --admission min_sessions=8 --phase under:16:90 --phase over:300:90   # router.admission overridden
     .venv/bin/python bench/load_realtime.py --url ws://127.0.0.1:8000 --phase under:60:60   # a running server
 
 The default config's prefill replica holds 96 sessions (128 engine slots, three quarters of them) and admission
-refuses new ones from 95 % of that: 80 clients are under capacity, 300 above it.
+refuses new ones from 95 % of that, or past the router's adaptive latency limit (never under `min_sessions`,
+64 by default): 60 clients are under capacity, 300 above it. Refusals also report how long the handshake took
+to be refused (`refusal_ms`).
 """
 
 from __future__ import annotations
