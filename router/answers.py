@@ -94,6 +94,7 @@ class AnswerReader:
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
         self._streamed = False  # whether any of the answer reached the client
+        self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
 
     @property
@@ -261,8 +262,10 @@ class AnswerReader:
         if (at := self.claim.get("last_chunk_time")) is not None:
             waited = max(0.0, time.time() - at)
             metrics.observe(metrics.LAST_CHUNK_TO_FIRST_TOKEN, waited, "last input chunk to first token")
-            if (admission := getattr(self.ingress, "admission", None)) is not None:
-                admission.observe_first_token(waited)  # the latency admission adapts its limit to
+        else:  # input that came as items (Realtime) ends with the request for this answer
+            waited = time.monotonic() - self._created_at
+        if (admission := getattr(self.ingress, "admission", None)) is not None:
+            admission.observe_first_token(waited)  # the latency admission adapts its limit to
 
     async def whole(self) -> dict[str, Any]:
         """The answer as one non-streaming response object (`open(stream=False)` first)."""
