@@ -138,7 +138,9 @@ def main() -> None:
         # One decode replica per decode node.
         args["decode"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"decode_pool": 1}}
         args["decode"]["deployment"]["num_replicas"] = 2
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        # The ingress (proxy and router) on the head, as configs/config.yaml has it: the node lost is decode's.
+        args["router"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.1, "resources": {"prefill_pool": 0.1}}
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(args), name=APP, route_prefix="/")
         base = f"http://127.0.0.1:{PORT}"
         messages = [{"role": "user", "content": "Two nodes, one machine. " * 40}]
