@@ -159,9 +159,10 @@ class LatencyLimit:
             if now >= self.hold_until:
                 # The further over, the deeper the cut (a gradient, as Netflix's Gradient2): down to half at most.
                 factor = max(0.5, min(config.backoff, self.target / self.p90 if self.p90 else 1.0))
-                self.limit = max(float(config.min_sessions), min(self.limit, in_flight) * factor)
+                before, self.limit = self.limit, max(float(config.min_sessions), min(self.limit, in_flight) * factor)
                 self.hold_until = now + max(config.window_s, self.p90 or 0.0)
-                self._log(in_flight, "decreased", now)
+                if self.limit < before:
+                    self._log(in_flight, "decreased", now)
         elif in_flight >= 0.75 * self.limit:
             self.limit = min(float(config.max_in_flight), self.limit + max(1.0, config.growth * self.limit))
         if now - self._logged >= LOG_EVERY_S:
