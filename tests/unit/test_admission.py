@@ -318,3 +318,16 @@ def test_the_config_has_the_limits_fields() -> None:
     with pytest.raises(ValueError):
         AdmissionConfig(backoff=1.5)
     assert LatencyLimit(AdmissionConfig()).limit == AdmissionConfig().max_in_flight
+
+
+def test_answers_feed_the_limit_from_their_last_chunk_or_else_from_their_request() -> None:
+    import time
+
+    from router.answers import AnswerReader
+
+    seen: list[float] = []
+    reader = AnswerReader(SimpleNamespace(admission=SimpleNamespace(observe_first_token=seen.append)), "s")
+    reader._observe_first_token()  # Realtime: no last chunk time; the reader was made at response.create
+    reader.claim = {"last_chunk_time": time.time() - 2.0}
+    reader._observe_first_token()
+    assert 0 <= seen[0] < 1 and 1.9 < seen[1] < 5
