@@ -98,13 +98,12 @@ def lose_the_decode_node(cluster: Cluster, base: str) -> dict[str, Any]:
     assert httpx.post(f"{sessions}/{sid}/chunks", json=chunk, timeout=120).status_code == 202
     second = httpx.get(f"{sessions}/{sid}/result", timeout=600).json()["answer"]
 
-    def diverges(text: str) -> int | None:
+    def diverges(text: str, expected: str) -> int | None:
         """Where `text` leaves the expected answer (None: it does not)."""
         if text == expected:
             return None
-        return next(
-            (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b), min(len(text), len(expected))
-        )
+        pairs = enumerate(zip(text, expected, strict=False))
+        return next((i for i, (a, b) in pairs if a != b), min(len(text), len(expected)))
 
     return {
         "lost_node_replica": victim_replica,
