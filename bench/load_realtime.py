@@ -15,7 +15,7 @@ capacity; refusals above it) and the router replica's RSS over time (bounded if 
 
 The default config's prefill replica holds 96 sessions (128 engine slots, three quarters of them) and admission
 refuses new ones from 95 % of that, or past the router's adaptive latency limit (never under `min_sessions`,
-64 by default): 60 clients are under capacity, 300 above it. Refusals also report how long the handshake took
+80 by default): 60 clients are under capacity, 300 above it. Refusals also report how long the handshake took
 to be refused (`refusal_ms`).
 """
 

@@ -166,7 +166,7 @@ class AdmissionConfig(_Strict):
     target_first_token_s: float = Field(default=0.5, gt=0)
     latency_tolerance: float = Field(default=4.0, ge=1)
     latency_percentile: float = Field(default=0.9, gt=0, lt=1)
-    min_sessions: int = Field(default=64, ge=1)
+    min_sessions: int = Field(default=80, ge=1)
     max_in_flight: int = Field(default=4096, ge=1)
     max_queue_waiting: int = Field(default=16, ge=1)
     backoff: float = Field(default=0.9, gt=0, lt=1)
