@@ -31,5 +31,5 @@ def test_prefill_and_decode_on_different_nodes_and_a_decode_node_lost():
     assert seen["prompt_tokens"] > seen["block_size"]
     assert seen["decode_prompt_tokens_computed"] <= seen["block_size"]
     lost = seen["decode_node_lost"]  # both answers resumed on the other node's decode replica, token for token
-    assert lost["chat_equal"] and lost["session_equal"] and not lost["errors"], lost
+    assert lost["chat_equal"] and lost["session_equal"] and not lost["errors"], json.dumps(lost)
     assert lost["second_turn"] == "completed", lost
