@@ -46,7 +46,7 @@ def stream_text(
             if not line.startswith("data: {"):
                 continue
             frame = json.loads(line[6:])
-            if "error" in frame:
+            if frame.get("error"):  # (a session's closing summary carries `"error": null`)
                 errors.append(frame["error"])
             for choice in frame.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
