@@ -98,16 +98,18 @@ class HandOff:
         recorded = session.record("ended", turn=answer.turn, summary=answer.summary())
         if session.state == SessionState.CLOSED:
             return
-        await recorded
         if session.ephemeral:  # its request is over: its KV goes now, not when its router gets to delete it
             await self._close(session, "its answer ended")
             return
+        # The session is open again before any await: a caller cancelled from here on (a cancel whose client
+        # left) must not leave it answering.
         session.state = SessionState.OPEN
         session.touch()
         try:
             await self._prefill_stable(session)
         except Exception:
             logger.exception("session %s: re-prefill after the answer failed", session.id)
+        await recorded
 
     # --- the router's side -------------------------------------------------------------------------
     @session_api
@@ -135,7 +137,9 @@ class HandOff:
             return {**reply, "answer": answer.summary()}
         answer.status, answer.claimed_at = "streaming", time.monotonic()
         answer.alive_at = answer.claimed_at
-        await session.record("claimed", turn=answer.turn)
+        # Journaled, not awaited: between the claim and its reply nothing may be cancelled (a reader whose client
+        # left is cancelled with its request, recursively, and the answer would be claimed by nobody).
+        session.record("claimed", turn=answer.turn)
         # Wall clock, for the router's last-chunk-to-first-token histogram.
         if session.last_chunk_at is not None:
             reply["last_chunk_time"] = time.time() - (time.monotonic() - session.last_chunk_at)
