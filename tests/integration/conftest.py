@@ -63,6 +63,23 @@ def server() -> Iterator[str]:
     ray.shutdown()
 
 
+def deploy_app(name: str, prefix: str, args: dict[str, Any], deployments: list[dict[str, Any]]) -> None:
+    """Deploy a second application beside the main one, as `serve deploy` of a config file does (so that a later
+    change of a deployment's replica count is the lightweight update the autoscaler makes, not a restart).
+    Returns at once: each test waits for the replicas it needs."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {
+        "name": name,
+        "route_prefix": prefix,
+        "import_path": "serve_app.builder:build_app",
+        "args": args,
+        "deployments": deployments,
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
 @pytest.fixture(scope="session")
 def model_name(server: str) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]

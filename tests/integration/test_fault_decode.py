@@ -27,7 +27,7 @@ import ray
 import websockets
 from ray import serve
 
-from tests.integration.conftest import app_args
+from tests.integration.conftest import app_args, deploy_app
 from tests.integration.test_streaming_input import SESSIONS, TEXT, Realtime
 
 pytestmark = pytest.mark.integration
@@ -39,19 +39,9 @@ PROMPT = TEXT[:300]  # (short: decode prefills chat and completions itself; sess
 
 
 def deploy() -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     args = copy.deepcopy(app_args())
     args.setdefault("kv_transfer", {})["lease_s"] = LEASE_S
-    app = {
-        "name": APP,
-        "route_prefix": PREFIX,
-        "import_path": "serve_app.builder:build_app",
-        "args": args,
-        "deployments": [{"name": "decode", "num_replicas": 2}],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    deploy_app(APP, PREFIX, args, [{"name": "decode", "num_replicas": 2}])
     deadline = time.time() + 420
     while time.time() < deadline:
         status = serve.status().applications.get(APP)

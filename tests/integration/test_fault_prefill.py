@@ -24,6 +24,7 @@ import websockets
 from ray import serve
 
 from prefill.session import owner_of
+from tests.integration.conftest import deploy_app
 from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
 
 pytestmark = pytest.mark.integration
@@ -34,17 +35,7 @@ LONG = {"max_tokens": 300, "ignore_eos": True}  # an answer still streaming when
 
 
 def deploy(args: dict[str, Any]) -> None:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    app = {
-        "name": APP,
-        "route_prefix": PREFIX,
-        "import_path": "serve_app.builder:build_app",
-        "args": args,
-        "deployments": [{"name": "prefill", "num_replicas": 2}],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    deploy_app(APP, PREFIX, args, [{"name": "prefill", "num_replicas": 2}])
     wait_running(2)
 
 

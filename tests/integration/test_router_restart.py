@@ -14,7 +14,7 @@ import pytest
 import websockets
 from ray import serve
 
-from tests.integration.conftest import PORT, app_args
+from tests.integration.conftest import PORT, app_args, deploy_app
 
 pytestmark = pytest.mark.integration
 
@@ -25,18 +25,8 @@ CLIENTS = 3
 def deploy(router_cpus: float) -> None:
     """Deploy as `serve deploy` does; a new `num_cpus` for the router is a new version of it alone: Serve stops its
     replica (gracefully) and starts another, while prefill and decode keep theirs (and the sessions)."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     router = {"name": "router", "num_replicas": 1, "ray_actor_options": {"num_cpus": router_cpus}}
-    app = {
-        "name": APP,
-        "route_prefix": PREFIX,
-        "import_path": "serve_app.builder:build_app",
-        "args": copy.deepcopy(app_args()),
-        "deployments": [router],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    deploy_app(APP, PREFIX, copy.deepcopy(app_args()), [router])
 
 
 def wait_running(timeout: float = 300) -> None:

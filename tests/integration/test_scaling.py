@@ -10,7 +10,7 @@ import pytest
 from ray import serve
 
 from prefill.session import owner_of
-from tests.integration.conftest import app_args
+from tests.integration.conftest import app_args, deploy_app
 from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
 
 pytestmark = pytest.mark.integration
@@ -19,19 +19,8 @@ APP, PREFIX = "drain", "/drain"
 
 
 def deploy(prefill_replicas: int) -> None:
-    """Deploy as `serve deploy` of a config file does, so that changing a deployment's replica count is
-    the lightweight update the autoscaler makes, not a restart."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    app = {
-        "name": APP,
-        "route_prefix": PREFIX,
-        "import_path": "serve_app.builder:build_app",
-        "args": copy.deepcopy(app_args()),
-        "deployments": [{"name": "prefill", "num_replicas": prefill_replicas}],
-    }
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    """Deploy (or rescale) the second app and wait until it runs `prefill_replicas` prefill replicas."""
+    deploy_app(APP, PREFIX, copy.deepcopy(app_args()), [{"name": "prefill", "num_replicas": prefill_replicas}])
     deadline = time.time() + 300
     while time.time() < deadline:
         status = serve.status().applications.get(APP)
