@@ -79,8 +79,11 @@ class SessionError(Exception):
         self.status, self.message, self.param, self.close = status, message, param, close
 
 
-async def _nothing() -> None:
-    return None
+def _landed() -> asyncio.Future[None]:
+    """A write with no journal: already done (a future, not a coroutine, so that leaving it unawaited is fine)."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 def new_session_id(owner: str) -> str:
@@ -149,7 +152,7 @@ class Session:
         made it is acknowledged."""
         if self.journal is not None:
             return self.journal.write(op, **fields)
-        return _nothing()
+        return _landed()
 
     # --- input -------------------------------------------------------------------------------------
     def touch(self) -> None:

@@ -38,12 +38,13 @@ from typing import Any
 from router.placement import pool_stats
 from serve_app import metrics
 from serve_app.config import AdmissionConfig
-from serve_app.protocol import error_body
+from serve_app.protocol import error_body, error_status
 
 logger = logging.getLogger(__name__)
 
 Stats = dict[str, Any]
 OVERLOADED = "server_overloaded"  # the Realtime `error` event's code for a refusal
+IDLE_GRACE_S = 1.0  # past a REST session's idle timeout, before its ticket here is dropped (its owner's sweep)
 LOG_EVERY_S = 10.0  # the limit's state in the router's log at most this often (and at every decrease)
 
 
@@ -76,6 +77,17 @@ class Ticket:
             self.owner = None
 
 
+class HeldSession:
+    """A REST session's ticket, with when a call on the session last came through this router."""
+
+    def __init__(self, ticket: Ticket, idle_timeout_s: float, clock: Callable[[], float]) -> None:
+        self.ticket, self.idle_timeout_s = ticket, idle_timeout_s
+        self.seen_at = clock()
+
+    def idle(self, now: float) -> bool:
+        return now - self.seen_at > self.idle_timeout_s + IDLE_GRACE_S
+
+
 def admit_session(ingress: Any) -> Refusal | Ticket:
     """The ingress's decision on a new session: a refusal, or the session's ticket (a no-op one where the ingress
     has no admission control, as in unit tests' fakes)."""
@@ -90,10 +102,21 @@ def release_session(ingress: Any, session_id: str) -> None:
         admission.release_session(session_id)
 
 
-def bind_session(ingress: Any, session_id: str, ticket: Ticket) -> None:
-    """Keep a REST session's ticket until the session ends (its calls come one HTTP request at a time)."""
+def bind_session(ingress: Any, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None) -> None:
+    """Keep a REST session's ticket until the session ends (its calls come one HTTP request at a time): deleted or
+    answered here, found gone by a call, or idle past `idle_timeout_s` (when its owner closes it)."""
     if (admission := getattr(ingress, "admission", None)) is not None and hasattr(admission, "bind_session"):
-        admission.bind_session(session_id, ticket)
+        admission.bind_session(session_id, ticket, idle_timeout_s)
+
+
+def session_seen(ingress: Any, session_id: str, result: Any) -> None:
+    """A call on a REST session came back: the session is active again, or (404) gone, its ticket with it."""
+    if (admission := getattr(ingress, "admission", None)) is None or not hasattr(admission, "touch_session"):
+        return
+    if isinstance(result, dict) and isinstance(result.get("error"), dict) and error_status(result) == 404:
+        admission.release_session(session_id)
+    else:
+        admission.touch_session(session_id)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -245,7 +268,7 @@ class Admission:
         self.retry_after = float(config.retry_after_s)
         self._refused = self._released = 0
         self._counted_at = clock()
-        self._sessions: dict[str, Ticket] = {}  # REST sessions' tickets by id
+        self._sessions: dict[str, HeldSession] = {}  # REST sessions' tickets by id
         self._replica = _replica_id()
         if self._replica:
             _to_serve_log()
@@ -274,9 +297,14 @@ class Admission:
             metrics.set_gauge(metrics.ADMISSION_IN_FLIGHT, self.in_flight, "admitted work in flight", **tag)
 
     def _expire(self) -> None:
-        if self._open and (cutoff := self.clock() - self.max_hold_s) > next(iter(self._open.values())):
+        now = self.clock()
+        if self._open and (cutoff := now - self.max_hold_s) > next(iter(self._open.values())):
             for ticket in [t for t, at in self._open.items() if at < cutoff]:
                 ticket.release()
+        # A REST session with no call through here for its idle timeout is closed by its owner (or lives on through
+        # another router): either way no longer this router's work in flight.
+        for session_id in [s for s, held in self._sessions.items() if held.idle(now)]:
+            self._sessions.pop(session_id).ticket.release()
 
     def _ticket(self, kind: str) -> Ticket:
         ticket = Ticket(self, kind)
@@ -299,14 +327,18 @@ class Admission:
         paced = self.retry_after * min(2.0, max(0.5, ratio))
         self.retry_after = min(float(self.config.max_retry_after_s), max(float(self.config.retry_after_s), paced))
 
-    def bind_session(self, session_id: str, ticket: Ticket) -> None:
+    def bind_session(self, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None) -> None:
         if ticket.owner is self:
-            self._sessions[session_id] = ticket
+            self._sessions[session_id] = HeldSession(ticket, idle_timeout_s or self.max_hold_s, self.clock)
+
+    def touch_session(self, session_id: str) -> None:
+        if (held := self._sessions.get(session_id)) is not None:
+            held.seen_at = self.clock()
 
     def release_session(self, session_id: str) -> None:
-        if (ticket := self._sessions.pop(session_id, None)) is not None:
-            ticket.release()
-        for stale in [s for s, t in self._sessions.items() if t.owner is None]:  # expired meanwhile
+        if (held := self._sessions.pop(session_id, None)) is not None:
+            held.ticket.release()
+        for stale in [s for s, h in self._sessions.items() if h.ticket.owner is None]:  # expired meanwhile
             del self._sessions[stale]
 
     def _refuse(self, kind: str, reason: str, message: str) -> Refusal:

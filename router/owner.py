@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from router.admission import session_seen
 from serve_app import metrics
 from serve_app.protocol import error_body, error_status
 
@@ -68,6 +69,13 @@ async def create_session(ingress: Any, spec: dict[str, Any]) -> dict[str, Any]:
 async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     """A call on the session's owner replica. While the session changes owner (its replica died or drains),
     the call is retried, with the same `call_id`, until it lands where the session now is (bounded)."""
+    result = await _owner_call(ingress, method, **kwargs)
+    if (session_id := kwargs.get("session_id")) is not None:
+        session_seen(ingress, session_id, result)  # (admission: active again, or gone)
+    return result
+
+
+async def _owner_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     kwargs.setdefault("tenant", current_tenant.get())
     session_id = kwargs.get("session_id")
     if method in MUTATING:

@@ -72,7 +72,7 @@ async def create_session(request: Request) -> Response:
     if "error" in result:
         ticket.release()
         return _reply(result)
-    bind_session(ingress, result["session_id"], ticket)  # released when it is deleted or answered here
+    bind_session(ingress, result["session_id"], ticket, result.get("expires_in"))  # until deleted, answered or idle
     return JSONResponse(
         {"object": "streaming_input.session", **result, "session_id": result["session_id"]}, status_code=201
     )

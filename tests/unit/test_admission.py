@@ -23,7 +23,7 @@ from router.admission import (
     session_room,
 )
 from serve_app.config import AdmissionConfig, AppConfig
-from serve_app.protocol import error_headers, error_status
+from serve_app.protocol import error_body, error_headers, error_status
 
 CONFIG = AdmissionConfig(max_session_fill=0.9, max_queue_per_replica=8, min_kv_free_fraction=0.1, retry_after_s=3)
 
@@ -268,48 +268,85 @@ def test_a_ticket_never_released_stops_counting_after_max_hold() -> None:
     assert gate.in_flight == 2  # the first one expired
 
 
-async def test_an_admitted_sessions_calls_are_never_refused() -> None:
-    """Past the limit a new REST session gets 429, while the calls on one admitted before all pass; deleting it
-    frees its room."""
-    clock = Clock()
-    gate, _ = limited(clock, min_sessions=1, max_in_flight=1)
-    calls: list[str] = []
+class FakePrefill:
+    """The prefill pool's handle: each call recorded, answered by `replies` (method -> reply) or {}."""
 
-    class Prefill:
-        def __getattr__(self, method: str) -> Any:
-            class Method:
-                def remote(self, *args: Any, **kwargs: Any) -> Any:
-                    calls.append(method)
+    def __init__(self, replies: dict[str, dict[str, Any]] | None = None) -> None:
+        self.calls: list[str] = []
+        self.replies = replies or {}
 
-                    async def reply() -> dict[str, Any]:
-                        return {"session_id": f"sess_r1_{len(calls)}"} if method == "create_session" else {}
+    def __getattr__(self, method: str) -> Any:
+        calls, replies = self.calls, self.replies
 
-                    return reply()
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                calls.append(method)
 
-            return Method()
+                async def reply() -> dict[str, Any]:
+                    if method == "create_session":
+                        return {"session_id": f"sess_r1_{len(calls)}", **replies.get(method, {})}
+                    return replies.get(method, {})
 
-    config = AppConfig()
+                return reply()
+
+        return Method()
+
+
+def sessions_client(gate: Admission, prefill: FakePrefill) -> httpx.AsyncClient:
     ingress = SimpleNamespace(
-        config=config, prefill=Prefill(), admission=gate, check_model=lambda body: None,
+        config=AppConfig(), prefill=prefill, admission=gate, check_model=lambda body: None,
         check_max_tokens=lambda body: None, read_body=lambda request: request.json(),
     )  # fmt: skip
     app = FastAPI()
     app.include_router(sessions.api)
     app.state.ingress = ingress
-    base = "/v1/streaming_input/sessions"
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        made = await client.post(base, json={"messages": []})
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+BASE = "/v1/streaming_input/sessions"
+
+
+async def test_an_admitted_sessions_calls_are_never_refused() -> None:
+    """Past the limit a new REST session gets 429, while the calls on one admitted before all pass; deleting it
+    frees its room."""
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1)
+    prefill = FakePrefill()
+    async with sessions_client(gate, prefill) as client:
+        made = await client.post(BASE, json={"messages": []})
         assert made.status_code == 201 and gate.in_flight == 1
         session_id = made.json()["session_id"]
-        again = await client.post(base, json={"messages": []})
+        again = await client.post(BASE, json={"messages": []})
         assert again.status_code == 429 and again.headers["retry-after"] == "2"
         chunk = {"sequence_id": 0, "payload": "hi", "end_of_input": True}
-        assert (await client.post(f"{base}/{session_id}/chunks", json=chunk)).status_code == 202
-        assert (await client.post(f"{base}/{session_id}/finish")).status_code == 202
-        assert (await client.delete(f"{base}/{session_id}")).status_code == 200
+        assert (await client.post(f"{BASE}/{session_id}/chunks", json=chunk)).status_code == 202
+        assert (await client.post(f"{BASE}/{session_id}/finish")).status_code == 202
+        assert (await client.delete(f"{BASE}/{session_id}")).status_code == 200
         assert gate.in_flight == 0
-        assert (await client.post(base, json={"messages": []})).status_code == 201
-    assert calls.count("create_session") == 2 and "session_chunk" in calls
+        assert (await client.post(BASE, json={"messages": []})).status_code == 201
+    assert prefill.calls.count("create_session") == 2 and "session_chunk" in prefill.calls
+
+
+async def test_a_rest_session_closed_by_its_owner_frees_its_room() -> None:
+    """A REST session left without a DELETE (its client vanished) is closed by its owner at its idle timeout: the
+    router's ticket goes with it, and is kept while calls come; a call that finds the session gone (404) frees it
+    at once."""
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=2, max_in_flight=2)
+    gone = error_body(404, "session not found", "session_id")
+    prefill = FakePrefill({"create_session": {"expires_in": 4.0}, "session_info": gone})
+    async with sessions_client(gate, prefill) as client:
+        first = (await client.post(BASE, json={"messages": []})).json()["session_id"]
+        second = (await client.post(BASE, json={"messages": []})).json()["session_id"]
+        assert gate.in_flight == 2 and (await client.post(BASE, json={"messages": []})).status_code == 429
+        clock.now += 3.0
+        chunk = {"sequence_id": 0, "payload": "hi"}
+        assert (await client.post(f"{BASE}/{first}/chunks", json=chunk)).status_code == 202  # active again
+        clock.now += 3.0  # the second one idle 6 s > 4 s (+ grace): closed by its owner
+        assert (await client.post(BASE, json={"messages": []})).status_code == 201
+        assert gate.in_flight == 2 and second not in gate._sessions and first in gate._sessions
+        assert (await client.get(f"{BASE}/{first}")).status_code == 404  # found gone
+        assert gate.in_flight == 1
 
 
 def test_the_config_has_the_limits_fields() -> None:
