@@ -7,7 +7,7 @@ PORT   ?= 8000
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install model run test unit integration lint bench bench-quick manifests clean
+.PHONY: install model run test unit integration lint bench bench-quick bench-check manifests clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,7 +31,7 @@ run: install
 	  exec env $$($(PY) -m serve_app.serve_env) $(VENV)/bin/serve run $(CONFIG)
 
 test: install lint
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=25
 
 unit: install
 	$(VENV)/bin/pytest -q tests/unit
@@ -50,6 +50,11 @@ bench: install
 
 bench-quick: install
 	$(PY) bench/suite.py --quick
+
+# The quick suite, checked: every query answered, every summary key, the plots (tests/bench/test_suite_quick.py;
+# ~10 min on two cores, so `make test` leaves it out).
+bench-check: install
+	RTPD_BENCH_SUITE=1 $(VENV)/bin/pytest -q -ra tests/bench/test_suite_quick.py
 
 manifests: install
 	$(PY) -m serve_app.manifests

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.test_router_restart import turn
+from tests.integration.faults.test_router_restart import turn
 
 pytestmark = pytest.mark.integration
 

@@ -1,16 +1,15 @@
 """Decode faults on the real stack: a decode replica killed mid-answer, and a KV transfer that fails.
 
-A second app ("faults-decode") with two decode replicas and a short NIXL lease runs beside the main one. Long
-greedy answers of every kind (chat and completion streams, a REST session's events, a realtime response) are
-started, their decode replica's process is SIGKILLed once they have tokens, and each must end with exactly the
-text of the uninterrupted answer (README "Fault tolerance"). A KV hand-off whose prefill side cannot be reached
-is recomputed by decode, counted, and its blocks on prefill are freed by the lease.
+The faults app (tests/integration/faults/conftest.py: two decode replicas, a short NIXL lease) runs beside the main
+one. Long greedy answers of every kind (chat and completion streams, a REST session's events, a realtime response)
+are started, their decode replica's process is SIGKILLed once they have tokens, and each must end with exactly the
+text of the uninterrupted answer (README "Fault tolerance"). A KV hand-off whose prefill side cannot be reached is
+recomputed by decode, counted, and its blocks on prefill are freed by the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import signal
@@ -18,61 +17,20 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-import ray
 import websockets
-from ray import serve
 
-from tests.integration.conftest import app_args, deploy_app
+from tests.integration.faults.conftest import LEASE_S, handle, replicas
 from tests.integration.test_streaming_input import SESSIONS, TEXT, Realtime
 
 pytestmark = pytest.mark.integration
 
-APP, PREFIX = "faults-decode", "/faults-decode"
-LEASE_S = 12
 TOKENS = 1200  # long enough to be mid-answer when its replica is killed
 PROMPT = TEXT[:300]  # (short: decode prefills chat and completions itself; sessions hand KV over)
-
-
-def deploy() -> None:
-    args = copy.deepcopy(app_args())
-    args.setdefault("kv_transfer", {})["lease_s"] = LEASE_S
-    deploy_app(APP, PREFIX, args, [{"name": "decode", "num_replicas": 2}])
-    deadline = time.time() + 420
-    while time.time() < deadline:
-        status = serve.status().applications.get(APP)
-        running = status is not None and status.status == "RUNNING"
-        if running and status.deployments["decode"].replica_states.get("RUNNING", 0) == 2 and len(decode_pids()) == 2:
-            return
-        time.sleep(1)
-    raise AssertionError(f"{APP} did not start two decode replicas: {serve.status()}")
-
-
-@pytest.fixture(scope="module")
-def faults(server: str) -> Iterator[str]:
-    deploy()
-    base = f"{server}{PREFIX}"
-    deadline = time.time() + 120
-    while httpx.get(f"{base}/health", timeout=10).status_code != 200:
-        assert time.time() < deadline, "the second app never became healthy"
-        time.sleep(1)
-    yield base
-    serve.delete(APP)
-
-
-def handle(role: str) -> Any:
-    return serve.get_deployment_handle(role, app_name=APP)
-
-
-def decode_pids() -> dict[str, int]:
-    """The live decode replicas of the app: replica id -> process id (from the GCS actor table)."""
-    prefix = f"SERVE_REPLICA::{APP}#decode#"
-    actors = ray._private.state.actors(actor_state_name="ALIVE").values()
-    return {a["Name"][len(prefix) :]: a["Pid"] for a in actors if a["Name"].startswith(prefix) and a["Pid"]}
 
 
 def replica_stats(replica: str, request_id_prefix: str | None = None) -> dict[str, Any]:
@@ -220,8 +178,14 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def prefill_stats() -> dict[str, Any]:
-    return handle("prefill").stats.remote().result(timeout_s=60)
+def prefill_stats() -> dict[str, int]:
+    """Both prefill replicas' figures, summed (the transfer's blocks are on whichever prefilled it)."""
+    total = {"kv_blocks_free": 0, "kv_blocks_total": 0, "num_requests": 0}
+    for replica in replicas("prefill"):
+        stats = handle("prefill").stats.remote(route_to=replica).result(timeout_s=60)
+        for key in total:
+            total[key] += stats[key]
+    return total
 
 
 def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_the_lease(
@@ -229,7 +193,7 @@ def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_
 ) -> None:
     body = {"model": model_name, "prompt": TEXT, "max_tokens": 16, "temperature": 0}
     expected = whole(faults, "/v1/completions", body)
-    failures = {rid: replica_stats(rid).get("kv_load_failed_requests", 0) for rid in decode_pids()}
+    failures = {rid: replica_stats(rid).get("kv_load_failed_requests", 0) for rid in replicas("decode")}
 
     prefilled = handle("prefill").prefill.remote("completion", body).result(timeout_s=120)
     params = dict(prefilled["kv_transfer_params"])
@@ -272,7 +236,7 @@ def test_answers_go_on_when_their_decode_replica_is_killed(faults: str, model_na
         assert reader.failure is None, (reader.name, reader.failure)
 
     # Kill the replica that serves the most of them.
-    pids = decode_pids()
+    pids = replicas("decode")
     where = {r.name: [rid for rid in pids if replica_stats(rid, r.key).get("prompt_tokens_computed")] for r in readers}
     victim = max(pids, key=lambda rid: sum(rid in found for found in where.values()))
     moved = [name for name, found in where.items() if victim in found]
