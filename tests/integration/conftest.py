@@ -22,10 +22,21 @@ PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
 METRICS_PORT = int(os.environ.get("RTPD_TEST_METRICS_PORT", "8767"))
 
 
+def for_tests(args: dict[str, Any]) -> dict[str, Any]:
+    """The engines of a test app run eager (no torch.compile): on two cores, compiling the model takes 30-80 s of
+    each of the ~20 engine starts of a run, and the tests exercise this project's code, not vLLM's compiler (the
+    reference engine runs eager too, so greedy outputs still compare token for token). RTPD_TEST_COMPILE=1 keeps
+    the shipped setting."""
+    if not os.environ.get("RTPD_TEST_COMPILE"):
+        args.setdefault("engine", {})["enforce_eager"] = True
+    return args
+
+
 def app_args() -> dict[str, Any]:
-    """The default config's args (what `make run` serves), so the tests exercise the shipped config."""
+    """The default config's args (what `make run` serves), so the tests exercise the shipped config (engines
+    eager: `for_tests`)."""
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
-    return config["applications"][0]["args"]
+    return for_tests(config["applications"][0]["args"])
 
 
 def wait_healthy(base: str, timeout: float) -> None:
@@ -123,6 +134,7 @@ class ReferenceEngine:
             kv_cache_memory_bytes=int((engine.kv_cache_gb or 0.25) * 2**30),
             gpu_memory_utilization=engine.gpu_memory_utilization or 0.2,
             enable_prefix_caching=False,
+            enforce_eager=bool(engine.enforce_eager),
         )
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:

@@ -30,7 +30,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, for_tests
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +147,7 @@ def cluster() -> Iterator[Cluster]:
     port = _free_port()
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    for_tests(config["applications"][0]["args"])
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
 

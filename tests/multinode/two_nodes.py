@@ -18,7 +18,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from serve_app.builder import build_app
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, for_tests
 
 PORT = 8766
 APP = "realtime-pd"
@@ -132,7 +132,7 @@ def main() -> None:
 
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
+        args = for_tests(yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"])
         args["prefill"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"prefill_pool": 0.5}}
         # One decode replica per decode node.
         args["decode"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"decode_pool": 1}}
