@@ -47,7 +47,9 @@ class Journal:
             record["call"] = call
         self._tail = asyncio.ensure_future(self._put(self.n, record, self._tail))
         self.n += 1
-        return self._tail
+        # Shielded: a caller cancelled while it waits (its client left mid-call) must not cancel the write, which
+        # every later write and `flush` (a DELETE's) wait on.
+        return asyncio.shield(self._tail)
 
     async def _put(self, n: int, record: dict[str, Any], previous: asyncio.Future[None] | None) -> None:
         try:
@@ -56,12 +58,12 @@ class Journal:
             logger.exception("session %s: journal write failed", self.session_id)
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="journal_write")
         if previous is not None:
-            await asyncio.shield(previous)
+            await asyncio.wait([previous])  # (landed or not: its outcome is its own)
 
     async def flush(self) -> None:
-        """Until every record written so far has landed."""
+        """Until every record written so far has landed (cancelling the caller leaves the writes be)."""
         if self._tail is not None:
-            await asyncio.shield(self._tail)
+            await asyncio.wait([self._tail])
 
     async def forget(self) -> None:
         await self.flush()

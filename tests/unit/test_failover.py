@@ -166,3 +166,29 @@ async def test_drain_hands_every_session_over_and_calls_wait_for_it(pool) -> Non
     assert sorted(adopted["adopted"]) == sorted(s.id for s in sessions)
     reply = await asyncio.wait_for(waiting, 2)
     assert "error" not in reply and reply["next_sequence_id"] == 1
+
+
+async def test_a_caller_cancelled_while_its_record_is_written_does_not_cancel_the_write() -> None:
+    """A client leaving mid-call cancels the owner's call while it waits for its record (the storm's
+    `mid_prefill` clients): the record still lands, and a later flush (a DELETE's) neither fails nor hangs."""
+
+    class SlowStore(MemorySessionStore):
+        async def append(self, session_id: str, n: int, record: dict[str, Any]) -> None:
+            await asyncio.sleep(0.05)
+            await super().append(session_id, n, record)
+
+    store = SlowStore()
+    journal = Journal(store, "s1")
+
+    async def call() -> None:
+        await journal.write("chunk", seq=0)
+
+    caller = asyncio.ensure_future(call())
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    after = journal.write("chunk", seq=1)
+    await asyncio.wait_for(journal.flush(), 5)
+    await after
+    assert [r["seq"] for r in await store.records("s1")] == [0, 1]
