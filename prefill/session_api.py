@@ -355,5 +355,11 @@ class SessionAPI(HandOff, Failover):
                         await self._close(session, "expired")
                     elif not session.answering and now - session.created_at > session.limits.max_session_s:
                         await self._close(session, "expired: the session's time limit passed")
+                except asyncio.CancelledError:
+                    # Only the sweeper's own cancellation (shutdown) ends it: one session's close cancelled from
+                    # inside must not stop every later expiry on this replica.
+                    if (task := asyncio.current_task()) is not None and task.cancelling():
+                        raise
+                    logger.exception("sweeping session %s was cancelled", session.id)
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)

@@ -496,3 +496,29 @@ async def test_each_key_holds_at_most_its_sessions(server: Server) -> None:
     assert refused["error"]["code"] == 429 and "this API key" in refused["error"]["message"]
     assert "session_id" in await server.create_session({**spec, "tenant": "key-b"})  # another key has room
     assert "session_id" in await server.create_session(spec)  # without keys there is no per-key cap
+
+
+async def test_the_sweep_outlives_a_close_that_raises_cancelled(tokenizer: Any) -> None:
+    """A session's close that ends in CancelledError (a cancelled write it waited on, say) is that session's
+    failure: the sweep goes on expiring the others, and still stops when it is itself cancelled."""
+    server = Server(tokenizer)
+    first, second = server.open_session(idle_timeout_s=0.1), server.open_session(idle_timeout_s=0.1)
+    close = server._close
+
+    async def flaky_close(session: Session, reason: str) -> None:
+        if session is first:
+            raise asyncio.CancelledError
+        await close(session, reason)
+
+    async def no_stats() -> None:
+        return None
+
+    server._close = flaky_close  # type: ignore[method-assign]
+    server._export_scheduler_stats = no_stats  # type: ignore[method-assign]
+    sweep = asyncio.create_task(server._sweep())
+    await asyncio.sleep(1.3)
+    assert not sweep.done()
+    assert second.state == SessionState.CLOSED and first.state != SessionState.CLOSED
+    sweep.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sweep
