@@ -2,8 +2,9 @@
 
 Each conversation item (and each `input_text_buffer.append`) is forwarded to the session's prefill replica
 as it arrives, so the conversation is prefilled while the user is still typing or speaking; `response.create`
-hands the KV to decode and streams the answer back as Realtime events. GA event names by default; a client
-that sends `OpenAI-Beta: realtime=v1` gets the beta names (`response.text.delta`, `modalities`).
+hands the KV to decode and streams the answer back as Realtime events (router/realtime_response.py). GA event
+names by default; a client that sends `OpenAI-Beta: realtime=v1` gets the beta names (`response.text.delta`,
+`modalities`).
 
 Every client event is validated first (router/realtime_events.py) and applied whole or not at all. Errors are
 `error` events (with the client's `event_id`) and leave the connection open, whatever the client sends:
@@ -35,14 +36,12 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from router.admission import OVERLOADED, Refusal, Ticket, admit_session
-from router.answers import AnswerReader
 from router.owner import create_session, current_tenant, session_call
 from router.realtime_events import (
     BufferAppend,
@@ -58,8 +57,10 @@ from router.realtime_events import (
     decode,
     event_id_of,
     leading_event_id,
+    new_id,
     parse,
 )
+from router.realtime_response import ResponseStream
 from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import error_status
@@ -72,10 +73,6 @@ SESSION_EXPIRED = 4408  # an application close code (4000-4999); 408 as in HTTP'
 SESSION_NOT_FOUND = 4404  # likewise; 404 as in HTTP's Not Found
 SERVICE_RESTART, TRY_AGAIN_LATER = 1012, 1013  # RFC 6455 (IANA registry) codes clients reconnect or back off on
 RESTART_RESPONSE_WAIT_S = 10.0  # how long a stopping router lets a response streaming finish before closing
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
 class SessionGone(Exception):
@@ -109,10 +106,7 @@ class RealtimeConnection:
         }
         self.buffer = ""
         self.last_item_id: str | None = None
-        self.response_task: asyncio.Task[None] | None = None
-        self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
-        self.cancel_requested = False
-        self.reader: AnswerReader | None = None
+        self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
         self.event_id: str | None = None  # the client event being handled: its errors carry this id
         self.opened = self.last_event = time.monotonic()
         self._send_lock = asyncio.Lock()
@@ -131,7 +125,7 @@ class RealtimeConnection:
     # --- plumbing ----------------------------------------------------------------------------------
     async def send(self, type_: str, **fields: Any) -> None:
         async with self._send_lock:
-            await self.ws.send_text(json.dumps({"type": type_, "event_id": _id("event"), **fields}))
+            await self.ws.send_text(json.dumps({"type": type_, "event_id": new_id("event"), **fields}))
 
     async def error(
         self, message: str, code: str, param: str | None = None, type_: str = "invalid_request_error"
@@ -249,8 +243,8 @@ class RealtimeConnection:
         finally:
             if watch is not None:
                 watch.unregister(self)
-            if self.response_task is not None:
-                self.response_task.cancel()
+            if self.response is not None:
+                self.response.task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
             # Not when this replica stops: the client reconnects to the session through another one.
             if not self.restarting:
@@ -280,7 +274,7 @@ class RealtimeConnection:
 
     @property
     def responding(self) -> bool:
-        return self.response_task is not None and not self.response_task.done()
+        return self.response is not None and not self.response.done
 
     async def next_message(self) -> dict[str, Any] | None:
         """The client's next ASGI message; None when the connection expired waiting for it; `Restarting` once
@@ -291,7 +285,7 @@ class RealtimeConnection:
         restart = asyncio.ensure_future(self._restart.wait())
         try:
             while True:
-                streaming = self.response_task if self.responding else None
+                streaming = self.response.task if self.response is not None and not self.response.done else None
                 if restart.done() and (streaming is None or time.monotonic() >= self._restart_by):
                     raise Restarting
                 if streaming is None:
@@ -364,7 +358,7 @@ class RealtimeConnection:
         if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
             await self.buffer_commit()
         if await self.call("session_message", role=item.role, content=item.text):
-            await self.announce_item(item.id or _id("item"), item.role, item.parts)
+            await self.announce_item(item.id or new_id("item"), item.role, item.parts)
 
     async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None:
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed"}
@@ -391,7 +385,7 @@ class RealtimeConnection:
             await self.error("the input text buffer is empty", "input_text_buffer_empty")
             return
         if await self.call("session_buffer", op="commit"):
-            item_id = _id("item")
+            item_id = new_id("item")
             text, self.buffer = self.buffer, ""
             await self.send("input_text_buffer.committed", previous_item_id=self.last_item_id, item_id=item_id)
             await self.announce_item(item_id, "user", [{"type": "input_text", "text": text}])
@@ -421,102 +415,14 @@ class RealtimeConnection:
         started = await self.call("session_respond", overrides=overrides)
         if started is None:
             return
-        self.cancel_requested = False
-        self.response_task = asyncio.create_task(self.stream_response(started["answer"]["turn"]))
+        self.response = ResponseStream(self, started["answer"]["turn"])
 
     async def response_cancel(self, event: ResponseCancel) -> None:
         if not self.responding:
             await self.error("no response is in progress", "response_cancel_not_active")
             return
-        assert self.response_task is not None
-        self.cancel_requested = True  # read before the reading starts, too
-        if self.reader is not None:
-            self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
-        if self.reading is not None:
-            self.reading.cancel()
-        await asyncio.gather(self.response_task, return_exceptions=True)
-
-    # --- the answer --------------------------------------------------------------------------------
-    async def stream_response(self, turn: int) -> None:
-        response_id, item_id = _id("resp"), _id("item")
-        text_delta = "response.text.delta" if self.beta else "response.output_text.delta"
-        text_done = "response.text.done" if self.beta else "response.output_text.done"
-        response = {"id": response_id, "object": "realtime.response", "status": "in_progress", "output": []}
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant"}
-        where = {"response_id": response_id, "item_id": item_id, "output_index": 0}
-        await self.send("response.created", response=response)
-        await self.send(
-            "response.output_item.added",
-            response_id=response_id,
-            output_index=0,
-            item={**item, "status": "in_progress", "content": []},
-        )
-        await self.send("response.content_part.added", **where, content_index=0, part={"type": "text", "text": ""})
-        summary = await self.read_answer(turn, text_delta, where)
-        text = summary.get("text") or ""
-        await self.send(text_done, **where, content_index=0, text=text)
-        await self.send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
-        done_item = {**item, "status": "completed", "content": [{"type": "text", "text": text}]}
-        await self.send("response.output_item.done", response_id=response_id, output_index=0, item=done_item)
-        self.last_item_id = item_id
-        status, details = summary.get("status"), None
-        if status == "cancelled":
-            details = {"type": "cancelled", "reason": "client_cancelled"}
-        elif status == "completed" and summary.get("finish_reason") == "length":
-            status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
-        elif status == "failed":
-            details = {"type": "failed", "error": summary.get("error")}
-        usage = summary.get("usage") or {}
-        response.update(
-            status=status,
-            status_details=details,
-            output=[done_item],
-            usage={
-                "input_tokens": usage.get("prompt_tokens", 0),
-                "output_tokens": usage.get("completion_tokens", 0),
-                "total_tokens": usage.get("total_tokens", 0),
-            },
-        )
-        await self.send("response.done", response=response)
-
-    async def read_answer(self, turn: int, text_delta: str, where: dict[str, Any]) -> dict[str, Any]:
-        """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included).
-
-        One event per read: everything decode sent while the client was slow to take the last one (the router's
-        stream joins what is queued) goes out as one delta. A slow reader gets fewer, larger deltas, never less
-        text, and never holds the engine: decode pumps into its outbox and the router's feed queues it here."""
-        reader = self.reader = AnswerReader(self.ingress, self.session_id, turn)
-
-        async def read() -> None:
-            if self.cancel_requested:
-                raise asyncio.CancelledError
-            if (err := await reader.open()) is not None:
-                reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
-                return
-            async for _, deltas in reader.items():
-                if delta := "".join(deltas):
-                    await self.send(text_delta, **where, content_index=0, delta=delta)
-
-        self.reading = asyncio.create_task(read())
-        try:
-            await self.reading
-        except asyncio.CancelledError:
-            if (task := asyncio.current_task()) is not None and task.cancelling():
-                reader.release()
-                raise  # this task itself was cancelled (the connection is closing), not just the reading
-            reader.cancel()  # response.cancel
-            await reader.settle("cancelled")  # the owner knows before the client reads response.done
-            reader.outcome.status = "cancelled"
-        except Exception as e:  # anything else still ends the response, as failed
-            logger.exception("session %s: response failed", self.session_id)
-            reader.release()
-            reader.outcome.status = "failed"
-            reader.outcome.error = {"message": f"the response failed: {e}", "type": "server_error", "code": 500}
-        finally:
-            self.reading = self.reader = None
-        if reader.summary is not None:
-            return reader.summary
-        return reader.outcome.as_dict()
+        assert self.response is not None
+        await self.response.cancel()
 
 
 Handler = Callable[[RealtimeConnection, Any], Awaitable[None]]
@@ -547,7 +453,7 @@ async def realtime(ws: WebSocket) -> None:
     if model != ingress.config.model_name:
         await ws.accept(subprotocol=ws.state.subprotocol)
         error = {"type": "invalid_request_error", "code": "model_not_found", "message": f"unknown model {model!r}"}
-        await ws.send_text(json.dumps({"type": "error", "event_id": _id("event"), "error": error}))
+        await ws.send_text(json.dumps({"type": "error", "event_id": new_id("event"), "error": error}))
         await ws.close(code=1008)
         return
     beta = "realtime=v1" in ws.headers.get("openai-beta", "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError
@@ -132,6 +133,11 @@ EVENTS: dict[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
     "response.cancel": ResponseCancel,
 }
+
+
+def new_id(prefix: str) -> str:
+    """An id for what the server makes: `event_...`, `item_...`, `resp_...`."""
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
 def event_id_of(raw: Any) -> str | None:

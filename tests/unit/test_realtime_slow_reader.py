@@ -1,4 +1,4 @@
-"""A slow realtime reader (router/realtime.py `read_answer`) gets fewer, larger deltas, never less text, and never holds
+"""A slow realtime reader (router/realtime_response.py) gets fewer, larger deltas, never less text, and never holds
 the source: decode's frames queue in the router's `DecodeStream` (router/feeds.py) as fast as they come, and each
 send to the client carries everything queued since the last one."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from router import realtime
+from router import realtime, realtime_response
 from router.answers import AnswerReader
 from router.feeds import DecodeStream, _End
 from serve_app.config import AppConfig
@@ -68,21 +68,21 @@ async def test_a_slow_reader_gets_coalesced_deltas_and_all_the_text(monkeypatch:
             asyncio.get_running_loop().create_task(source.pump())
             return None
 
-    monkeypatch.setattr(realtime, "AnswerReader", Reader)
+    monkeypatch.setattr(realtime_response, "AnswerReader", Reader)
     ingress = SimpleNamespace(
         config=SimpleNamespace(model_name=MODEL, limits=AppConfig().limits), prefill=FakePrefill()
     )
     socket = SlowSocket()
     connection = realtime.RealtimeConnection(socket, ingress, MODEL, beta=False)  # type: ignore[arg-type]
     connection.session_id = "sess-1"
-    where = {"response_id": "resp_1", "item_id": "item_1", "output_index": 0}
 
-    summary = await connection.read_answer(0, "response.output_text.delta", where)
+    await realtime_response.ResponseStream(connection, 0).task
 
+    events = {e["type"]: e for _, e in socket.events}
     deltas = [(at, e["delta"]) for at, e in socket.events if e["type"] == "response.output_text.delta"]
     text = "".join(TOKENS)
-    assert "".join(d for _, d in deltas) == text == summary["text"]  # no text dropped, in order
+    assert "".join(d for _, d in deltas) == text == events["response.output_text.done"]["text"]  # no text dropped
     assert len(deltas) < len(TOKENS) / 4  # fewer, larger deltas
     assert source.done_at < deltas[-1][0]  # the source was drained while the client was still reading
     assert source.stream.queue.empty()
-    assert summary["status"] == "completed"
+    assert events["response.done"]["response"]["status"] == "completed"
