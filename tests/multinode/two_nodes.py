@@ -18,7 +18,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from serve_app.builder import build_app
-from tests.integration.conftest import ROOT, for_tests
+from tests.integration.conftest import ROOT
 
 PORT = 8766
 APP = "realtime-pd"
@@ -132,7 +132,10 @@ def main() -> None:
 
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        args = for_tests(yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"])
+        # The shipped engine settings (compiled, not `for_tests`' eager): the resumed answer is compared token for
+        # token with an uninterrupted one, and with this tiny random model's near-tied logits an eager resume
+        # diverged at token 64 of 400 in one run (a recompute's numerics are not a decode step's).
+        args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
         args["prefill"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"prefill_pool": 0.5}}
         # One decode replica per decode node.
         args["decode"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"decode_pool": 1}}
