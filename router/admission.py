@@ -302,8 +302,8 @@ class Admission:
             for ticket in [t for t, at in self._open.items() if at < cutoff]:
                 ticket.release()
         # A REST session with no call through here for its idle timeout is closed by its owner (or lives on through
-        # another router): either way no longer this router's work in flight.
-        for session_id in [s for s, held in self._sessions.items() if held.idle(now)]:
+        # another router): either way no longer this router's work in flight. (Those expired above go too.)
+        for session_id in [s for s, held in self._sessions.items() if held.ticket.owner is None or held.idle(now)]:
             self._sessions.pop(session_id).ticket.release()
 
     def _ticket(self, kind: str) -> Ticket:
@@ -338,8 +338,6 @@ class Admission:
     def release_session(self, session_id: str) -> None:
         if (held := self._sessions.pop(session_id, None)) is not None:
             held.ticket.release()
-        for stale in [s for s, h in self._sessions.items() if h.ticket.owner is None]:  # expired meanwhile
-            del self._sessions[stale]
 
     def _refuse(self, kind: str, reason: str, message: str) -> Refusal:
         metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="refused", reason=reason)
