@@ -72,6 +72,11 @@ def handle(role: str) -> Any:
     return serve.get_deployment_handle(role, app_name=APP)
 
 
+def prefill_stats(replica: str) -> dict[str, Any]:
+    """One prefill replica's engine and session figures."""
+    return handle("prefill").stats.remote(route_to=replica).result(timeout_s=60)
+
+
 @pytest.fixture(scope="package")
 def faults_app(server: str) -> Iterator[str]:
     """The app's base URL, once it runs as deployed (and again at the start of every test that asks for it)."""

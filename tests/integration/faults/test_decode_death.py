@@ -24,7 +24,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.faults.conftest import LEASE_S, handle, replicas
+from tests.integration.faults.conftest import LEASE_S, handle, prefill_stats, replicas
 from tests.integration.test_streaming_input import SESSIONS, TEXT, Realtime
 
 pytestmark = pytest.mark.integration
@@ -178,11 +178,11 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def prefill_stats() -> dict[str, int]:
+def prefill_totals() -> dict[str, int]:
     """Both prefill replicas' figures, summed (the transfer's blocks are on whichever prefilled it)."""
     total = {"kv_blocks_free": 0, "kv_blocks_total": 0, "num_requests": 0}
     for replica in replicas("prefill"):
-        stats = handle("prefill").stats.remote(route_to=replica).result(timeout_s=60)
+        stats = prefill_stats(replica)
         for key in total:
             total[key] += stats[key]
     return total
@@ -198,7 +198,7 @@ def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_
     prefilled = handle("prefill").prefill.remote("completion", body).result(timeout_s=120)
     params = dict(prefilled["kv_transfer_params"])
     assert params.get("remote_block_ids"), params
-    held = prefill_stats()
+    held = prefill_totals()
     assert held["kv_blocks_free"] < held["kv_blocks_total"]  # the prefill's blocks wait for decode's read
     params.update(remote_port=closed_port(), remote_engine_id=f"gone-{uuid.uuid4().hex}")  # never reachable
     start = handle("decode").start.remote(
@@ -213,7 +213,7 @@ def test_a_kv_transfer_that_fails_is_recomputed_and_its_prefill_blocks_freed_at_
     assert failed_now() >= 1
     # Nobody reads the prefill's blocks: they are freed when the NIXL lease ends.
     deadline = time.time() + LEASE_S + 30
-    while (stats := prefill_stats())["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
+    while (stats := prefill_totals())["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
         assert time.time() < deadline, f"prefill still holds the failed transfer's KV after the lease: {stats}"
         time.sleep(0.5)
     # The counter reaches Prometheus too (decode exports it every few seconds).

@@ -22,17 +22,13 @@ import pytest
 import websockets
 
 from prefill.session import owner_of
-from tests.integration.faults.conftest import handle, replicas, wait_running
+from tests.integration.faults.conftest import handle, prefill_stats, replicas, wait_running
 from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 12
 LONG = {"max_tokens": 300, "ignore_eos": True}  # an answer still streaming when its prefill replica dies
-
-
-def stats_of(replica: str) -> dict[str, Any]:
-    return handle("prefill").stats.remote(route_to=replica).result(timeout_s=60)
 
 
 def post_chunk(base: str, sid: str, seq: int, piece: str, end: bool = False) -> None:
@@ -193,7 +189,7 @@ def test_a_killed_prefill_replica_loses_no_session(server: str, faults: str) -> 
     wait_running()  # Serve replaced the victim
     for replica in replicas("prefill"):
         deadline = time.time() + 60
-        while (stats := stats_of(replica))["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
+        while (stats := prefill_stats(replica))["kv_blocks_free"] != stats["kv_blocks_total"] or stats["num_requests"]:
             assert time.time() < deadline, f"prefill replica {replica} still holds KV: {stats}"
             time.sleep(0.5)
     print(f"sessions recovered and answered {recovered_in:.1f} s after the kill")
