@@ -40,8 +40,11 @@ class Journal:
     def __init__(self, store: SessionStore, session_id: str, next_n: int = 0) -> None:
         self.store, self.session_id, self.n = store, session_id, next_n
         self._tail: asyncio.Future[None] | None = None
+        self.forgotten = False  # the session is over: a late record (an answer's end) must not bring it back
 
     def write(self, op: str, **fields: Any) -> asyncio.Future[None]:
+        if self.forgotten:
+            return asyncio.ensure_future(asyncio.sleep(0))
         record = {"op": op, **fields}
         if (call := current_call.get()) is not None:
             record["call"] = call
@@ -66,6 +69,7 @@ class Journal:
             await asyncio.wait([self._tail])
 
     async def forget(self) -> None:
+        self.forgotten = True
         await self.flush()
         try:
             await self.store.delete(self.session_id)

@@ -301,8 +301,8 @@ class SessionAPI(HandOff, Failover):
 
     async def _prefill_stable(self, session: Session) -> None:
         """Stream the input's stable tokens to the engine, if the start policy allows it yet."""
-        if session.answering:
-            return  # the conversation grows again once the answer is in
+        if session.answering or session.state == SessionState.CLOSED:
+            return  # the conversation grows again once the answer is in; a closed session never again
         tokens = session.stable_tokens(self.engine.tokenizer)
         if len(tokens) >= self.engine.max_model_len:
             await self._close(session, "input exceeds the model's context length")

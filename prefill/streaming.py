@@ -61,6 +61,7 @@ class StreamingPrefill:
         self._progress = asyncio.Condition()
         self._lock = asyncio.Lock()  # calls on one session may run concurrently on the replica
         self._error: BaseException | None = None
+        self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
 
     @property
     def active(self) -> bool:
@@ -72,6 +73,8 @@ class StreamingPrefill:
             await self._sync(tokens)
 
     async def _sync(self, tokens: list[int]) -> None:
+        if self.closed:
+            return  # a late caller (a re-prefill queued before the session ended) must not start a request
         if self._error is not None:
             raise self._error
         lcp = common_prefix_len(self.sent, tokens)
@@ -116,7 +119,8 @@ class StreamingPrefill:
             raise self._error
 
     async def close(self) -> None:
-        """End the engine request and free its KV blocks (full blocks stay in the prefix cache)."""
+        """End the engine request and free its KV blocks (full blocks stay in the prefix cache), for good."""
+        self.closed = True  # before the lock: a sync queued behind it finds the session over
         async with self._lock:
             await self._close()
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from prefill.journal import Journal, create_record
-from prefill.session import Session
+from prefill.session import Session, StartPolicy
 from prefill.store import MemorySessionStore
 from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
 
@@ -192,3 +192,47 @@ async def test_a_caller_cancelled_while_its_record_is_written_does_not_cancel_th
     await asyncio.wait_for(journal.flush(), 5)
     await after
     assert [r["seq"] for r in await store.records("s1")] == [0, 1]
+
+
+class Requests:
+    """An engine client that records the streaming requests started on it, and which of them are still open
+    (what the engine would hold KV for)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.open: set[str] = set()
+
+    def generate(self, inputs: Any, params: Any, request_id: str) -> Any:
+        async def outputs() -> Any:
+            self.started.append(request_id)
+            self.open.add(request_id)
+            try:
+                async for _ in inputs:
+                    yield type("Out", (), {"outputs": [type("C", (), {"token_ids": [0]})()]})()
+            finally:
+                self.open.discard(request_id)
+
+        return outputs()
+
+
+async def test_a_session_deleted_by_the_call_that_adopts_it_starts_no_engine_request(pool) -> None:
+    """The first call to reach an adopter after its owner died may be a DELETE (a client leaving): the
+    adoption's background re-prefill, queued behind it, must not start a request for the closed session (it
+    would hold its KV on the engine for good: the idle request the faults test found on the survivor)."""
+    a, b, dead = pool
+    a.engine.client, b.engine.client = Requests(), Requests()
+    session = a.open_session()
+    session.policy = StartPolicy(type="on_first_chunk")  # input streams to the engine as it arrives
+    session.journal = Journal(a.store, session.id)
+    await session.record("create", **create_record(session))
+    await a.store.set_owner(session.id, "a")
+    await chunk(a, session.id, 0, "Some input that streams to the engine ")
+    assert a.engine.client.started, "the input streamed on the owner"
+    dead.add("a")
+
+    reply = await b.session_delete(session_id=session.id)
+    assert reply.get("deleted"), reply
+    for _ in range(10):  # the adoption's re-prefill task runs (and must find the session over)
+        await asyncio.sleep(0)
+    assert b.engine.client.open == set(), b.engine.client.started
+    assert session.id not in b.sessions
