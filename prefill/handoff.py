@@ -64,7 +64,9 @@ class HandOff:
         answer.status = "preparing"
         try:
             if session.streaming.active:
-                await session.streaming.wait_computed()  # so the hand-off finds every block cached
+                # Its pending prefill is complete work now (ranked so), and the hand-off finds every block cached.
+                await session.streaming.input_ended()
+                await session.streaming.wait_computed()
             overrides = dict(answer.overrides)
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
             answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))

@@ -5,11 +5,18 @@ appended chunk is prefilled on arrival, the request keeps its KV blocks between 
 computed is computed again. Each chunk produces one throw-away token (max_tokens=1); vLLM drops a chunk's
 last sampled token from the context, so the resident context is exactly the tokens sent.
 
-vLLM's streaming input is append-only. When retokenising the input changes tokens already sent (a rewrite in
-update mode, or a chunk boundary that fell inside a word), the prefill scheduler truncates the idle request
-to the longest common prefix of the old and new tokens, freeing exactly the KV after it (on the device and
-in the swap pool; prefill/scheduler/core.py `invalidate`), and the new suffix is appended. Should the
-request not be idle, it is replaced by a new one, and the prefix cache gives back the LCP's full blocks.
+Calls on a session never wait for the engine: `sync` records the tokens the session wants resident and a
+per-session sender passes them on, with at most one chunk in flight. Input arriving while a chunk prefills
+waits and joins the next chunk, so versions that arrive faster than they prefill are coalesced and only the
+latest reaches the engine. vLLM's streaming input is append-only: when a version changes tokens already sent
+(a rewrite in update mode, or a chunk boundary that fell inside a word), an idle request is truncated in place
+to the longest common prefix (the prefill scheduler frees exactly the KV after it, on the device and in the swap
+pool; prefill/scheduler/core.py `invalidate`), and a request with a chunk in flight is aborted at once (never
+waited for) and replaced by a new one, for which the prefix cache gives back the LCP's full blocks. Superseded
+work therefore costs at most the chunk in flight when the rewrite came.
+
+At end of input (`input_ended`) the session's pending prefill is ranked as complete work, so the hand-off
+never waits behind partial input ranked below it.
 
 Every request of the session carries its session id and arrival time (`extra_args`), which the scheduler's
 policies rank by. Waits on the engine are bounded: past `timeout` the caller gets `TimeoutError`.
@@ -30,7 +37,6 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 logger = logging.getLogger(__name__)
-REWRITE_WAIT_S = 2.0  # how long a rewrite waits for the engine request to go idle before replacing it
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -42,87 +48,144 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class StreamingPrefill:
-    """One session's resident prompt on one engine: `sync(tokens)` makes the resident tokens equal `tokens`."""
+    """One session's resident prompt on one engine. `sync(tokens)` sets the tokens the session wants resident
+    and returns at once; the session's sender passes them to the engine: at most one chunk in flight, later
+    versions coalesced into the next chunk, a rewrite applied at once (see the module's docstring)."""
 
     def __init__(self, engine: Any, request_id: str, timeout: float = 60.0) -> None:
         self.engine = engine  # serve_app.engine.Engine
         self.base_id = request_id
         self.arrival = time.time()
         self.timeout = timeout
-        self.generation = 0  # bumped on every rewrite: each rewrite is a new engine request
-        self.sent: list[int] = []
+        self.generation = 0  # bumped on every replacement: each is a new engine request
+        self.target: list[int] = []  # the tokens the session wants resident (its latest stable input)
+        self.sent: list[int] = []  # the tokens given to the engine request
         self.request_ids: list[str] = []
         self.rewrites = 0
-        self.invalidated_tokens = 0
+        self.invalidated_tokens = 0  # sent tokens a rewrite dropped (computed or not)
+        self.superseded_chunks = 0  # chunks aborted in flight by a rewrite (their work lost)
+        self.coalesced = 0  # versions that never reached the engine (a later one did)
+        self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
         self._queue: asyncio.Queue[Any] | None = None
         self._consumer: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self._chunks_sent = 0
         self._chunks_done = 0
         self._progress = asyncio.Condition()
-        self._lock = asyncio.Lock()  # calls on one session may run concurrently on the replica
+        self._lock = asyncio.Lock()  # the engine request is changed by one coroutine at a time
         self._error: BaseException | None = None
-        self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
 
     @property
     def active(self) -> bool:
-        return self._consumer is not None and not self._consumer.done()
+        """Whether the session has an engine request, or input on its way to one."""
+        return (self._consumer is not None and not self._consumer.done()) or self.target != self.sent
+
+    @property
+    def busy(self) -> bool:
+        """A chunk is in flight: the engine has not finished prefilling what it was given."""
+        return self._chunks_done < self._chunks_sent
 
     async def sync(self, tokens: list[int]) -> None:
-        """Append the new suffix of `tokens`, or replace the request when a sent token changed."""
-        async with self._lock:
-            await self._sync(tokens)
-
-    async def _sync(self, tokens: list[int]) -> None:
-        if self.closed:
-            return  # a late caller (a re-prefill queued before the session ended) must not start a request
+        """Make `tokens` the session's resident tokens (the sender gets them to the engine)."""
         if self._error is not None:
             raise self._error
+        if self.closed:
+            return  # a late caller (a re-prefill queued before the session ended) must not start a request
+        if self.target != self.sent:
+            self.coalesced += 1  # the version not yet sent is superseded before it cost anything
+        self.target = list(tokens)
+        self._wake.set()
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_loop())
+
+    async def _send_loop(self) -> None:
+        try:
+            while not self.closed and self._error is None:
+                if self.target == self.sent:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                lcp = common_prefix_len(self.sent, self.target)
+                if self.busy and lcp == len(self.sent):
+                    # More input while a chunk is in flight: it waits and joins whatever comes next, so that
+                    # versions arriving faster than they prefill cost one chunk, not one each.
+                    self._wake.clear()
+                    await self._wake.wait()  # (set by new input, or by the chunk's completion)
+                    continue
+                async with self._lock:
+                    if not self.closed:
+                        await self._apply(list(self.target))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surfaced to the session's next call
+            logger.exception("streaming prefill %s: sending input failed", self.base_id)
+            self._error = e
+            async with self._progress:
+                self._progress.notify_all()
+
+    async def _apply(self, tokens: list[int]) -> None:
+        """Append the new suffix of `tokens`; a rewrite first cuts the request back to the common prefix (in
+        place when idle; a chunk in flight is aborted with its request, never waited for)."""
         lcp = common_prefix_len(self.sent, tokens)
         if lcp < len(self.sent):
             self.rewrites += 1
             self.invalidated_tokens += len(self.sent) - lcp
             kept = None
-            if self.active:
-                with contextlib.suppress(TimeoutError):  # a short wait for the request to go idle, never more
-                    await self.wait_computed(REWRITE_WAIT_S)
-            if self.active and self._chunks_done >= self._chunks_sent:  # idle: truncate it in place
-                kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)
-            if kept is None:  # busy (or gone): replace it; the prefix cache gives back the LCP's full blocks
+            if self._consumer is not None and not self._consumer.done() and not self.busy:
+                kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)  # idle: cut in place
+            if kept is None:  # busy (or gone): a new request; the prefix cache gives back the LCP's full blocks
+                if self.busy:
+                    self.superseded_chunks += 1
                 await self._close()
                 self.sent = []
             else:
                 self.sent = self.sent[:kept]
         new = tokens[len(self.sent) :]
-        if not new:
-            return
-        if not self.active:
-            self._start()
-        assert self._queue is not None
-        self._queue.put_nowait(self._chunk(list(new)))  # a copy: vLLM extends the list it is given
+        if new:
+            if self._consumer is None or self._consumer.done():
+                self._start()
+            assert self._queue is not None
+            self._queue.put_nowait(self._chunk(list(new)))  # a copy: vLLM extends the list it is given
+            self._chunks_sent += 1
         self.sent = list(tokens)
-        self._chunks_sent += 1
+        async with self._progress:
+            self._progress.notify_all()
 
     @property
     def extra_args(self) -> dict[str, Any]:
         """What the prefill scheduler ranks this session's requests by (prefill/scheduler/core.py)."""
         return {"rtpd_session": self.base_id, "rtpd_arrival": self.arrival}
 
+    async def input_ended(self) -> None:
+        """The session's input is whole: its pending prefill ranks as complete work from now on, ahead of
+        every partial input (no priority inversion behind its own hand-off), and is not evicted first."""
+        if self._consumer is not None and not self._consumer.done() or self.target != self.sent:
+            with contextlib.suppress(Exception):  # (an engine without the streaming scheduler ranks nothing)
+                await self.engine.utility("rtpd_input_ended", self.base_id)
+
     async def wait_computed(self, timeout: float | None = None) -> None:
-        """Wait until the engine has prefilled everything sent so far (at most `timeout`, default the
+        """Wait until the engine has prefilled the session's latest tokens (at most `timeout`, default the
         session's admission timeout; then `TimeoutError`)."""
+
+        def done() -> bool:
+            return self._error is not None or self.closed or (self.target == self.sent and not self.busy)
+
         async with self._progress:
-            await asyncio.wait_for(
-                self._progress.wait_for(lambda: self._chunks_done >= self._chunks_sent or self._error is not None),
-                timeout or self.timeout,
-            )
+            await asyncio.wait_for(self._progress.wait_for(done), timeout or self.timeout)
         if self._error is not None:
             raise self._error
 
     async def close(self) -> None:
         """End the engine request and free its KV blocks (full blocks stay in the prefix cache), for good."""
         self.closed = True  # before the lock: a sync queued behind it finds the session over
+        self._wake.set()
         async with self._lock:
             await self._close()
+        if self._sender is not None and not self._sender.done():
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
+        self.target = list(self.sent)
 
     async def _close(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -175,6 +238,7 @@ class StreamingPrefill:
                     async with self._progress:
                         self._chunks_done += done
                         self._progress.notify_all()
+                    self._wake.set()  # the sender may send what waited for this chunk
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the engine failed this request: surface it to the session
@@ -182,5 +246,6 @@ class StreamingPrefill:
             self._error = e
             async with self._progress:
                 self._progress.notify_all()
+            self._wake.set()
         finally:
             await outputs.aclose()

@@ -61,6 +61,7 @@ class SessionTrack:
     arrival: float
     last_chunk: float
     stats: Counter[str] = field(default_factory=Counter)
+    input_ended: bool = False  # its input is whole: its pending prefill is complete work until its hand-off ends
 
 
 class StreamingScheduler(AccountingScheduler):
@@ -217,7 +218,9 @@ class StreamingScheduler(AccountingScheduler):
             if not idle and (r.status not in ACTIVE or (policy == "vllm" and r.status == RequestStatus.RUNNING)):
                 continue  # the baseline preempts running requests as vLLM does (LIFO, in its own loop)
             rank = hand_offs.get(self.req_session.get(r.request_id), bottom) if idle else position[r.request_id]
-            candidates.append((victim_key(policy, idle, views[r.request_id]), rank, r))
+            # An idle session whose input ended holds its hand-off's prefix: it goes after every other idle one.
+            speculative = idle and not views[r.request_id].complete
+            candidates.append((victim_key(policy, speculative, views[r.request_id]), rank, r))
         candidates.sort(key=lambda c: c[0])
         needed = 0
         for r, n in planned:
@@ -294,7 +297,18 @@ class StreamingScheduler(AccountingScheduler):
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         if (ev := self.evicted.pop(request.request_id, None)) is not None:
             self.host.free(ev.slots)  # a request that ends while swapped out gives its host slots back
+        if not request.resumable and (track := self.sessions.get(self.req_session.get(request.request_id, ""))):
+            track.input_ended = False  # its hand-off is made: what the session streams next is a new turn's input
         return super()._free_request(request, delay_free_blocks)
+
+    def input_ended(self, session_key: str) -> bool:
+        """A session's input is whole (its hand-off follows): its streaming request ranks as complete work."""
+        track = self.sessions.get(session_key)
+        if track is None:
+            return False
+        track.input_ended = True
+        self.counters["inputs_ended"] += 1
+        return True
 
     def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
         super()._update_request_as_session(session, update)
@@ -400,7 +414,7 @@ class StreamingScheduler(AccountingScheduler):
             key = self.req_session.get(rid, rid)
             track = self.sessions.get(key)
             views[rid] = RankView(
-                complete=not r.resumable,
+                complete=not r.resumable or bool(track and track.input_ended),
                 arrival=track.arrival if track else r.arrival_time,
                 last_chunk=track.last_chunk if track else r.arrival_time,
                 computed=computed[key],

@@ -36,6 +36,10 @@ def _rtpd_invalidate(self: EngineCore, session_key: str, keep: int) -> int | Non
     return _scheduler(self).invalidate(session_key, keep)
 
 
+def _rtpd_input_ended(self: EngineCore, session_key: str) -> bool:
+    return _scheduler(self).input_ended(session_key)
+
+
 def _rtpd_profile_swap(self: EngineCore, sizes: list[int], repeats: int) -> dict[str, dict[int, list[float]]]:
     """Time swap-out and swap-in of `n` blocks for each n: the blocks are copied out and the same bytes
     copied back, so whatever they hold is unchanged."""

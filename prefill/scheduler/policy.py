@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefill.scheduler.config import Policy
 
@@ -56,5 +56,7 @@ def victim_key(policy: Policy, idle: bool, view: RankView) -> tuple[object, ...]
     """Sort key for eviction (lower = evicted first)."""
     if policy == "vllm":
         return (-view.arrival,)  # the engine's own choice: the latest arrival goes first (LIFO)
-    inverted = tuple(-x for x in rank_key(policy)(view))
+    # An idle session is ranked as if its next chunk had come (not all alike): the one the policy would serve
+    # last gives its blocks first (FCFS: the newest session; MCPS: the least computed).
+    inverted = tuple(-x for x in rank_key(policy)(replace(view, has_work=True)))
     return (0 if idle else 1, *inverted)

@@ -478,7 +478,12 @@ def test_rest_replace_chunks_keep_the_common_prefix(server):
     sid = create(server, messages=[], max_tokens=12, temperature=0)["session_id"]
     first = TEXT + " Candidate documents: alpha beta gamma delta epsilon. " * 4
     assert send_chunk(server, sid, 0, first).status_code == 202
-    before = info(server, sid)
+    deadline = time.time() + 60  # the first version prefilled: the rewrite cuts an idle request in place
+    while (before := info(server, sid))["prompt_tokens_computed"] < before["resident_tokens"] or not before[
+        "resident_tokens"
+    ]:
+        assert time.time() < deadline, before
+        time.sleep(0.1)
     offset = len(TEXT)
     replacement = " Candidate documents, re-ranked: omega psi chi phi upsilon. " * 4 + "Question: which came first?"
     body = {"sequence_id": 1, "payload": replacement, "mode": "replace", "offset": offset, "end_of_input": True}

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from prefill.session import Session, SessionLimits, StartPolicy, new_session_id
-from prefill.streaming import StreamingPrefill
 from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
 
 
@@ -192,34 +191,6 @@ async def test_stable_tokens_render_with_the_requests_template_tools_and_kwargs(
     session.buffer = "a partial second"
     text = tok.decode(session.stable_tokens(tok))
     assert "[[user!]]first turn" in text
-
-
-async def test_merged_engine_outputs_still_count_every_chunk() -> None:
-    """vLLM merges the delta outputs a slow consumer has not taken (one finish_reason, both chunks' tokens):
-    completion is counted in tokens, so the wait ends."""
-
-    class Output:
-        def __init__(self, n: int) -> None:
-            self.outputs = [type("C", (), {"token_ids": list(range(n)), "finish_reason": "length"})()]
-
-    class Engine:
-        class client:  # noqa: N801
-            @staticmethod
-            def generate(inputs: Any, params: Any, request_id: str) -> Any:
-                async def outputs() -> Any:
-                    n = 0
-                    async for _ in inputs:
-                        n += 1
-                        if n == 2:
-                            yield Output(2)  # two chunks' tokens, merged into one output
-
-                return outputs()
-
-    streaming = StreamingPrefill(Engine(), "sess_x_y", timeout=1.0)
-    await streaming.sync([1, 2, 3])
-    await streaming.sync([1, 2, 3, 4])
-    await streaming.wait_computed()
-    await streaming.close()
 
 
 async def test_a_cancel_ends_an_unclaimed_answer_and_the_session_goes_on(server: Server) -> None:

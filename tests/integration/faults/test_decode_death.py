@@ -266,3 +266,14 @@ def test_answers_go_on_when_their_decode_replica_is_killed(faults: str, model_na
     assert cut, f"no answer was mid-stream on the killed replica: {where}, {killed_at}"
     assert wait_metric("rtpd_decode_resumes_total", before + len(cut)), "the resumes were not counted"
     assert whole(faults, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}) is not None  # still serving
+
+    # The REST session stays open, its conversation resident for a next turn, until its client deletes it; a
+    # session left behind would hold KV into the next test (test_prefill_death checks that no engine holds any).
+    sid = next(r.key for r in readers if r.name == "session")
+    idle = [rid for rid in replicas("prefill") if sid in prefill_stats(rid)["scheduler"]["idle_session_ids"]]
+    assert len(idle) == 1, f"session {sid} is not resident on its prefill replica"
+    assert httpx.delete(f"{faults}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    deadline = time.time() + 30
+    while sid in (stats := prefill_stats(idle[0]))["scheduler"]["idle_session_ids"]:
+        assert time.time() < deadline, f"a deleted session's KV is still resident: {stats}"
+        time.sleep(0.5)

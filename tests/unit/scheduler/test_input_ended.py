@@ -1,0 +1,68 @@
+"""End of input on the real StreamingScheduler: a session whose input ended is complete work (ranked ahead of
+partial input, its idle blocks given up last) until its hand-off ends; idle victims are ordered by the policy.
+12 usable blocks of 16 tokens, a 64-token step budget (harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.scheduler.harness import IDLE, Harness
+
+
+def first_scheduled(steps: list[dict[str, int]]) -> list[str]:
+    order: list[str] = []
+    for step in steps:
+        order += [rid for rid in step if rid not in order]
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lcas"])
+def test_a_session_whose_input_ended_is_prefilled_before_partial_input(make, policy: str) -> None:
+    h = make(policy=policy, num_blocks=64, budget=64)
+    h.add("a", 16, arrival=1.0)
+    h.add("b", 16, arrival=2.0)
+    h.run()
+    h.add("a", 64)  # a's chunk comes first, and a is the older session: partial-input order serves it first
+    h.add("b", 64)
+    assert h.sched.input_ended("b")  # b's input is whole: its last chunk is what its hand-off waits for
+    steps = h.run()
+    assert first_scheduled(steps) == ["b", "a"], steps
+    assert h.counters()["inputs_ended"] == 1
+
+
+def test_the_hand_off_ends_the_sessions_complete_rank(make) -> None:
+    h = make(policy="fcfs", num_blocks=64, budget=64)
+    h.add("b", 16, arrival=2.0)
+    h.run()
+    h.sched.input_ended("b")
+    assert h.sched._views()["b"].complete
+    h.add("b-handoff", [*h.sched.requests["b"].prompt_token_ids, 5], resumable=False, session="b")
+    h.run()  # the hand-off finished: what the session streams next is a new turn's partial input
+    assert not h.sched._views()["b"].complete
+
+
+def test_idle_victims_are_ordered_by_the_policy_not_by_queue_position(make) -> None:
+    """FCFS serves the oldest session first, so the newest idle session gives its blocks first, whatever
+    order the sessions reached the queues in."""
+    h = make(policy="fcfs")
+    for name, arrival in (("newest", 3.0), ("oldest", 1.0), ("middle", 2.0)):
+        h.add(name, 48, arrival=arrival)
+    h.run()
+    h.add("oldest", 16)  # its latest chunk puts it last in the engine's queues
+    h.run()
+    assert all(h.status(n) == IDLE for n in ("newest", "oldest", "middle"))
+    h.add("n", 64, resumable=False, arrival=10.0)  # 4 blocks, 2 free: one idle session is evicted
+    assert "n" in h.step().num_scheduled_tokens
+    assert h.blocks("newest") == [] and h.blocks("oldest") and h.blocks("middle")
+
+
+def test_an_idle_session_whose_input_ended_is_evicted_after_every_other_idle_one(make) -> None:
+    h: Harness = make(policy="fcfs")
+    for name, arrival in (("s1", 1.0), ("s2", 2.0), ("s3", 3.0)):
+        h.add(name, 48, arrival=arrival)
+    h.run()
+    h.sched.input_ended("s3")  # FCFS would evict s3 (the newest) first: its hand-off needs its blocks
+    h.add("n", 64, resumable=False, arrival=10.0)
+    assert "n" in h.step().num_scheduled_tokens
+    assert h.blocks("s3") and h.blocks("s1")
+    assert h.blocks("s2") == []

@@ -1,0 +1,136 @@
+"""A session's sender (prefill/streaming.py): what reaches the engine when versions of the input arrive faster
+than they prefill. The engine is faked at its client (`generate` over the chunk stream, `utility`): each chunk
+"prefills" until the test lets it finish, so what is in flight when new input comes is under the test's control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from prefill.streaming import StreamingPrefill
+
+
+class Engine:
+    """Records every chunk each engine request got, and which requests are open; a chunk is done when the
+    test calls `finish()` (or at once with `instant`)."""
+
+    def __init__(self, instant: bool = False) -> None:
+        self.instant = instant
+        self.chunks: list[tuple[str, list[int]]] = []
+        self.open: set[str] = set()
+        self.utility_calls: list[tuple[Any, ...]] = []
+        self._done = asyncio.Event()
+        self.client = self
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def generate(self, inputs: Any, params: Any, request_id: str) -> Any:
+        async def outputs() -> Any:
+            self.open.add(request_id)
+            try:
+                async for chunk in inputs:
+                    self.chunks.append((request_id, list(chunk.prompt["prompt_token_ids"])))
+                    if not self.instant:
+                        await self._done.wait()
+                        self._done.clear()
+                    yield type("Out", (), {"outputs": [type("C", (), {"token_ids": [0]})()]})()
+            finally:
+                self.open.discard(request_id)
+
+        return outputs()
+
+    async def utility(self, name: str, *args: Any) -> Any:
+        self.utility_calls.append((name, *args))
+        if name == "rtpd_invalidate":
+            return args[1]  # the idle request keeps exactly the common prefix
+        return True
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine()
+
+
+async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_chunk(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_a", timeout=2)
+    await streaming.sync([1, 2, 3])
+    await settle()
+    for n in range(4, 9):  # five more versions while the first chunk is in flight
+        await streaming.sync(list(range(1, n + 1)))
+        await settle()
+    assert engine.chunks == [("sess_r_a-stream1", [1, 2, 3])]  # nothing more in flight meanwhile
+    engine.finish()
+    await settle()
+    assert engine.chunks[1] == ("sess_r_a-stream1", [4, 5, 6, 7, 8])  # only the latest, as one chunk
+    engine.finish()
+    await streaming.wait_computed()
+    assert streaming.sent == list(range(1, 9)) and streaming.coalesced == 4
+    await streaming.close()
+
+
+async def test_a_rewrite_never_waits_for_the_chunk_in_flight(engine: Engine) -> None:
+    """The superseded version's prefill is aborted at once (no wait), and the latest version goes to a new
+    request whole (the engine's prefix cache gives back the common prefix's full blocks)."""
+    streaming = StreamingPrefill(engine, "sess_r_b", timeout=2)
+    first = list(range(100))
+    await streaming.sync(first)
+    await settle()
+    rewritten = first[:10] + [7] * 50
+    started = time.monotonic()
+    await streaming.sync(rewritten)
+    await settle()
+    assert time.monotonic() - started < 0.5
+    assert "sess_r_b-stream1" not in engine.open  # the superseded prefill was aborted
+    assert engine.chunks[-1] == ("sess_r_b-stream2", rewritten)
+    assert streaming.superseded_chunks == 1 and streaming.invalidated_tokens == 90
+    engine.finish()
+    await streaming.wait_computed()
+    await streaming.close()
+    assert not engine.open
+
+
+async def test_a_rewrite_of_an_idle_request_cuts_it_in_place_and_appends_the_new_suffix() -> None:
+    engine = Engine(instant=True)
+    streaming = StreamingPrefill(engine, "sess_r_c", timeout=2)
+    await streaming.sync(list(range(40)))
+    await streaming.wait_computed()
+    await streaming.sync([*range(30), 9, 9, 9])
+    await streaming.wait_computed()
+    assert ("rtpd_invalidate", "sess_r_c", 30) in engine.utility_calls
+    assert engine.chunks == [("sess_r_c-stream1", list(range(40))), ("sess_r_c-stream1", [9, 9, 9])]
+    assert streaming.superseded_chunks == 0 and streaming.invalidated_tokens == 10
+    await streaming.close()
+
+
+async def test_wait_computed_waits_for_the_latest_version(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_d", timeout=2)
+    await streaming.sync([1, 2])
+    await settle()
+    await streaming.sync([1, 2, 3, 4])
+    waiting = asyncio.ensure_future(streaming.wait_computed())
+    engine.finish()  # the first chunk only
+    await settle()
+    assert not waiting.done()
+    engine.finish()
+    await asyncio.wait_for(waiting, 2)
+    await streaming.close()
+
+
+async def test_nothing_reaches_the_engine_after_close(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_e", timeout=2)
+    await streaming.sync([1, 2, 3])
+    await settle()
+    await streaming.close()
+    await streaming.sync([1, 2, 3, 4, 5])
+    await settle()
+    assert engine.chunks == [("sess_r_e-stream1", [1, 2, 3])] and not engine.open
