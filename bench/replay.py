@@ -174,7 +174,9 @@ async def replay(
                     call = _whole(client, q, common, t0, lags)
                 else:
                     policy = "on_first_chunk" if mode == "streaming" else "on_end_only"
-                    call = _session(client, q, {**common, "messages": [], "start_policy": policy}, t0, lags)
+                    # One turn per query: the session closes with its answer (no re-prefill for a next turn).
+                    body = {**common, "messages": [], "start_policy": policy, "close_after_answer": True}
+                    call = _session(client, q, body, t0, lags)
                 res.ttft_s = await asyncio.wait_for(call, timeout_s + q.ready_s - q.arrival_s)
             except QueryFailed as e:
                 res.error = str(e)

@@ -191,6 +191,7 @@ class Runner:
 
     def replay(self, system: systems.System, trace: workloads.Trace, label: str, mode: str) -> dict[str, Any]:
         desc = f"{trace.kind} q{trace.qps:g} {label}"
+        computed_before = prefill_computed() if system.name == "app" else None
         with tqdm(total=len(trace.queries), desc=desc, unit="q", leave=True, file=sys.stdout) as bar:
             result = asyncio.run(
                 replay.replay(
@@ -214,6 +215,9 @@ class Runner:
         for sample in result["error_samples"][:2]:
             print(f"    e.g. {sample}", flush=True)
         run = {"workload": trace.kind, "qps": trace.qps, "system": label, **result}
+        if computed_before is not None:
+            run["work"] = work(trace, result, computed_before)
+            print(f"  {desc}: work ratio {run['work']['work_ratio'] or 0:.3f} (computed / prompt tokens)", flush=True)
         self.runs.append(run)
         return run
 
@@ -224,6 +228,31 @@ class Runner:
             result = asyncio.run(replay.replay(trace, base=system.base, model=system.model, mode=mode))
             if result["errors"]:
                 self.notes.append(f"warm-up of {system.name} ({mode}) had errors: {result['error_samples']}")
+
+
+def prefill_computed() -> int | None:
+    """Prompt tokens the app's prefill engine has computed so far (every kind: streamed input, recompute after
+    eviction, superseded versions, hand-offs), or None when the app is not running."""
+    from pressure import prefill_call
+
+    try:
+        return int(prefill_call("stats")["prompt_tokens_computed_total"])
+    except Exception:  # noqa: BLE001 - not this app (the peer), or no engine: no work figure
+        return None
+
+
+def work(trace: workloads.Trace, result: dict[str, Any], before: int) -> dict[str, Any]:
+    """What a run cost the prefill engine against what not streaming costs: computed / prompt tokens of the
+    queries answered (1.0: each prompt token computed once, as `on_end_only` does)."""
+    from pressure import wait_idle
+
+    wait_idle(120)  # the run's last sessions end (their KV freed) before the count is read
+    after = prefill_computed()
+    answered = [q for q, t in zip(trace.queries, result["ttft_ms"], strict=True) if t is not None]
+    prompt = sum(q.prompt_tokens or 0 for q in answered)
+    computed = None if after is None else after - before
+    ratio = computed / prompt if computed is not None and prompt else None
+    return {"prompt_tokens": prompt, "computed_tokens": computed, "work_ratio": ratio}
 
 
 @contextlib.contextmanager

@@ -69,6 +69,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         row |= {f"p{q}": pct(ok, q) for q in PERCENTILES}
         row |= {"mean": sum(ok) / len(ok) if ok else None, "completion_s": run.get("completion_s")}
         row["error_kinds"] = run.get("error_kinds") or {}
+        row["work_ratio"] = (run.get("work") or {}).get("work_ratio")  # prefill computed / prompt tokens
         rows.append(row)
     return rows
 
@@ -144,7 +145,7 @@ def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
         qps = headline_qps(raw, workload)
         out["headline_qps"][workload] = qps
         out["ttft_ms"][workload] = {
-            r["system"]: {k: r[k] for k in ("p50", "p95", "p99", "mean", "ok", "errors", "completion_s")}
+            r["system"]: {k: r[k] for k in ("p50", "p95", "p99", "mean", "ok", "errors", "completion_s", "work_ratio")}
             for r in rows
             if r["workload"] == workload and qps is not None and _same(r["qps"], qps)
         }
@@ -163,6 +164,9 @@ def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
             f"p{q}_speedup_vs_nonstreaming": _speedup(rows, "pressure", qps, policy, "nonstreaming", q)
             for q in PERCENTILES
         }
+    # Work: prefill tokens computed per prompt token, per workload and system at the headline QPS (1.0 = each
+    # prompt token once, what not streaming costs; None for the peer, whose engine is not ours to count).
+    out["work_ratio"] = {w: {s: v["work_ratio"] for s, v in out["ttft_ms"][w].items()} for w in out["ttft_ms"]}
     qps = out["headline_qps"]["append"]
     mine, peer = _find(rows, "append", qps, "streaming"), _find(rows, "append", qps, "peer")
     out["completion_time_ratio_vs_peer"] = _ratio(peer and peer["completion_s"], mine and mine["completion_s"])
@@ -283,7 +287,8 @@ def _runs_table(rows: list[dict[str, Any]], workload: str, baselines: tuple[str,
     if not mine:
         return "(not run)"
     bases = [b for b in baselines if any(r["system"] == b for r in mine)]
-    head = ["QPS", "system", "queries", "ok", "errors", "P50 ms", "P95 ms", "P99 ms", "mean ms", "completion s"]
+    head = ["QPS", "system", "queries", "ok", "errors", "P50 ms", "P95 ms", "P99 ms", "mean ms", "work ratio"]
+    head += ["completion s"]
     head += [f"speedup vs {b} (P50 / P95 / P99)" for b in bases]
     has_peer = "peer" in bases
     if has_peer:
@@ -292,7 +297,8 @@ def _runs_table(rows: list[dict[str, Any]], workload: str, baselines: tuple[str,
     out = []
     for r in sorted(mine, key=lambda r: (r["qps"], order[r["system"]])):
         cells = [r["qps"], r["system"], r["n"], r["ok"], r["errors"], *(_fmt(r[f"p{q}"]) for q in PERCENTILES)]
-        cells += [_fmt(r["mean"]), _fmt(r["completion_s"], 2)] + [_ratios_cell(rows, r, b) for b in bases]
+        cells += [_fmt(r["mean"]), _fmt(r.get("work_ratio"), 3), _fmt(r["completion_s"], 2)]
+        cells += [_ratios_cell(rows, r, b) for b in bases]
         if has_peer:
             peer = _find(rows, workload, r["qps"], "peer")
             cells.append(_x(_ratio(peer and peer["completion_s"], r["completion_s"])) if r["system"] != "peer" else "-")

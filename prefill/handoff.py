@@ -100,7 +100,9 @@ class HandOff:
         recorded = session.record("ended", turn=answer.turn, summary=answer.summary())
         if session.state == SessionState.CLOSED:
             return
-        if session.ephemeral:  # its request is over: its KV goes now, not when its router gets to delete it
+        if (
+            session.ephemeral or session.close_after_answer
+        ):  # its one turn is over: its KV goes now, and is not prefilled again
             await self._close(session, "its answer ended")
             return
         # The session is open again before any await: a caller cancelled from here on (a cancel whose client

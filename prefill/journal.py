@@ -87,6 +87,7 @@ def create_record(session: Session) -> dict[str, Any]:
         "limits": session.limits.model_dump(),
         "tenant": session.tenant,
         "ephemeral": session.ephemeral,
+        "close_after_answer": session.close_after_answer,
     }
 
 
@@ -103,6 +104,7 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
         streaming,
     )
     session.instructions, session.tenant, session.ephemeral = spec["instructions"], spec["tenant"], spec["ephemeral"]
+    session.close_after_answer = spec.get("close_after_answer", False)
     for record in records[1:]:
         _apply(session, record)
         if (call := record.get("call")) is not None:

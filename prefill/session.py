@@ -134,7 +134,8 @@ class Session:
         # Input committed while an answer is generated joins the conversation after that answer.
         self.deferred: list[dict[str, Any]] = []
         # One request's session (an NDJSON body): it ends with its answer, whatever its router does after.
-        self.ephemeral = False
+        self.ephemeral = False  # one request's session (an NDJSON body): its one reader leaving cancels the answer
+        self.close_after_answer = False  # one turn only: closed when its answer ends, no re-prefill for a next turn
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
         # Where its changes are recorded so that it outlives this replica (prefill/journal.py); None in unit tests.
@@ -397,6 +398,7 @@ class Session:
             "input_ended": self.input_ended,
             "deferred": self.deferred,
             "ephemeral": self.ephemeral,
+            "close_after_answer": self.close_after_answer,
             # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
             # here), or, if a router is streaming it, is reported to the adopter when it ends.
             "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
@@ -422,6 +424,7 @@ class Session:
         session.input_ended = state["input_ended"]
         session.deferred = state.get("deferred", [])
         session.ephemeral = state.get("ephemeral", False)
+        session.close_after_answer = state.get("close_after_answer", False)
         for summary in state["answers"]:
             answer = Answer.from_summary(summary)
             answer.overrides = summary.get("overrides") or {}

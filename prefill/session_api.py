@@ -117,6 +117,7 @@ class SessionAPI(HandOff, Failover):
         session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
         session.instructions = spec.get("instructions")
         session.ephemeral = bool(spec.get("ephemeral"))
+        session.close_after_answer = bool(spec.get("close_after_answer"))
         session.tenant = tenant
         self.sessions[session_id] = session
         try:

@@ -52,6 +52,9 @@ class CreateSessionBody(_Open):
     start_policy: Literal["on_first_chunk", "on_min_length", "on_end_only"] | dict[str, Any] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     limits: dict[str, float | int] | None = None
+    # One turn only: the session closes when its answer ends, and its conversation is not prefilled again for a
+    # next turn that will never come (the KV goes at once, not at the DELETE or the idle timeout).
+    close_after_answer: bool = False
 
 
 class ChunkBody(BaseModel):

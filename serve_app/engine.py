@@ -182,6 +182,13 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
     args.scheduler_cls = SCHEDULER_CLS[role]
     if role == "prefill":
         args.additional_config = {ADDITIONAL_CONFIG_KEY: app.prefill.scheduler.model_dump()}
+        # vLLM turns async scheduling on by default on CUDA (off on CPU). The streaming scheduler edits block
+        # tables between steps (swap out/in, truncation on a rewrite), which must not race a step in flight,
+        # and a prefill engine's steps are long prefills with one sampled token each, where overlapping the
+        # next schedule with the step hides little. Off for the prefill role, on CUDA as on CPU, so swap and
+        # cost eviction really swap; `engine_kwargs: {async_scheduling: true}` overrides (eviction then
+        # recomputes, and the scheduler says so at start-up).
+        args.async_scheduling = False
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.kv_transfer_config = app.kv_transfer.to_vllm(current_platform.device_type)
     simple = {

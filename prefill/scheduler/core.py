@@ -93,6 +93,15 @@ class StreamingScheduler(AccountingScheduler):
     def attach(self, executor: Any) -> dict[str, Any]:
         """Give the scheduler the workers (for swap) and size the host pool."""
         self.executor = executor
+        if not self._swap_ok and self.settings.eviction != "recompute":
+            logger.warning(
+                "streaming scheduler: eviction %r cannot swap here (async scheduling %s, pipeline stages %d, "
+                "one KV cache group %s): every eviction recomputes",
+                self.settings.eviction,
+                self.vllm_config.scheduler_config.async_scheduling,
+                self.vllm_config.parallel_config.pipeline_parallel_size,
+                self._single_group,
+            )
         slots = int(self.settings.swap_gb * 2**30 // max(self.block_bytes, 1)) if self._swap_ok else 0
         if slots and not self.host.num_slots:
             executor.collective_rpc("rtpd_swap_init", args=(slots,))

@@ -273,6 +273,36 @@ async def test_a_streamed_answer_whose_reader_stopped_is_given_up_on(server: Ser
     assert "stopped" in (server._expire_answer(session, alive + READER_LEASE_S + 1) or "")
 
 
+async def test_a_session_created_to_close_after_its_answer_is_not_prefilled_again(server: Server) -> None:
+    """`close_after_answer` (REST create): one turn only. When the answer ends the session closes, and its
+    conversation is not prefilled again for a next turn (the re-prefill an open session gets)."""
+    from router.sessions import session_spec
+
+    assert session_spec({"messages": [], "close_after_answer": True})["close_after_answer"] is True
+    assert "close_after_answer" not in session_spec({"messages": [], "close_after_answer": True})["request"]
+    session = server.open_session()
+    session.close_after_answer = True
+    synced: list[list[int]] = []
+
+    async def sync(tokens: list[int]) -> None:
+        synced.append(tokens)
+
+    session.streaming.sync = sync  # type: ignore[method-assign]
+    await server.ready(session)
+    await server.session_claim(session_id=session.id, turn=0)
+    await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("Hi!"))
+    assert session.state.value == "closed" and session.close_reason == "its answer ended"
+    assert synced == []  # no re-prefill of the conversation
+    # An ordinary session gets the re-prefill (its KV resident for the next turn).
+    other = server.open_session()
+    other.policy.type = "on_first_chunk"
+    other.streaming.sync = sync  # type: ignore[method-assign]
+    await server.ready(other)
+    await server.session_claim(session_id=other.id, turn=0)
+    await server.session_answer_done(session_id=other.id, turn=0, outcome=completed("Hi!"))
+    assert other.state.value == "prefilling" and synced  # open, its conversation streaming again
+
+
 async def test_a_one_request_session_ends_with_its_answer(server: Server) -> None:
     """An NDJSON body's session is closed by its owner when its answer ends, or when its one reader leaves
     before any output: its KV does not wait for the router's delete (which a vanished client may never cause)."""

@@ -97,6 +97,7 @@ class Harness:
         max_model_len: int = 1024,
         swap_slots: int = 0,
         scheduler: dict[str, Any] | None = None,
+        async_scheduling: bool = False,
         **settings: Any,
     ) -> None:
         self.clock = clock
@@ -119,6 +120,8 @@ class Harness:
             additional_config={"rtpd_scheduler": rtpd},
         )
         cache_config.num_gpu_blocks = num_blocks
+        if async_scheduling:  # what vLLM decides on CUDA (the CPU platform forces it off while building the config)
+            vllm_config.scheduler_config.async_scheduling = True
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[
