@@ -135,6 +135,7 @@ class Session:
         self.deferred: list[dict[str, Any]] = []
         # One request's session (an NDJSON body): it ends with its answer, whatever its router does after.
         self.ephemeral = False  # one request's session (an NDJSON body): its one reader leaving cancels the answer
+        self.buffered = False  # its input waited for room to stream (residency control), at least once
         self.close_after_answer = False  # one turn only: closed when its answer ends, no re-prefill for a next turn
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
@@ -449,5 +450,8 @@ class Session:
             "resident_tokens": len(self.streaming.sent),
             "rewrites": self.streaming.rewrites,
             "invalidated_tokens": self.streaming.invalidated_tokens,
+            "streaming": self.streaming.active,  # its input is prefilled as it arrives (resident)
+            "prefilled": self.streaming.prefilled,  # the engine holds the KV of all its stable input sent so far
+            "buffered": self.buffered,  # its input waited for room to stream (residency control) at least once
             "expires_in": max(0.0, self.limits.idle_timeout_s - (time.monotonic() - self.last_active)),
         }

@@ -308,10 +308,30 @@ class SessionAPI(HandOff, Failover):
         if len(tokens) >= self.engine.max_model_len:
             await self._close(session, "input exceeds the model's context length")
             raise SessionError(400, f"session input exceeds the context length of {self.engine.max_model_len} tokens")
-        if session.streaming.active or session.may_start(len(tokens)):
+        if session.streaming.active or (session.may_start(len(tokens)) and self._room_to_stream(session, tokens)):
             await session.streaming.sync(tokens)
             if tokens:
                 session.state = SessionState.PREFILLING
+
+    def _room_to_stream(self, session: Session, tokens: list[int]) -> bool:
+        """Residency control: whether a session not streaming yet may start, its KV and that of every session
+        streaming now within `streaming_kv_fraction` of the KV cache (one session alone always may). Otherwise
+        its input waits, as `on_end_only`'s does; a later chunk asks again."""
+        cache = getattr(getattr(getattr(self.engine, "client", None), "vllm_config", None), "cache_config", None)
+        if cache is None or not cache.num_gpu_blocks or not tokens:
+            return True
+        block = cache.block_size
+        streaming = [s for s in self.sessions.values() if s is not session and s.streaming.active]
+        held = sum(-(-len(s.streaming.target) // block) for s in streaming)
+        if (
+            not streaming
+            or held + -(-len(tokens) // block) <= self.settings.streaming_kv_fraction * cache.num_gpu_blocks
+        ):
+            return True
+        if not session.buffered:
+            session.buffered = True
+            metrics.inc(metrics.SESSIONS_BUFFERED, 1, "sessions whose input waited for KV room to stream")
+        return False
 
     async def _close(self, session: Session, reason: str) -> None:
         if session.state == SessionState.CLOSED:

@@ -82,6 +82,11 @@ class StreamingPrefill:
         return (self._consumer is not None and not self._consumer.done()) or self.target != self.sent
 
     @property
+    def prefilled(self) -> bool:
+        """The engine has prefilled the latest tokens (none waiting to be sent, no chunk in flight)."""
+        return bool(self.sent) and self.target == self.sent and not self.busy and self._consumer is not None
+
+    @property
     def busy(self) -> bool:
         """A chunk is in flight: the engine has not finished prefilling what it was given."""
         return self._chunks_done < self._chunks_sent

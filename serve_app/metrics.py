@@ -71,6 +71,7 @@ KV_CACHE_USAGE = "rtpd_kv_cache_usage"
 ERRORS = "rtpd_errors_total"
 ROUTER_PREFILLS = "rtpd_router_prefills_total"  # by where (prefill | decode) and reason
 SESSIONS_ADOPTED = "rtpd_sessions_adopted_total"  # sessions taken over from another replica, by why
+SESSIONS_BUFFERED = "rtpd_sessions_buffered_total"  # sessions whose input waited for KV room to stream
 SESSION_CALL_RETRIES = "rtpd_session_call_retries_total"  # router: session calls retried, by why
 ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason
 REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by the server, by code

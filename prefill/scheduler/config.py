@@ -42,6 +42,11 @@ class SchedulerSettings(BaseModel):
     # even when its KV is evicted, so sessions must leave slots for hand-offs and plain requests: at most
     # three quarters of the engine's slots (and this, if lower). Past it new sessions get 429.
     max_open_sessions: int | None = Field(default=None, ge=1)
+    # Residency control: prefilling while input streams is a privilege of the sessions whose KV fits in this
+    # fraction of the prefill KV cache (the rest is kept for hand-offs and whole prompts). A session that does
+    # not fit buffers its input, as `on_end_only` does, and starts streaming at a later chunk once room frees;
+    # so sessions wait instead of evicting each other. 1.0: every session streams (eviction sorts it out).
+    streaming_kv_fraction: float = Field(default=0.75, gt=0, le=1)
 
     def session_capacity(self, max_num_seqs: int) -> int:
         # An idle session holds a slot while its hand-off needs another: one slot serves no session.

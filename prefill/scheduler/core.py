@@ -75,6 +75,7 @@ class StreamingScheduler(AccountingScheduler):
         self.latency: LatencyModel | None = None
         self.evicted: dict[str, Evicted] = {}
         self._planned_now = 0
+        self._evicting = False  # (this scheduler's own eviction preempts through vLLM's method)
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -235,8 +236,14 @@ class StreamingScheduler(AccountingScheduler):
         for r, n in planned:
             needed += n
             rank = position[r.request_id]
+            # Partial input is speculative: it never preempts a prefill that is running (waiting holders may
+            # give their blocks back, or partial sessions would hold each other's room for good).
+            partial = policy != "vllm" and not views[r.request_id].complete
             while pool.get_num_free_blocks() < needed:
-                victim = next((c for c in candidates if c[1] > rank), None)
+                victim = next(
+                    (c for c in candidates if c[1] > rank and not (partial and c[2].status == RequestStatus.RUNNING)),
+                    None,
+                )
                 if victim is None:
                     return  # nothing ranked below this request holds blocks: it and what follows wait
                 candidates.remove(victim)
@@ -263,7 +270,11 @@ class StreamingScheduler(AccountingScheduler):
         self._count(r, "evictions_idle" if idle else "evictions_active")
         if r.status == RequestStatus.RUNNING:
             self.running.remove(r)
-            self._preempt_request(r, time.monotonic())
+            self._evicting = True
+            try:
+                self._preempt_request(r, time.monotonic())
+            finally:
+                self._evicting = False
             self.waiting.remove_request(r)  # _preempt_request put it first: it goes behind the planned
             self.waiting.add_request(r)
         else:
@@ -271,6 +282,12 @@ class StreamingScheduler(AccountingScheduler):
             if not idle:  # a waiting session chunk: it resumes from the prefix cache
                 r.num_computed_tokens = 0
         logger.debug("evicted %s (%s, %d tokens, %d blocks)", r.request_id, kind, tokens, len(blocks))
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        if not self._evicting:  # vLLM's own preemption (a running request's allocation failed), counted too
+            self._count(request, "preemptions_engine")
+            self._count(request, "preempted_tokens", request.num_computed_tokens)
+        super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _eviction_kind(self, tokens: int, blocks: int) -> str:
         mode = self.settings.eviction
@@ -417,7 +434,9 @@ class StreamingScheduler(AccountingScheduler):
         computed: Counter[str] = Counter()
         for rid, r in self.requests.items():
             key = self.req_session.get(rid, rid)
-            computed[key] = max(computed[key], r.num_computed_tokens)
+            # An evicted session still counts what it had (MCPS would otherwise drop it to the bottom: starved).
+            had = self.evicted[rid].tokens if rid in self.evicted else 0
+            computed[key] = max(computed[key], r.num_computed_tokens, had)
         views = {}
         for rid, r in self.requests.items():
             key = self.req_session.get(rid, rid)

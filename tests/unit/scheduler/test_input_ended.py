@@ -66,3 +66,21 @@ def test_an_idle_session_whose_input_ended_is_evicted_after_every_other_idle_one
     assert "n" in h.step().num_scheduled_tokens
     assert h.blocks("s3") and h.blocks("s1")
     assert h.blocks("s2") == []
+
+
+def test_an_evicted_session_keeps_its_computed_count_under_mcps(make) -> None:
+    """MCPS serves the most computed first: a session evicted while idle still ranks by what it had (its KV comes
+    back from the prefix cache or the host), not as a session with nothing computed, which would starve it."""
+    h = make(policy="mcps")
+    h.add("i", 48, arrival=1.0)
+    h.add("w1", 48, arrival=2.0)
+    h.add("w2", 48, arrival=3.0)
+    h.run()
+    h.add("w1", 16)
+    h.add("w2", 16)
+    h.add("n", 64, resumable=False, arrival=10.0)
+    h.step()
+    assert "i" in h.sched.evicted
+    h.add("i", 16)  # its next chunk: vLLM's count restarts from 0 (the KV comes back when it is scheduled)
+    assert h.sched.requests["i"].num_computed_tokens == 0
+    assert h.sched._views()["i"].computed == 48
