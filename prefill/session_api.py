@@ -73,6 +73,24 @@ def _text_input(request: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
+def _work(session: Session, stats: dict[str, Any]) -> dict[str, Any]:
+    """What the session cost the prefill engine: tokens computed by kind, against its prompt (1.0: each prompt
+    token computed once, as a request sent whole costs)."""
+    scheduler = stats.get("session_scheduler", {})
+    prompt = next((a.usage.get("prompt_tokens") for a in reversed(session.answers) if a.usage), None)
+    computed = stats.get("prompt_tokens_computed", 0)
+    return {
+        "computed_tokens": computed,
+        **{f"{kind}_tokens": n for kind, n in (stats.get("prompt_tokens_computed_by_kind") or {}).items()},
+        "recomputed_tokens": scheduler.get("recomputed_tokens", 0),
+        "invalidated_tokens": session.streaming.invalidated_tokens,
+        "superseded_chunks": session.streaming.superseded_chunks,
+        "coalesced_versions": session.streaming.coalesced,
+        "prompt_tokens": prompt,
+        "work_ratio": computed / prompt if prompt else None,
+    }
+
+
 def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_CHUNKS, chunks, "session input chunks applied")
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
@@ -280,6 +298,7 @@ class SessionAPI(HandOff, Failover):
             "request_ids": session.streaming.request_ids,
             "prompt_tokens_computed": stats["prompt_tokens_computed"],
             "block_size": stats["block_size"],
+            "work": _work(session, stats),
             "answers": [a.summary() for a in session.answers],
             # This session's admissions, evictions by kind, swapped blocks and bytes, tokens recomputed after
             # eviction or given back by the prefix cache, invalidated tokens; and the replica's scheduler.

@@ -105,6 +105,8 @@ PREFILL_INVALIDATED_TOKENS = "rtpd_prefill_invalidated_tokens_total"
 PREFILL_RECOMPUTED_TOKENS = "rtpd_prefill_recomputed_tokens_total"
 PREFILL_CACHE_RETURNED_TOKENS = "rtpd_prefill_prefix_cache_returned_tokens_total"
 PREFILL_QUEUE = "rtpd_prefill_queue"
+# Work: prompt tokens the prefill engine computed, by what for (streamed session input, hand-offs, whole prompts).
+PREFILL_COMPUTED_TOKENS = "rtpd_prefill_computed_tokens_total"
 
 SCHEDULER_ALL = [
     PREFILL_ADMISSIONS,
@@ -116,6 +118,7 @@ SCHEDULER_ALL = [
     PREFILL_RECOMPUTED_TOKENS,
     PREFILL_CACHE_RETURNED_TOKENS,
     PREFILL_QUEUE,
+    PREFILL_COMPUTED_TOKENS,
 ]
 
 # scheduler counter -> (metric, description, extra tags)
@@ -130,6 +133,11 @@ _SCHEDULER_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "invalidated_tokens": (PREFILL_INVALIDATED_TOKENS, "tokens invalidated by input rewrites", {}),
     "recomputed_tokens": (PREFILL_RECOMPUTED_TOKENS, "tokens recomputed after an eviction", {}),
     "tokens_back_from_prefix_cache": (PREFILL_CACHE_RETURNED_TOKENS, "evicted tokens the prefix cache gave back", {}),
+    "preemptions_engine": (PREFILL_EVICTIONS, "prefill KV evictions by kind", {"kind": "engine_preemption"}),
+    **{
+        f"computed_{kind}": (PREFILL_COMPUTED_TOKENS, "prompt tokens the prefill engine computed", {"kind": kind})
+        for kind in ("streamed", "handoff", "whole")
+    },
 }
 
 

@@ -15,7 +15,8 @@ Configured with vLLM's extension point: `scheduler_cls="serve_app.scheduler.Acco
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import re
+from collections import Counter, OrderedDict
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -24,6 +25,15 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 MAX_TRACKED_REQUESTS = 20_000
+_HANDOFF = re.compile(r"-t\d+-h\d+")  # a session's hand-off (prefill/handoff.py names it <session>-t<turn>-h<n>)
+
+
+def work_kind(request_id: str) -> str:
+    """What a request's computed tokens are for: a session's input streamed as it arrives (prefill/streaming.py
+    names those requests <session>-stream<n>), a session's hand-off at end of input, or a whole prompt."""
+    if "-stream" in request_id:
+        return "streamed"
+    return "handoff" if _HANDOFF.search(request_id) else "whole"
 
 
 class AccountingScheduler(Scheduler):
@@ -31,6 +41,7 @@ class AccountingScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.prompt_tokens_computed: OrderedDict[str, int] = OrderedDict()
         self.total_prompt_tokens_computed = 0
+        self.computed_by_kind: Counter[str] = Counter()  # the same tokens, by what they were for (`work_kind`)
         self.kv_load_failed_requests = 0
         self.kv_load_failed_tokens = 0  # tokens whose KV did not arrive (recomputed, or the request failed)
         self._counted_failed: set[str] = set()  # (the connector reports a failed request's blocks too)
@@ -67,6 +78,7 @@ class AccountingScheduler(Scheduler):
             prompt = max(0, min(before + n, request.num_prompt_tokens) - before)
             if prompt:
                 self.total_prompt_tokens_computed += prompt
+                self.computed_by_kind[work_kind(req_id)] += prompt
                 self.prompt_tokens_computed[req_id] = self.prompt_tokens_computed.get(req_id, 0) + prompt
                 self.prompt_tokens_computed.move_to_end(req_id)
                 if len(self.prompt_tokens_computed) > MAX_TRACKED_REQUESTS:
@@ -78,6 +90,7 @@ class AccountingScheduler(Scheduler):
         running, waiting = self.get_request_counts()
         stats: dict[str, Any] = {
             "prompt_tokens_computed_total": self.total_prompt_tokens_computed,
+            "prompt_tokens_computed_by_kind": dict(self.computed_by_kind),
             "num_requests": len(self.requests),  # every request the scheduler still tracks
             "num_running": running,
             "num_waiting": waiting,
@@ -89,9 +102,12 @@ class AccountingScheduler(Scheduler):
         }
         if request_id_prefix is not None:
             # vLLM appends a random suffix to the caller's id, and its serving layer a prefix.
-            stats["prompt_tokens_computed"] = sum(
-                n for rid, n in self.prompt_tokens_computed.items() if request_id_prefix in rid
-            )
+            mine = [(rid, n) for rid, n in self.prompt_tokens_computed.items() if request_id_prefix in rid]
+            stats["prompt_tokens_computed"] = sum(n for _, n in mine)
+            by_kind: Counter[str] = Counter()
+            for rid, n in mine:
+                by_kind[work_kind(rid)] += n
+            stats["prompt_tokens_computed_by_kind"] = dict(by_kind)
         return stats
 
 

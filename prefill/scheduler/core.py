@@ -498,6 +498,7 @@ class StreamingScheduler(AccountingScheduler):
             "host_slots": self.host.num_slots,
             "host_slots_free": self.host.num_free,
             "block_bytes": self.block_bytes,
+            **{f"computed_{kind}": n for kind, n in self.computed_by_kind.items()},
         }
         if request_id_prefix is not None and request_id_prefix in self.sessions:
             stats["session_scheduler"] = dict(self.sessions[request_id_prefix].stats)
