@@ -143,7 +143,9 @@ async def one_session(
 ) -> Outcome:
     out = Outcome(system=system, index=plan.index)
     policy = BASELINE if system == BASELINE else "on_first_chunk"
+    # One turn per session: it closes with its answer (no re-prefill of a conversation that will not continue).
     body = {"messages": [], "max_tokens": args.answer_tokens, "temperature": 0, "start_policy": policy}
+    body["close_after_answer"] = True
     if args.served_model:
         body["model"] = args.served_model
     sid: str | None = None
@@ -315,8 +317,8 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
     lines = [
         "| system | ok/sessions | peak open | errors (timeouts) | P50 ms | P95 ms | P99 ms | x P50 | x P95 | x P99 "
-        "| evictions | swapped blocks | recomputed tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| work ratio | evictions | swapped blocks | recomputed tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         c = s.get("scheduler_delta") or {}
@@ -334,6 +336,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             f"{s['errors']} ({s['timeouts']})",
             *(f(s[f"ttft_p{q}_ms"], ".0f") for q in (50, 95, 99)),
             *(f(s.get(f"speedup_p{q}"), ".2f") for q in (50, 95, 99)),
+            f(s.get("work_ratio"), ".3f"),
             ev_text,
             c.get("swapped_out_blocks", 0),
             c.get("recomputed_tokens", 0),
@@ -527,12 +530,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             idle = wait_idle(args.idle_timeout)
             after = prefill_stats()
             summary = summarise(outcomes)
+            delta = counter_delta(scheduler_counters(before), scheduler_counters(after))
+            computed = sum(delta.get(f"computed_{k}", 0) for k in ("streamed", "handoff", "whole"))
+            prompt = sum(o.prompt_tokens or 0 for o in outcomes if o.error is None)
             summary.update(
                 {
+                    # prefill tokens computed (every kind) per prompt token answered; 1.0 = each computed once
+                    "work_ratio": computed / prompt if prompt and computed else None,
                     "wall_s": wall,
                     "configure": conf,
                     "idle_after": idle,
-                    "scheduler_delta": counter_delta(scheduler_counters(before), scheduler_counters(after)),
+                    "scheduler_delta": delta,
                     "scheduler_after": (after or {}).get("scheduler"),
                 }
             )
