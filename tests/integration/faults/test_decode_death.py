@@ -270,8 +270,12 @@ def test_answers_go_on_when_their_decode_replica_is_killed(faults: str, model_na
     # The REST session stays open, its conversation resident for a next turn, until its client deletes it; a
     # session left behind would hold KV into the next test (test_prefill_death checks that no engine holds any).
     sid = next(r.key for r in readers if r.name == "session")
-    idle = [rid for rid in replicas("prefill") if sid in prefill_stats(rid)["scheduler"]["idle_session_ids"]]
-    assert len(idle) == 1, f"session {sid} is not resident on its prefill replica"
+    deadline = time.time() + 30  # (its conversation is prefilled again after the answer: idle once that is done)
+    while (
+        len(idle := [r for r in replicas("prefill") if sid in prefill_stats(r)["scheduler"]["idle_session_ids"]]) != 1
+    ):
+        assert time.time() < deadline, f"session {sid} is not resident on its prefill replica"
+        time.sleep(0.5)
     assert httpx.delete(f"{faults}{SESSIONS}/{sid}", timeout=60).status_code == 200
     deadline = time.time() + 30
     while sid in (stats := prefill_stats(idle[0]))["scheduler"]["idle_session_ids"]:
