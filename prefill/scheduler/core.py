@@ -399,6 +399,36 @@ class StreamingScheduler(AccountingScheduler):
         if not existing:
             self._track(self.requests[request.request_id], chunk=False)
             self.counters["admissions"] += 1
+            if not request.resumable:
+                self._take_swapped_prefix(self.requests[request.request_id])
+
+    def _take_swapped_prefix(self, handoff: Request) -> None:
+        """A session's hand-off (a complete request over its whole input) takes the host copy of its session's
+        KV, swapped out while the session was idle: it is swapped in for the hand-off instead of recomputed (the
+        session's own request then gets it back from the prefix cache). Only the common prefix is taken."""
+        key = self.req_session.get(handoff.request_id)
+        session = next(
+            (
+                q
+                for rid, q in self.requests.items()
+                if rid != handoff.request_id and self.req_session.get(rid) == key and q.resumable and q.status == IDLE
+            ),
+            None,
+        )
+        ev = self.evicted.get(session.request_id) if session is not None else None
+        if session is None or ev is None or ev.kind != "swap" or not ev.slots:
+            return
+        mine, theirs = session.prompt_token_ids[: ev.tokens], handoff.prompt_token_ids
+        keep = next(
+            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs))
+        )
+        n_keep = math.ceil(keep / self.block_size)
+        if not keep:
+            return
+        self.host.free(ev.slots[n_keep:])
+        self.evicted[handoff.request_id] = Evicted("swap", keep, ev.slots[:n_keep])
+        self.evicted[session.request_id] = Evicted("recompute", ev.tokens, [], idle=True)
+        self._count(handoff, "swap_taken_by_handoff")
 
     def _track(self, r: Request, chunk: bool) -> None:
         args = (r.sampling_params.extra_args if r.sampling_params else None) or {}

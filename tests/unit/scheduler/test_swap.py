@@ -262,3 +262,29 @@ def test_running_victim_is_swapped_out_and_back_in(make) -> None:
     c = h.counters()
     assert c["swapped_out_blocks"] == 8 and c["swapped_in_blocks"] + c["tokens_back_from_prefix_cache"] // BLOCK == 8
     assert "swap_fallbacks" not in c
+
+
+def test_a_hand_off_takes_its_idle_sessions_swapped_out_kv(make) -> None:
+    """At end of input the hand-off is a complete request over the session's whole input: the KV its session
+    had swapped out while idle is swapped in for it, not recomputed (nor left unused in the host pool)."""
+    h = make(policy="fcfs", eviction="swap", budget=256, swap_slots=8)
+    first = h.tokens(40)
+    h.add("s", first, arrival=1.0)
+    h.run()
+    snapshot = h.block_contents(h.blocks("s"))
+    h.add("n", 192, resumable=False, arrival=10.0)  # every block: s is swapped out
+    out = h.step()
+    h.scribble(out.scheduled_new_reqs[0].block_ids[0])
+    h.run()  # n done (its blocks stay cached, scribbled)
+    assert h.sched.evicted["s"].kind == "swap"
+
+    h.add("s-t0-h1", [*first, *h.tokens(8)], resumable=False, session="s")
+    out = h.step()
+    assert out.num_scheduled_tokens == {"s-t0-h1": 8}  # only what the session never had
+    assert same(h.block_contents(out.scheduled_new_reqs[0].block_ids[0][:3]), snapshot)
+    c = h.counters()
+    assert c["swapped_in_blocks"] == 3 and c["swap_taken_by_handoff"] == 1
+    assert "recomputed_tokens" not in c and "swap_fallbacks" not in c
+    assert h.sched.compute_stats("s")["session_scheduler"]["swapped_in_blocks"] == 3
+    h.run()
+    assert h.counters()["host_slots_free"] == 8
