@@ -64,9 +64,9 @@ class HandOff:
         answer.status = "preparing"
         try:
             if session.streaming.active:
-                # Its pending prefill is complete work now (ranked so), and the hand-off finds every block cached.
-                await session.streaming.input_ended()
-                await session.streaming.wait_computed()
+                # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight
+                # is waited for, ranked complete meanwhile, so that the hand-off finds its blocks cached.
+                await session.streaming.finish_input()
             overrides = dict(answer.overrides)
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
             answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))

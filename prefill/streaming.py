@@ -13,10 +13,15 @@ latest reaches the engine. vLLM's streaming input is append-only: when a version
 to the longest common prefix (the prefill scheduler frees exactly the KV after it, on the device and in the swap
 pool; prefill/scheduler/core.py `invalidate`), and a request with a chunk in flight is aborted at once (never
 waited for) and replaced by a new one, for which the prefix cache gives back the LCP's full blocks. Superseded
-work therefore costs at most the chunk in flight when the rewrite came.
+work therefore costs at most the chunk in flight when the rewrite came. Versions that come in a burst (within
+`SETTLE_S` of each other) are sent once the burst settles, so a rewrite right behind a version is seen before
+that version is prefilled; and while rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every
+recent version shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
 
-At end of input (`input_ended`) the session's pending prefill is ranked as complete work, so the hand-off
-never waits behind partial input ranked below it.
+At end of input (`finish_input`) nothing more is streamed: what was not sent yet, the hand-off computes as
+complete work. A chunk in flight that holds the input's tokens is waited for, ranked as complete work
+meanwhile (so the hand-off never waits behind partial input ranked below it); one the final input no longer
+has is aborted.
 
 Every request of the session carries its session id and arrival time (`extra_args`), which the scheduler's
 policies rank by. Waits on the engine are bounded: past `timeout` the caller gets `TimeoutError`.
@@ -32,11 +37,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 logger = logging.getLogger(__name__)
+# Versions arriving within this of each other are one burst: the sender waits for the burst to settle before
+# sending, so that a rewrite right behind a version is seen before that version is prefilled (update traces
+# rewrite ~40 ms apart at the median).
+SETTLE_S = 0.08
+# After a rewrite the input is unstable: only the prefix every recent version shares is prefilled while it
+# streams (the rest is computed by the hand-off, as when not streaming), until no rewrite came for this long.
+REWRITE_QUIET_S = 1.0
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -52,7 +65,14 @@ class StreamingPrefill:
     and returns at once; the session's sender passes them to the engine: at most one chunk in flight, later
     versions coalesced into the next chunk, a rewrite applied at once (see the module's docstring)."""
 
-    def __init__(self, engine: Any, request_id: str, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        request_id: str,
+        timeout: float = 60.0,
+        settle_s: float | None = None,
+        rewrite_quiet_s: float | None = None,
+    ) -> None:
         self.engine = engine  # serve_app.engine.Engine
         self.base_id = request_id
         self.arrival = time.time()
@@ -66,6 +86,13 @@ class StreamingPrefill:
         self.superseded_chunks = 0  # chunks aborted in flight by a rewrite (their work lost)
         self.coalesced = 0  # versions that never reached the engine (a later one did)
         self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
+        self.input_done = False  # the turn's input ended: nothing more is streamed (the hand-off computes it)
+        self.settle_s = SETTLE_S if settle_s is None else settle_s
+        self.rewrite_quiet_s = REWRITE_QUIET_S if rewrite_quiet_s is None else rewrite_quiet_s
+        self._changed_at = 0.0  # when the latest version came
+        self._rewrite_at = -math.inf  # when the latest rewrite came
+        self._stable = 0  # tokens every version since the rewrites began shares
+        self._inflight_from = 0  # tokens resident before the chunk in flight
         self._queue: asyncio.Queue[Any] | None = None
         self._consumer: asyncio.Task[None] | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -79,12 +106,19 @@ class StreamingPrefill:
     @property
     def active(self) -> bool:
         """Whether the session has an engine request, or input on its way to one."""
-        return (self._consumer is not None and not self._consumer.done()) or self.target != self.sent
+        return (self._consumer is not None and not self._consumer.done()) or self.goal != self.sent
+
+    @property
+    def goal(self) -> list[int]:
+        """What the sender makes resident: the latest tokens, or while rewrites come, only their stable prefix."""
+        if time.monotonic() - self._rewrite_at < self.rewrite_quiet_s:
+            return self.target[: self._stable]
+        return self.target
 
     @property
     def prefilled(self) -> bool:
-        """The engine has prefilled the latest tokens (none waiting to be sent, no chunk in flight)."""
-        return bool(self.sent) and self.target == self.sent and not self.busy and self._consumer is not None
+        """The engine has prefilled the tokens the sender meant to (none waiting to be sent, no chunk in flight)."""
+        return bool(self.sent) and self.goal == self.sent and not self.busy and self._consumer is not None
 
     @property
     def busy(self) -> bool:
@@ -99,7 +133,12 @@ class StreamingPrefill:
             return  # a late caller (a re-prefill queued before the session ended) must not start a request
         if self.target != self.sent:
             self.coalesced += 1  # the version not yet sent is superseded before it cost anything
-        self.target = list(tokens)
+        now = time.monotonic()
+        if (lcp := common_prefix_len(self.target, tokens)) < len(self.target):  # a rewrite
+            recent = now - self._rewrite_at < self.rewrite_quiet_s
+            self._stable = min(self._stable, lcp) if recent else lcp
+            self._rewrite_at = now
+        self.target, self._changed_at, self.input_done = list(tokens), now, False
         self._wake.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_loop())
@@ -107,20 +146,22 @@ class StreamingPrefill:
     async def _send_loop(self) -> None:
         try:
             while not self.closed and self._error is None:
-                if self.target == self.sent:
-                    self._wake.clear()
-                    await self._wake.wait()
+                goal, now = self.goal, time.monotonic()
+                if self.input_done or goal == self.sent:
+                    quiet_left = self._rewrite_at + self.rewrite_quiet_s - now if goal != self.target else None
+                    await self._sleep(None if self.input_done else quiet_left)  # (the rest goes once quiet)
                     continue
-                lcp = common_prefix_len(self.sent, self.target)
-                if self.busy and lcp == len(self.sent):
+                if (settle_left := self._changed_at + self.settle_s - now) > 0:
+                    await self._sleep(settle_left)  # a burst of versions: the latest goes, once it settles
+                    continue
+                if self.busy and common_prefix_len(self.sent, goal) == len(self.sent):
                     # More input while a chunk is in flight: it waits and joins whatever comes next, so that
                     # versions arriving faster than they prefill cost one chunk, not one each.
-                    self._wake.clear()
-                    await self._wake.wait()  # (set by new input, or by the chunk's completion)
+                    await self._sleep(None)  # (woken by new input, or by the chunk's completion)
                     continue
                 async with self._lock:
-                    if not self.closed:
-                        await self._apply(list(self.target))
+                    if not self.closed and not self.input_done:
+                        await self._apply(list(self.goal))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # surfaced to the session's next call
@@ -128,6 +169,12 @@ class StreamingPrefill:
             self._error = e
             async with self._progress:
                 self._progress.notify_all()
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until woken (new input, a chunk done, close), or `timeout` seconds."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _apply(self, tokens: list[int]) -> None:
         """Append the new suffix of `tokens`; a rewrite first cuts the request back to the common prefix (in
@@ -147,6 +194,7 @@ class StreamingPrefill:
             else:
                 self.sent = self.sent[:kept]
         new = tokens[len(self.sent) :]
+        self._inflight_from = len(self.sent)
         if new:
             if self._consumer is None or self._consumer.done():
                 self._start()
@@ -169,12 +217,33 @@ class StreamingPrefill:
             with contextlib.suppress(Exception):  # (an engine without the streaming scheduler ranks nothing)
                 await self.engine.utility("rtpd_input_ended", self.base_id)
 
+    async def finish_input(self, timeout: float | None = None) -> None:
+        """The turn's input ended: nothing more is streamed (what was not sent, the hand-off computes as
+        complete work). A chunk in flight whose tokens are still the input's is waited for, ranked as complete
+        work meanwhile, so that the hand-off finds its blocks cached; one the input no longer has is aborted."""
+        self.input_done = True
+        self._wake.set()
+        async with self._lock:  # (the sender is not midway through a change)
+            if not self.busy:
+                return
+            if common_prefix_len(self.sent, self.target) <= self._inflight_from:
+                self.superseded_chunks += 1
+                await self._close()  # all of it superseded: the hand-off must not wait behind it
+                self.sent = []
+                return
+        await self.input_ended()
+        async with self._progress:
+            waiting = self._progress.wait_for(lambda: not self.busy or self._error is not None or self.closed)
+            await asyncio.wait_for(waiting, timeout or self.timeout)
+        if self._error is not None:
+            raise self._error
+
     async def wait_computed(self, timeout: float | None = None) -> None:
         """Wait until the engine has prefilled the session's latest tokens (at most `timeout`, default the
         session's admission timeout; then `TimeoutError`)."""
 
         def done() -> bool:
-            return self._error is not None or self.closed or (self.target == self.sent and not self.busy)
+            return self._error is not None or self.closed or (self.goal == self.sent and not self.busy)
 
         async with self._progress:
             await asyncio.wait_for(self._progress.wait_for(done), timeout or self.timeout)

@@ -14,6 +14,14 @@ from prefill.store import MemorySessionStore
 from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
 
 
+@pytest.fixture(autouse=True)
+def no_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input goes to the engine as soon as it comes (no wait for a burst of versions to settle)."""
+    from prefill import streaming
+
+    monkeypatch.setattr(streaming, "SETTLE_S", 0.0)
+
+
 class Replica(Server):
     """A prefill replica of a pool whose replicas share `store`; `dead` lists the replicas that died."""
 

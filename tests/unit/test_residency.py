@@ -9,10 +9,20 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from prefill.session import StartPolicy
 from tests.unit.test_handoff import Server, tokenizer  # noqa: F401  (the fixture)
 
 BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def no_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input goes to the engine as soon as it comes (no wait for a burst of versions to settle)."""
+    from prefill import streaming
+
+    monkeypatch.setattr(streaming, "SETTLE_S", 0.0)
 
 
 class Client:

@@ -62,7 +62,7 @@ def engine() -> Engine:
 
 
 async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_chunk(engine: Engine) -> None:
-    streaming = StreamingPrefill(engine, "sess_r_a", timeout=2)
+    streaming = StreamingPrefill(engine, "sess_r_a", timeout=2, settle_s=0, rewrite_quiet_s=0)
     await streaming.sync([1, 2, 3])
     await settle()
     for n in range(4, 9):  # five more versions while the first chunk is in flight
@@ -81,7 +81,7 @@ async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_c
 async def test_a_rewrite_never_waits_for_the_chunk_in_flight(engine: Engine) -> None:
     """The superseded version's prefill is aborted at once (no wait), and the latest version goes to a new
     request whole (the engine's prefix cache gives back the common prefix's full blocks)."""
-    streaming = StreamingPrefill(engine, "sess_r_b", timeout=2)
+    streaming = StreamingPrefill(engine, "sess_r_b", timeout=2, settle_s=0, rewrite_quiet_s=0)
     first = list(range(100))
     await streaming.sync(first)
     await settle()
@@ -101,7 +101,7 @@ async def test_a_rewrite_never_waits_for_the_chunk_in_flight(engine: Engine) -> 
 
 async def test_a_rewrite_of_an_idle_request_cuts_it_in_place_and_appends_the_new_suffix() -> None:
     engine = Engine(instant=True)
-    streaming = StreamingPrefill(engine, "sess_r_c", timeout=2)
+    streaming = StreamingPrefill(engine, "sess_r_c", timeout=2, settle_s=0, rewrite_quiet_s=0)
     await streaming.sync(list(range(40)))
     await streaming.wait_computed()
     await streaming.sync([*range(30), 9, 9, 9])
@@ -113,7 +113,7 @@ async def test_a_rewrite_of_an_idle_request_cuts_it_in_place_and_appends_the_new
 
 
 async def test_wait_computed_waits_for_the_latest_version(engine: Engine) -> None:
-    streaming = StreamingPrefill(engine, "sess_r_d", timeout=2)
+    streaming = StreamingPrefill(engine, "sess_r_d", timeout=2, settle_s=0, rewrite_quiet_s=0)
     await streaming.sync([1, 2])
     await settle()
     await streaming.sync([1, 2, 3, 4])
@@ -127,10 +127,56 @@ async def test_wait_computed_waits_for_the_latest_version(engine: Engine) -> Non
 
 
 async def test_nothing_reaches_the_engine_after_close(engine: Engine) -> None:
-    streaming = StreamingPrefill(engine, "sess_r_e", timeout=2)
+    streaming = StreamingPrefill(engine, "sess_r_e", timeout=2, settle_s=0, rewrite_quiet_s=0)
     await streaming.sync([1, 2, 3])
     await settle()
     await streaming.close()
     await streaming.sync([1, 2, 3, 4, 5])
     await settle()
     assert engine.chunks == [("sess_r_e-stream1", [1, 2, 3])] and not engine.open
+
+
+async def test_a_rewrite_right_behind_a_version_is_seen_before_that_version_is_prefilled(engine: Engine) -> None:
+    """Update traces rewrite in bursts (~40 ms apart): the sender waits for a burst to settle, so the first
+    version is never prefilled in full only to be cut at 10%; while rewrites keep coming only the prefix every
+    version shares is prefilled, and the rest once they stop."""
+    engine.instant = True
+    streaming = StreamingPrefill(engine, "sess_r_f", timeout=2, settle_s=0.05, rewrite_quiet_s=0.3)
+    first = list(range(100))
+    await streaming.sync(first)
+    await asyncio.sleep(0.01)
+    await streaming.sync([*first[:10], *[7] * 90])  # rewritten from 10% on, 10 ms later
+    await asyncio.sleep(0.01)
+    await streaming.sync([*first[:10], *[8] * 90])  # and again
+    await asyncio.sleep(0.15)  # settled: only the stable prefix was sent
+    assert engine.chunks == [("sess_r_f-stream1", first[:10])]
+    await asyncio.sleep(0.3)  # no rewrite for rewrite_quiet_s: the rest follows
+    assert engine.chunks[-1] == ("sess_r_f-stream1", [8] * 90)
+    assert sum(len(c) for _, c in engine.chunks) == 100  # nothing computed twice
+    await streaming.close()
+
+
+async def test_at_end_of_input_nothing_more_streams_and_a_useful_chunk_in_flight_is_waited_for(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_g", timeout=2, settle_s=0, rewrite_quiet_s=0)
+    await streaming.sync(list(range(50)))
+    await settle()
+    await streaming.sync(list(range(80)))  # waits behind the chunk in flight
+    finishing = asyncio.ensure_future(streaming.finish_input())
+    await settle()
+    assert not finishing.done()  # the chunk in flight holds the input's tokens: the hand-off will reuse them
+    assert ("rtpd_input_ended", "sess_r_g") in engine.utility_calls
+    engine.finish()
+    await asyncio.wait_for(finishing, 2)
+    await settle()
+    assert engine.chunks == [("sess_r_g-stream1", list(range(50)))]  # the rest is the hand-off's, not streamed
+    await streaming.close()
+
+
+async def test_at_end_of_input_a_superseded_chunk_in_flight_is_aborted_not_waited_for(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_h", timeout=2, settle_s=0, rewrite_quiet_s=10)
+    await streaming.sync(list(range(5, 55)))
+    await settle()
+    streaming.target = [1, 2, 3]  # (the final input shares none of the chunk in flight)
+    await asyncio.wait_for(streaming.finish_input(), 0.5)
+    assert not engine.open and streaming.superseded_chunks == 1
+    await streaming.close()
