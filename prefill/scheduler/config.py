@@ -47,6 +47,10 @@ class SchedulerSettings(BaseModel):
     # not fit buffers its input, as `on_end_only` does, and starts streaming at a later chunk once room frees;
     # so sessions wait instead of evicting each other. 1.0: every session streams (eviction sorts it out).
     streaming_kv_fraction: float = Field(default=0.75, gt=0, le=1)
+    # Partial input is speculative: while complete work (a hand-off, a whole prompt, a session whose input
+    # ended) has tokens to compute, partial input sits the step out, so a step is never made longer by it
+    # (on one core a step's time follows its tokens). Off: partial input fills what complete work leaves.
+    partial_yields: bool = True
 
     def session_capacity(self, max_num_seqs: int) -> int:
         # An idle session holds a slot while its hand-off needs another: one slot serves no session.

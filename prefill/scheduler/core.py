@@ -76,6 +76,7 @@ class StreamingScheduler(AccountingScheduler):
         self.evicted: dict[str, Evicted] = {}
         self._planned_now = 0
         self._evicting = False  # (this scheduler's own eviction preempts through vLLM's method)
+        self._yielding: set[str] = set()  # partial requests sitting this step out for complete work
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -118,6 +119,7 @@ class StreamingScheduler(AccountingScheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._forget_gone()
         self._planned_now = 0
+        self._yielding = set()
         held_back: list[Request] = []
         if any(r.status in ACTIVE for r in self.requests.values()):
             held_back = self._plan_and_evict()
@@ -126,7 +128,11 @@ class StreamingScheduler(AccountingScheduler):
         slots = self.max_num_active_reqs
         self.max_num_active_reqs -= len(held_back)
         # A swapped-out request waits for its swap-in: vLLM would otherwise recompute what the host holds.
-        parked = [r for r in self.waiting if self._swapped_tokens(r) and not r.num_computed_tokens]
+        parked = [
+            r
+            for r in self.waiting
+            if (self._swapped_tokens(r) and not r.num_computed_tokens) or r.request_id in self._yielding
+        ]
         parked_kv = [r for r in self.kv_holding_waiting if self._swapped_tokens(r) and not r.num_computed_tokens]
         if parked:
             self.waiting.remove_requests(parked)
@@ -183,6 +189,12 @@ class StreamingScheduler(AccountingScheduler):
             budget -= todo
             planned.append((r, blocks - len(self._block_ids(r)) - self._hits_in_use(r)))
             self.counters["planned"] += 1
+        if policy != "vllm" and self.settings.partial_yields and any(views[r.request_id].complete for r, _ in planned):
+            # Complete work this step: partial input waits (its tokens would only make the step longer).
+            self._yielding = {r.request_id for r in active if not views[r.request_id].complete}
+            if self._yielding:
+                self.counters["partial_yields"] += 1
+            planned = [(r, n) for r, n in planned if r.request_id not in self._yielding]
         self._planned_now = len(planned)
 
         # Phase 2: free the planned requests' new blocks, in rank order, each from holders ranked below it.

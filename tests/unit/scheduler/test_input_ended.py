@@ -84,3 +84,20 @@ def test_an_evicted_session_keeps_its_computed_count_under_mcps(make) -> None:
     h.add("i", 16)  # its next chunk: vLLM's count restarts from 0 (the KV comes back when it is scheduled)
     assert h.sched.requests["i"].num_computed_tokens == 0
     assert h.sched._views()["i"].computed == 48
+
+
+def test_partial_input_sits_out_a_step_with_complete_work(make) -> None:
+    """On one core a step's time follows its tokens: a hand-off's step is not made longer by partial input
+    filling the rest of the budget. Partial input runs in the steps complete work leaves."""
+    h = make(policy="fcfs", num_blocks=64, budget=256)
+    h.add("p", 16, arrival=1.0)
+    h.run()
+    h.add("p", 160)  # partial input with work
+    h.add("n", 32, resumable=False, arrival=5.0)  # a hand-off
+    assert h.step().num_scheduled_tokens == {"n": 32}
+    assert h.step().num_scheduled_tokens == {"p": 160}
+    assert h.counters()["partial_yields"] == 1
+    h.sched.configure({"partial_yields": False})
+    h.add("p", 64)
+    h.add("n2", 32, resumable=False, arrival=6.0)
+    assert h.step().num_scheduled_tokens == {"n2": 32, "p": 64}
