@@ -105,7 +105,10 @@ class SessionAPI(HandOff, Failover):
     _export_scheduler_stats: Any
 
     def _streaming(self, session_id: str) -> StreamingPrefill:
-        return StreamingPrefill(self.engine, session_id, self.settings.admission_timeout_s)
+        settings = self.settings
+        return StreamingPrefill(
+            self.engine, session_id, settings.admission_timeout_s, max_chunk_tokens=settings.partial_chunk_tokens
+        )
 
     @session_api
     async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:

@@ -6,17 +6,17 @@ computed is computed again. Each chunk produces one throw-away token (max_tokens
 last sampled token from the context, so the resident context is exactly the tokens sent.
 
 Calls on a session never wait for the engine: `sync` records the tokens the session wants resident and a
-per-session sender passes them on, with at most one chunk in flight. Input arriving while a chunk prefills
-waits and joins the next chunk, so versions that arrive faster than they prefill are coalesced and only the
-latest reaches the engine. vLLM's streaming input is append-only: when a version changes tokens already sent
-(a rewrite in update mode, or a chunk boundary that fell inside a word), an idle request is truncated in place
-to the longest common prefix (the prefill scheduler frees exactly the KV after it, on the device and in the swap
-pool; prefill/scheduler/core.py `invalidate`), and a request with a chunk in flight is aborted at once (never
-waited for) and replaced by a new one, for which the prefix cache gives back the LCP's full blocks. Superseded
-work therefore costs at most the chunk in flight when the rewrite came. Versions that come in a burst (within
-`SETTLE_S` of each other) are sent once the burst settles, so a rewrite right behind a version is seen before
-that version is prefilled; and while rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every
-recent version shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
+per-session sender passes them on in short chunks (`max_chunk_tokens`, the scheduler's `partial_chunk_tokens`),
+one in flight at a time, so a step of partial input stays short. A version arriving while a chunk prefills
+waits for it and the latest goes next, so versions that arrive faster than they prefill are coalesced. vLLM's
+streaming input is append-only: when a version changes tokens already sent (a rewrite in update mode, or a
+chunk boundary that fell inside a word), the idle request is truncated in place to the longest common prefix
+(the prefill scheduler frees exactly the KV after it, on the device and in the swap pool;
+prefill/scheduler/core.py `invalidate`). Superseded work therefore costs at most the chunk in flight when the
+rewrite came, and nobody waits longer than that chunk. Versions that come in a burst (within `SETTLE_S` of
+each other) are sent once the burst settles, so a rewrite right behind a version is seen before that version
+is prefilled; and while rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every recent version
+shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
 
 At end of input (`finish_input`) nothing more is streamed: what was not sent yet, the hand-off computes as
 complete work. A chunk in flight that holds the input's tokens is waited for, ranked as complete work
@@ -63,7 +63,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class StreamingPrefill:
     """One session's resident prompt on one engine. `sync(tokens)` sets the tokens the session wants resident
     and returns at once; the session's sender passes them to the engine: at most one chunk in flight, later
-    versions coalesced into the next chunk, a rewrite applied at once (see the module's docstring)."""
+    versions coalesced into the next chunk, a rewrite applied between chunks (see the module's docstring)."""
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class StreamingPrefill:
         timeout: float = 60.0,
         settle_s: float | None = None,
         rewrite_quiet_s: float | None = None,
+        max_chunk_tokens: int | None = None,
     ) -> None:
         self.engine = engine  # serve_app.engine.Engine
         self.base_id = request_id
@@ -83,12 +84,13 @@ class StreamingPrefill:
         self.request_ids: list[str] = []
         self.rewrites = 0
         self.invalidated_tokens = 0  # sent tokens a rewrite dropped (computed or not)
-        self.superseded_chunks = 0  # chunks aborted in flight by a rewrite (their work lost)
+        self.superseded_chunks = 0  # chunks in flight that the final input no longer had (aborted at its end)
         self.coalesced = 0  # versions that never reached the engine (a later one did)
         self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
         self.input_done = False  # the turn's input ended: nothing more is streamed (the hand-off computes it)
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.rewrite_quiet_s = REWRITE_QUIET_S if rewrite_quiet_s is None else rewrite_quiet_s
+        self.max_chunk_tokens = max_chunk_tokens or 2**31  # longer input goes in pieces, one in flight at a time
         self._changed_at = 0.0  # when the latest version came
         self._rewrite_at = -math.inf  # when the latest rewrite came
         self._stable = 0  # tokens every version since the rewrites began shares
@@ -154,9 +156,10 @@ class StreamingPrefill:
                 if (settle_left := self._changed_at + self.settle_s - now) > 0:
                     await self._sleep(settle_left)  # a burst of versions: the latest goes, once it settles
                     continue
-                if self.busy and common_prefix_len(self.sent, goal) == len(self.sent):
-                    # More input while a chunk is in flight: it waits and joins whatever comes next, so that
-                    # versions arriving faster than they prefill cost one chunk, not one each.
+                if self.busy:
+                    # A new version while a (short) chunk is in flight waits for it: the latest version then goes
+                    # as one chunk (versions arriving faster than they prefill cost one chunk, not one each), and a
+                    # rewrite cuts the idle request in place, keeping whatever of the chunk is still the input's.
                     await self._sleep(None)  # (woken by new input, or by the chunk's completion)
                     continue
                 async with self._lock:
@@ -177,8 +180,8 @@ class StreamingPrefill:
             await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _apply(self, tokens: list[int]) -> None:
-        """Append the new suffix of `tokens`; a rewrite first cuts the request back to the common prefix (in
-        place when idle; a chunk in flight is aborted with its request, never waited for)."""
+        """Append the next chunk of `tokens`; a rewrite first cuts the (idle) request back to the common prefix in
+        place, or replaces a request that is gone."""
         lcp = common_prefix_len(self.sent, tokens)
         if lcp < len(self.sent):
             self.rewrites += 1
@@ -186,14 +189,12 @@ class StreamingPrefill:
             kept = None
             if self._consumer is not None and not self._consumer.done() and not self.busy:
                 kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)  # idle: cut in place
-            if kept is None:  # busy (or gone): a new request; the prefix cache gives back the LCP's full blocks
-                if self.busy:
-                    self.superseded_chunks += 1
+            if kept is None:  # gone: a new request; the prefix cache gives back the LCP's full blocks
                 await self._close()
                 self.sent = []
             else:
                 self.sent = self.sent[:kept]
-        new = tokens[len(self.sent) :]
+        new = tokens[len(self.sent) : len(self.sent) + self.max_chunk_tokens]
         self._inflight_from = len(self.sent)
         if new:
             if self._consumer is None or self._consumer.done():
@@ -201,7 +202,7 @@ class StreamingPrefill:
             assert self._queue is not None
             self._queue.put_nowait(self._chunk(list(new)))  # a copy: vLLM extends the list it is given
             self._chunks_sent += 1
-        self.sent = list(tokens)
+        self.sent = tokens[: len(self.sent) + len(new)]
         async with self._progress:
             self._progress.notify_all()
 

@@ -51,6 +51,9 @@ class SchedulerSettings(BaseModel):
     # ended) has tokens to compute, partial input sits the step out, so a step is never made longer by it
     # (on one core a step's time follows its tokens). Off: partial input fills what complete work leaves.
     partial_yields: bool = True
+    # The most input tokens a session streams to the engine at once: a step of partial input stays short, so
+    # complete work arriving meanwhile waits little, and a rewrite wastes at most one chunk in flight.
+    partial_chunk_tokens: int = Field(default=512, ge=16)
 
     def session_capacity(self, max_num_seqs: int) -> int:
         # An idle session holds a slot while its hand-off needs another: one slot serves no session.

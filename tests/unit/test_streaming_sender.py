@@ -6,7 +6,6 @@ than they prefill. The engine is faked at its client (`generate` over the chunk 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -78,23 +77,28 @@ async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_c
     await streaming.close()
 
 
-async def test_a_rewrite_never_waits_for_the_chunk_in_flight(engine: Engine) -> None:
-    """The superseded version's prefill is aborted at once (no wait), and the latest version goes to a new
-    request whole (the engine's prefix cache gives back the common prefix's full blocks)."""
-    streaming = StreamingPrefill(engine, "sess_r_b", timeout=2, settle_s=0, rewrite_quiet_s=0)
+async def test_a_rewrite_waits_for_at_most_the_short_chunk_in_flight_then_cuts_in_place(engine: Engine) -> None:
+    """Input goes in short chunks (`max_chunk_tokens`): a rewrite waits for the one in flight, then the idle
+    request is cut back to the common prefix in place and the latest version's suffix follows (no new request,
+    nothing of the common prefix computed again)."""
+    streaming = StreamingPrefill(engine, "sess_r_b", timeout=2, settle_s=0, rewrite_quiet_s=0, max_chunk_tokens=32)
     first = list(range(100))
     await streaming.sync(first)
     await settle()
+    assert engine.chunks == [("sess_r_b-stream1", first[:32])]
     rewritten = first[:10] + [7] * 50
-    started = time.monotonic()
     await streaming.sync(rewritten)
     await settle()
-    assert time.monotonic() - started < 0.5
-    assert "sess_r_b-stream1" not in engine.open  # the superseded prefill was aborted
-    assert engine.chunks[-1] == ("sess_r_b-stream2", rewritten)
-    assert streaming.superseded_chunks == 1 and streaming.invalidated_tokens == 90
+    assert len(engine.chunks) == 1  # nothing more while the chunk is in flight
+    engine.finish()
+    await settle()
+    assert ("rtpd_invalidate", "sess_r_b", 10) in engine.utility_calls
+    assert engine.chunks[1] == ("sess_r_b-stream1", rewritten[10:42])
+    engine.instant = True
     engine.finish()
     await streaming.wait_computed()
+    assert streaming.sent == rewritten and streaming.invalidated_tokens == 22
+    assert [rid for rid, _ in engine.chunks] == ["sess_r_b-stream1"] * 3
     await streaming.close()
     assert not engine.open
 
