@@ -33,6 +33,7 @@ from serve_app.protocol import Endpoint, over_max_tokens, validate_openai_body
 
 logger = logging.getLogger(__name__)
 CLOSED_SESSION_RETENTION_S = 60.0
+RESIDENCY_WINDOW_S = 30.0  # a session with input this recent counts as streaming (residency control)
 
 
 def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
@@ -343,7 +344,14 @@ class SessionAPI(HandOff, Failover):
         if cache is None or not cache.num_gpu_blocks or not tokens:
             return True
         block = cache.block_size
-        streaming = [s for s in self.sessions.values() if s is not session and s.streaming.active]
+        # Sessions streaming now: input within the last RESIDENCY_WINDOW_S. One idle for longer is the
+        # scheduler's to evict, not a reason to keep others from streaming (clients that left, say).
+        now = time.monotonic()
+        streaming = [
+            s
+            for s in self.sessions.values()
+            if s is not session and s.streaming.active and now - s.last_active < RESIDENCY_WINDOW_S
+        ]
         held = sum(-(-len(s.streaming.target) // block) for s in streaming)
         if (
             not streaming

@@ -77,6 +77,7 @@ class StreamingScheduler(AccountingScheduler):
         self._planned_now = 0
         self._evicting = False  # (this scheduler's own eviction preempts through vLLM's method)
         self._yielding: set[str] = set()  # partial requests sitting this step out for complete work
+        self._stalled_last = False  # the last step had planned work and ran nothing
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
         self.counters: Counter[str] = Counter()
@@ -140,7 +141,8 @@ class StreamingScheduler(AccountingScheduler):
             self.kv_holding_waiting.remove_requests(parked_kv)
         try:
             out = super().schedule(throttle_prefills)
-            if self._planned_now and not out.num_scheduled_tokens:  # planned work, nothing ran: a stall
+            self._stalled_last = bool(self._planned_now and not out.num_scheduled_tokens)
+            if self._stalled_last:  # planned work, nothing ran: a stall
                 self.counters["stalled_steps"] += 1
             return out
         finally:
@@ -189,11 +191,15 @@ class StreamingScheduler(AccountingScheduler):
             budget -= todo
             planned.append((r, blocks - len(self._block_ids(r)) - self._hits_in_use(r)))
             self.counters["planned"] += 1
-        if policy != "vllm" and self.settings.partial_yields and any(views[r.request_id].complete for r, _ in planned):
+        yielding = (
+            policy != "vllm"
+            and self.settings.partial_yields
+            and not self._stalled_last  # (liveness: a step that ran nothing is never followed by a yield)
+            and any(views[r.request_id].complete for r, _ in planned)
+        )
+        if yielding:
             # Complete work this step: partial input waits (its tokens would only make the step longer).
             self._yielding = {r.request_id for r in active if not views[r.request_id].complete}
-            if self._yielding:
-                self.counters["partial_yields"] += 1
             planned = [(r, n) for r, n in planned if r.request_id not in self._yielding]
         self._planned_now = len(planned)
 
@@ -202,6 +208,8 @@ class StreamingScheduler(AccountingScheduler):
         for r, _ in planned:
             if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
                 self._swap_in(r)
+        if self._yielding:
+            self.counters["partial_yields"] += 1
         if policy == "vllm":
             return []
         planned_ids = {r.request_id for r, _ in planned}
