@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -84,16 +83,6 @@ def _landed() -> asyncio.Future[None]:
     future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     future.set_result(None)
     return future
-
-
-def new_session_id(owner: str) -> str:
-    """Unguessable, and names its owner replica so every router replica can route to it."""
-    return f"sess_{owner}_{secrets.token_urlsafe(18)}"
-
-
-def owner_of(session_id: str) -> str | None:
-    parts = session_id.split("_", 2)
-    return parts[1] if len(parts) == 3 and parts[0] == "sess" else None
 
 
 class Session:

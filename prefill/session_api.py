@@ -25,10 +25,10 @@ from prefill.session import (
     SessionLimits,
     SessionState,
     StartPolicy,
-    new_session_id,
 )
 from prefill.streaming import StreamingPrefill
 from serve_app import metrics
+from serve_app.placement import new_session_id
 from serve_app.protocol import Endpoint, over_max_tokens, validate_openai_body
 
 logger = logging.getLogger(__name__)

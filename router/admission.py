@@ -1,6 +1,6 @@
 """Overload admission: past the pools' capacity, new work is refused at once so that admitted work keeps its latency.
 
-The input is what every replica last pushed in its routing stats (once a second; router/placement.py `pool_stats`):
+The input is what every replica last pushed in its routing stats (once a second; serve_app/placement.py `pool_stats`):
 a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`, `kv_blocks_total` and
 `queue_waiting`; a decode replica `active_streams` (and `stream_capacity` if it knows it). The rules
 (`router.admission` in the config):
@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.placement import pool_stats
 from serve_app import metrics
 from serve_app.config import AdmissionConfig
+from serve_app.placement import pool_stats
 from serve_app.protocol import error_body, error_status
 
 logger = logging.getLogger(__name__)

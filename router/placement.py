@@ -3,47 +3,27 @@
 A session id names the replica that created it (`sess_<replica>_<secret>`). A call on a session goes to its
 current owner: the one in the id, or the one a router learnt (`route_to`, router/owner.py keeps what replicas
 answered), or, when that replica is gone, the replica the session's id hashes to among the live ones
-(rendezvous hashing: every router replica picks the same one with no shared table), which then adopts the
-session from its journal (prefill/failover.py). Requests without a session id take Ray Serve's power-of-two
+(rendezvous hashing, serve_app/placement.py), which then adopts the session from its journal
+(prefill/failover.py). Requests without a session id take Ray Serve's power-of-two
 choices.
 
 The decode pool has a router of its own (`DecodeRouter`): a call naming a `replica` (a router's feed, a stop)
 goes to it; a new request goes to the replica with the fewest active streams, never to one in `avoid` (the
 replica an answer is being resumed from).
 
-Each router registers itself in `POOLS` by deployment name, so that the ingress can read the replicas' last
-routing stats (their load) for admission control (router/admission.py) without a call of its own.
+Each router registers itself in `POOLS` (serve_app/placement.py) by deployment name, so that the ingress can
+read the replicas' last routing stats (their load) for admission control (router/admission.py) without a call
+of its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from prefill.session import owner_of
-
-POOLS: dict[str, PowerOfTwoChoicesRequestRouter] = {}
-
-
-def pool_stats(deployment: str) -> list[dict[str, Any]] | None:
-    """The routing stats of every running replica of `deployment` (None: no router for it in this process)."""
-    router = POOLS.get(deployment)
-    if router is None:
-        return None
-    return [dict(r.routing_stats or {}) for r in router.curr_replicas.values()]
-
-
-def rendezvous(key: str, replicas: list[RunningReplica]) -> RunningReplica:
-    """The replica `key` hashes to (highest random weight): stable while that replica lives, and only the keys
-    of a replica that left move when the set changes."""
-
-    def weight(replica: RunningReplica) -> bytes:
-        return hashlib.blake2b(f"{key}/{replica.replica_id.unique_id}".encode(), digest_size=8).digest()
-
-    return max(replicas, key=weight)
+from serve_app.placement import POOLS, owner_of, rendezvous
 
 
 class _Registered(PowerOfTwoChoicesRequestRouter):

@@ -19,10 +19,11 @@ from prefill import handoff
 from prefill.answer import Answer
 from prefill.errors import overloaded
 from prefill.scheduler.config import SchedulerSettings
-from prefill.session import Session, SessionLimits, SessionState, StartPolicy, new_session_id
+from prefill.session import Session, SessionLimits, SessionState, StartPolicy
 from prefill.session_api import SessionAPI
 from serve_app.config import AppConfig
 from serve_app.local_model import DEFAULT_DIR
+from serve_app.placement import new_session_id
 
 REPLICA = "replica1"
 KV = {

@@ -8,9 +8,10 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from prefill.session import Session, SessionError, SessionLimits, StartPolicy, new_session_id, owner_of
+from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill, common_prefix_len
 from serve_app.local_model import make_local_model
+from serve_app.placement import new_session_id, owner_of
 
 TEXT = (
     "Retrieved document: prefill starts before the prompt is complete.\n\nIt keeps the KV resident "

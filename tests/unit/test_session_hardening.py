@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from prefill.session import Session, SessionLimits, StartPolicy, new_session_id
+from prefill.session import Session, SessionLimits, StartPolicy
+from serve_app.placement import new_session_id
 from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
 
 
