@@ -341,8 +341,8 @@ class SessionAPI(HandOff, Failover):
         streaming now within `streaming_kv_fraction` of the KV cache (one session alone always may). Otherwise
         its input waits, as `on_end_only`'s does; a later chunk asks again."""
         cache = getattr(getattr(getattr(self.engine, "client", None), "vllm_config", None), "cache_config", None)
-        if cache is None or not cache.num_gpu_blocks or not tokens:
-            return True
+        if cache is None or not cache.num_gpu_blocks or not tokens or self.settings.policy == "vllm":
+            return True  # (the `vllm` policy is the paper's streaming baseline: every session streams)
         block = cache.block_size
         # Sessions streaming now: input within the last RESIDENCY_WINDOW_S. One idle for longer is the
         # scheduler's to evict, not a reason to keep others from streaming (clients that left, say).

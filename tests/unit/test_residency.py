@@ -75,3 +75,20 @@ async def test_one_session_alone_always_streams(tokenizer) -> None:  # noqa: F81
     await asyncio.sleep(0.01)
     assert client.started and not session.buffered
     await server.session_delete(session_id=session.id)
+
+
+async def test_the_vllm_baseline_streams_every_session(tokenizer) -> None:  # noqa: F811
+    """The `vllm` policy is the paper's streaming-vLLM baseline: nothing added, so no residency control."""
+    server = Server(tokenizer)
+    server.settings = server.settings.model_copy(update={"policy": "vllm"})
+    server.engine.client = client = Client(blocks=12)
+    big, small = server.open_session(), server.open_session()
+    for s in (big, small):
+        s.policy = StartPolicy(type="on_first_chunk")
+    await server.session_chunk(session_id=big.id, sequence_id=0, payload=words(50))
+    await server.session_chunk(session_id=small.id, sequence_id=0, payload=words(30))
+    await asyncio.sleep(0.01)
+    assert sorted(r.rsplit("-stream", 1)[0] for r in client.started) == sorted([big.id, small.id])
+    assert not small.buffered
+    for s in (big, small):
+        await server.session_delete(session_id=s.id)
