@@ -13,10 +13,11 @@ streaming input is append-only: when a version changes tokens already sent (a re
 chunk boundary that fell inside a word), the idle request is truncated in place to the longest common prefix
 (the prefill scheduler frees exactly the KV after it, on the device and in the swap pool;
 prefill/scheduler/core.py `invalidate`). Superseded work therefore costs at most the chunk in flight when the
-rewrite came, and nobody waits longer than that chunk. Versions that come in a burst (within `SETTLE_S` of
-each other) are sent once the burst settles, so a rewrite right behind a version is seen before that version
-is prefilled; and while rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every recent version
-shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
+rewrite came, and nobody waits longer than that chunk. A token is sent once it has stood unchanged for
+`SETTLE_S` (the prefix every version of the last `SETTLE_S` shares): appended input goes with that lag, however
+fast it comes, and a rewrite right behind a version (update traces rewrite ~40 ms apart) is seen before the
+tokens it changes are prefilled. While rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every
+recent version shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
 
 At end of input (`finish_input`) nothing more is streamed: what was not sent yet, the hand-off computes as
 complete work. A chunk in flight that holds the input's tokens is waited for, ranked as complete work
@@ -39,15 +40,15 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
 logger = logging.getLogger(__name__)
-# Versions arriving within this of each other are one burst: the sender waits for the burst to settle before
-# sending, so that a rewrite right behind a version is seen before that version is prefilled (update traces
-# rewrite ~40 ms apart at the median; 0.08 measured best there). 0 by default: input is prefilled the moment it
-# comes, and the first version of a burst costs at most one short chunk before the rewrite is seen.
-SETTLE_S = 0.0
+# A token is prefilled once it has stood unchanged this long: a rewrite right behind a version (update traces
+# rewrite ~40 ms apart at the median) is seen before the tokens it changes are computed. The lag is off the
+# critical path: at end of input the hand-off computes what was not sent.
+SETTLE_S = 0.08
 # After a rewrite the input is unstable: only the prefix every recent version shares is prefilled while it
 # streams (the rest is computed by the hand-off, as when not streaming), until no rewrite came for this long.
 REWRITE_QUIET_S = 1.0
@@ -92,7 +93,7 @@ class StreamingPrefill:
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.rewrite_quiet_s = REWRITE_QUIET_S if rewrite_quiet_s is None else rewrite_quiet_s
         self.max_chunk_tokens = max_chunk_tokens or 2**31  # longer input goes in pieces, one in flight at a time
-        self._changed_at = 0.0  # when the latest version came
+        self._changes: deque[tuple[float, int]] = deque()  # (when, tokens kept) of the versions of the last settle_s
         self._rewrite_at = -math.inf  # when the latest rewrite came
         self._stable = 0  # tokens every version since the rewrites began shares
         self._inflight_from = 0  # tokens resident before the chunk in flight
@@ -109,19 +110,35 @@ class StreamingPrefill:
     @property
     def active(self) -> bool:
         """Whether the session has an engine request, or input on its way to one."""
-        return (self._consumer is not None and not self._consumer.done()) or self.goal != self.sent
+        return (self._consumer is not None and not self._consumer.done()) or self.target != self.sent
 
     @property
-    def goal(self) -> list[int]:
-        """What the sender makes resident: the latest tokens, or while rewrites come, only their stable prefix."""
+    def wanted(self) -> list[int]:
+        """What the session wants resident: the latest tokens, or while rewrites come, only their stable prefix."""
         if time.monotonic() - self._rewrite_at < self.rewrite_quiet_s:
             return self.target[: self._stable]
         return self.target
 
     @property
+    def goal(self) -> list[int]:
+        """What the sender makes resident now: of `wanted`, the tokens that stood unchanged for `settle_s`."""
+        now = time.monotonic()
+        while self._changes and self._changes[0][0] <= now - self.settle_s:
+            self._changes.popleft()
+        wanted = self.wanted
+        return wanted[: min((kept for _, kept in self._changes), default=len(wanted))]
+
+    def _grows_at(self, now: float) -> float | None:
+        """When `goal` may next grow by itself (a version settles, or the rewrites' quiet time ends)."""
+        times = [t + self.settle_s for t, _ in self._changes]
+        if self.wanted != self.target:
+            times.append(self._rewrite_at + self.rewrite_quiet_s)
+        return min(times, default=None)
+
+    @property
     def prefilled(self) -> bool:
         """The engine has prefilled the tokens the sender meant to (none waiting to be sent, no chunk in flight)."""
-        return bool(self.sent) and self.goal == self.sent and not self.busy and self._consumer is not None
+        return bool(self.sent) and self.wanted == self.sent and not self.busy and self._consumer is not None
 
     @property
     def busy(self) -> bool:
@@ -141,7 +158,9 @@ class StreamingPrefill:
             recent = now - self._rewrite_at < self.rewrite_quiet_s
             self._stable = min(self._stable, lcp) if recent else lcp
             self._rewrite_at = now
-        self.target, self._changed_at, self.input_done = list(tokens), now, False
+        if self.settle_s > 0:
+            self._changes.append((now, lcp))
+        self.target, self.input_done = list(tokens), False
         self._wake.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_loop())
@@ -151,11 +170,8 @@ class StreamingPrefill:
             while not self.closed and self._error is None:
                 goal, now = self.goal, time.monotonic()
                 if self.input_done or goal == self.sent:
-                    quiet_left = self._rewrite_at + self.rewrite_quiet_s - now if goal != self.target else None
-                    await self._sleep(None if self.input_done else quiet_left)  # (the rest goes once quiet)
-                    continue
-                if (settle_left := self._changed_at + self.settle_s - now) > 0:
-                    await self._sleep(settle_left)  # a burst of versions: the latest goes, once it settles
+                    grows_at = None if self.input_done else self._grows_at(now)
+                    await self._sleep(None if grows_at is None else max(0.0, grows_at - now))  # (until it settles)
                     continue
                 if self.busy:
                     # A new version while a (short) chunk is in flight waits for it: the latest version then goes
@@ -245,7 +261,7 @@ class StreamingPrefill:
         session's admission timeout; then `TimeoutError`)."""
 
         def done() -> bool:
-            return self._error is not None or self.closed or (self.goal == self.sent and not self.busy)
+            return self._error is not None or self.closed or (self.wanted == self.sent and not self.busy)
 
         async with self._progress:
             await asyncio.wait_for(self._progress.wait_for(done), timeout or self.timeout)

@@ -57,6 +57,15 @@ def info(server: str, sid: str) -> dict:
     return r.json()
 
 
+def wait_resident(server: str, sid: str, timeout: float = 10.0) -> dict:
+    """The session's info once some of its input is on the engine (input goes once it has stood for the
+    sender's settle time, prefill/streaming.py SETTLE_S)."""
+    deadline = time.time() + timeout
+    while (got := info(server, sid))["resident_tokens"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def assert_compute_bounds(server: str, sid: str, prompt_tokens: int, extra: int = 0) -> None:
     """Prefill computed each input token once (+ at most a block around the hand-off and the retokenised
     tail); decode computed at most one block of the prompt."""
@@ -85,7 +94,7 @@ def test_rest_session_matches_whole_request(server, policy):
     assert started[0] is (policy == "on_first_chunk")
     assert started[-1] is (policy != "on_end_only")
     if policy != "on_end_only":
-        assert info(server, sid)["resident_tokens"] > 0  # prefilled while input arrived
+        assert wait_resident(server, sid)["resident_tokens"] > 0  # prefilled while input arrived
     r = httpx.post(f"{server}{SESSIONS}/{sid}/finish", timeout=60)
     assert r.status_code == 202, r.text
     assert httpx.post(f"{server}{SESSIONS}/{sid}/finish", timeout=60).status_code == 202  # idempotent
@@ -243,7 +252,7 @@ def test_gap_that_never_fills_closes_the_session(server):
 def test_session_expiry_frees_kv(server):
     sid = create(server, messages=[], max_tokens=4, limits={"idle_timeout_s": 1.0})["session_id"]
     assert send_chunk(server, sid, 0, TEXT).status_code == 202
-    assert info(server, sid)["resident_tokens"] > 0
+    assert wait_resident(server, sid)["resident_tokens"] > 0
     assert engine_stats("prefill")["kv_blocks_free"] < engine_stats("prefill")["kv_blocks_total"]
     time.sleep(2.5)
     r = send_chunk(server, sid, 1, "too late")

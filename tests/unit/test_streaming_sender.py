@@ -141,8 +141,8 @@ async def test_nothing_reaches_the_engine_after_close(engine: Engine) -> None:
 
 
 async def test_a_rewrite_right_behind_a_version_is_seen_before_that_version_is_prefilled(engine: Engine) -> None:
-    """Update traces rewrite in bursts (~40 ms apart): the sender waits for a burst to settle, so the first
-    version is never prefilled in full only to be cut at 10%; while rewrites keep coming only the prefix every
+    """Update traces rewrite in bursts (~40 ms apart): a token is sent once it stood unchanged for settle_s, so
+    the first version is never prefilled in full only to be cut at 10%; while rewrites keep coming only the prefix every
     version shares is prefilled, and the rest once they stop."""
     engine.instant = True
     streaming = StreamingPrefill(engine, "sess_r_f", timeout=2, settle_s=0.05, rewrite_quiet_s=0.3)
@@ -183,4 +183,21 @@ async def test_at_end_of_input_a_superseded_chunk_in_flight_is_aborted_not_waite
     streaming.target = [1, 2, 3]  # (the final input shares none of the chunk in flight)
     await asyncio.wait_for(streaming.finish_input(), 0.5)
     assert not engine.open and streaming.superseded_chunks == 1
+    await streaming.close()
+
+
+async def test_input_that_keeps_coming_flows_with_the_settle_lag(engine: Engine) -> None:
+    """Appended input arriving faster than settle_s is not held back until it pauses: each token goes once it
+    has stood for settle_s, while later ones keep coming."""
+    engine.instant = True
+    streaming = StreamingPrefill(engine, "sess_r_i", timeout=2, settle_s=0.05, rewrite_quiet_s=0.3)
+    tokens: list[int] = []
+    for i in range(30):  # 10 tokens every 10 ms for 300 ms
+        await asyncio.sleep(0.01)
+        tokens += list(range(10 * i, 10 * i + 10))
+        await streaming.sync(tokens)
+    sent_while_streaming = sum(len(c) for _, c in engine.chunks)
+    assert 100 <= sent_while_streaming < 300  # what stood for 50 ms went; the newest waits
+    await asyncio.sleep(0.1)
+    assert [t for _, c in engine.chunks for t in c] == tokens  # in order, each once
     await streaming.close()
