@@ -31,7 +31,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -461,10 +461,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from serve_app.local_model import make_local_model, spec
 
     model_path = make_local_model("medium-llama")
-    s = spec("medium-llama")
+    s = spec("medium-llama").served_here()
+    if args.dtype:
+        s = replace(s, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kv_gb = kv_cache_gb(args, s.kv_bytes_per_token)
-    cfg = app_args(args, model_path, kv_gb, args.dtype or s.dtype)
+    cfg = app_args(args, model_path, kv_gb, s.dtype)
     systems = resolve_systems(args.systems)
     plans = plan_workload(args)
     block_bytes = BLOCK_TOKENS * s.kv_bytes_per_token
@@ -575,7 +577,7 @@ def measure_prefill(args: argparse.Namespace) -> None:
     from serve_app.local_model import make_local_model, spec
 
     path = args.model_dir or make_local_model("medium-llama")
-    dtype = args.dtype or spec("medium-llama").dtype
+    dtype = args.dtype or spec("medium-llama").served_here().dtype
     llm = LLM(
         model=str(path),
         dtype=dtype,
@@ -657,7 +659,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-kv-cache-gb", type=float, default=None, help="decode KV cache (default: the config's)")
     p.add_argument("--swap-gb", type=float, default=None, help="prefill.scheduler.swap_gb (default: the config's)")
     p.add_argument("--cost-model", default=None, help="prefill.scheduler.cost_model: a saved latency model")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: the model's, bfloat16)")
+    p.add_argument("--dtype", default=None, help="engine dtype (default: the model's; float32 on a CPU without bf16)")
     p.add_argument("--session-timeout", type=float, default=None, help="bound on one session, s (180; quick 30)")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="wait for the prefill engine between systems")
     p.add_argument("--seed", type=int, default=0)

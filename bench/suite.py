@@ -106,7 +106,7 @@ def model_of(args: argparse.Namespace) -> Model:
     if args.model.startswith("local:"):
         from serve_app.local_model import make_local_model, spec
 
-        s = spec(args.model)
+        s = spec(args.model).served_here()
         return Model(args.model, str(make_local_model(args.model)), s.dtype, s.kv_bytes_per_token, block)
     from transformers import AutoConfig
 

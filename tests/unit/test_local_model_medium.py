@@ -53,3 +53,14 @@ def test_registry_callables_build_into_default_dirs(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(lm, "MODELS_DIR", tmp_path)
     _stamped(tmp_path / "medium-llama", lm.spec("medium-llama").version)
     assert lm.LOCAL_MODELS["local:medium-llama"]() == tmp_path / "medium-llama"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_model_is_served_in_float32_where_bf16_is_not_native(monkeypatch, native: bool) -> None:
+    """Benchmarks size their load for a prefill speed: bf16 on a CPU without AVX-512 BF16/AMX is ~7x slower."""
+    monkeypatch.setattr(lm, "native_bf16", lambda: native)
+    s = lm.spec("local:medium-llama")
+    served = s.served_here()
+    assert served.dtype == ("bfloat16" if native else "float32")
+    assert served.kv_bytes_per_token == s.kv_bytes_per_token * (1 if native else 2)
+    assert lm.spec("local:tiny-llama").served_here() == lm.spec("local:tiny-llama")  # float32 already
