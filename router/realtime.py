@@ -10,6 +10,8 @@ Every client event is validated first (router/realtime_events.py) and applied wh
 `error` events (with the client's `event_id`) and leave the connection open, whatever the client sends:
 malformed JSON, wrong types, binary frames, frames over `limits.max_frame_bytes`. Close codes:
 
+- 1000: a one-turn session's answer ended (`?close_after_answer=true`: the session closes with its answer,
+  whose conversation is not prefilled again; the socket closes right after `response.done`);
 - 1008: refused in the handshake (API key, model);
 - 1011: the session could not be created;
 - 1012 (service restart): this router replica is stopping (redeploy, scale-down; router/restart.py). A response
@@ -90,8 +92,11 @@ def session_gone(error: dict[str, Any]) -> bool:
 
 
 class RealtimeConnection:
-    def __init__(self, ws: WebSocket, ingress: Any, model: str, beta: bool) -> None:
+    def __init__(self, ws: WebSocket, ingress: Any, model: str, beta: bool, close_after_answer: bool = False) -> None:
         self.ws = ws
+        # One turn only (`?close_after_answer=true`): the session closes with its answer, whose conversation is not
+        # prefilled again, and the server closes the socket (1000) after `response.done`.
+        self.close_after_answer = close_after_answer
         self.ingress = ingress
         self.prefill = ingress.prefill
         self.beta = beta
@@ -182,7 +187,10 @@ class RealtimeConnection:
 
     async def open_session(self) -> bool:
         model = self.settings["model"]
-        spec = {"request": {"model": model, "messages": [], **self.sampling(self.settings)}}
+        spec = {
+            "request": {"model": model, "messages": [], **self.sampling(self.settings)},
+            "close_after_answer": self.close_after_answer,
+        }
         call = asyncio.ensure_future(create_session(self.ingress, spec))
         try:
             created = await asyncio.shield(call)
@@ -232,6 +240,9 @@ class RealtimeConnection:
                     return
                 self.last_event = time.monotonic()
                 await self.on_message(message)
+            if self.close_after_answer and self.response is not None and self.response.done:
+                await self.ws.close(code=1000, reason="the session's one answer ended")
+                return
             await self.error(self.expiry_reason(), "session_expired")
             await self.ws.close(code=SESSION_EXPIRED, reason="session expired")
         except SessionGone:  # its `error` event is sent
@@ -299,8 +310,8 @@ class RealtimeConnection:
                     return receiving.result()
                 if restart.done():
                     continue  # (decided above)
-                if streaming is None:
-                    return None
+                if streaming is None or self.close_after_answer:
+                    return None  # (expired, or a one-turn session's answer ended)
                 self.last_event = time.monotonic()
         finally:
             receiving.cancel()  # (a no-op once it is done)
@@ -457,7 +468,8 @@ async def realtime(ws: WebSocket) -> None:
         await ws.close(code=1008)
         return
     beta = "realtime=v1" in ws.headers.get("openai-beta", "")
-    connection = RealtimeConnection(ws, ingress, model, beta)
+    once = ws.query_params.get("close_after_answer", "").lower() in ("1", "true")
+    connection = RealtimeConnection(ws, ingress, model, beta, close_after_answer=once)
     resume = ws.query_params.get("session_id") or None
     watch = getattr(ingress, "restart", None)
     if watch is not None and watch.stopping:  # (Serve may route a connection here until it knows)

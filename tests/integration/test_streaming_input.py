@@ -458,6 +458,35 @@ def test_realtime_disconnect_mid_session_frees_kv(server):
     wait_idle("prefill")
 
 
+def test_realtime_one_turn_session_closes_with_its_answer(server, model_name):
+    """`?close_after_answer=true`: the answer streams as usual, then the server closes the socket (1000) and the
+    session with it; its conversation is not prefilled again (no idle request holds its KV afterwards)."""
+
+    async def run() -> tuple[str, str, int | None]:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}&close_after_answer=true") as ws:
+            rt = Realtime(ws)
+            created, _ = await rt.until("session.created")
+            await rt.send(type="session.update", session={"temperature": 0})
+            await rt.until("session.updated")
+            await rt.send(type="input_text_buffer.append", delta=TEXT)
+            await rt.send(type="response.create", response={"max_output_tokens": 8})
+            done, seen = await rt.until("response.done")
+            assert done["response"]["status"] in ("completed", "incomplete")
+            deltas = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return created["session"]["id"], deltas, ws.close_code
+
+    sid, answer, code = asyncio.run(run())
+    assert code == 1000
+    expected = whole_chat(server, [{"role": "user", "content": TEXT}], 8)
+    assert answer == expected["choices"][0]["message"]["content"]
+    r = httpx.get(f"{server}{SESSIONS}/{sid}", timeout=60)
+    assert r.status_code != 200 or r.json()["state"] == "closed"
+    assert sid not in engine_stats("prefill")["scheduler"].get("idle_session_ids", [])
+    wait_idle("prefill")
+
+
 def test_official_openai_realtime_client(server, model_name):
     from openai import AsyncOpenAI
 
