@@ -365,3 +365,25 @@ def test_text_typed_before_an_item_is_committed_first_on_both_sides() -> None:
         ws.send_json({"type": "input_text_buffer.replace", "text": "x", "offset": 2, "event_id": "evt_r"})
         error, _ = until(ws, "error")
         assert error["error"]["param"] == "offset" and error["error"]["event_id"] == "evt_r"
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_a_one_turn_connection_closes_with_1000_after_its_answer(once: bool) -> None:
+    """`?close_after_answer=true` reaches the owner with the session's creation, and the socket closes (1000)
+    right after `response.done`; without it the connection stays open for the next turn."""
+    from starlette.websockets import WebSocketDisconnect
+
+    prefill = FakePrefill()
+    url = "/v1/realtime" + ("?close_after_answer=true" if once else "")
+    with make_client(prefill).websocket_connect(url) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        ws.send_json({"type": "input_text_buffer.append", "delta": "hello"})
+        ws.send_json({"type": "response.create"})
+        until(ws, "response.done")
+        if once:
+            with pytest.raises(WebSocketDisconnect) as closed:
+                ws.receive_json()
+            assert closed.value.code == 1000
+        else:
+            assert still_works(ws)
+    assert prefill.called("create_session")[0]["close_after_answer"] is once
