@@ -33,6 +33,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
 from prefill.scheduler import engine_calls  # noqa: F401  (registers the rtpd_* utility calls)
+from prefill.scheduler.cache_hits import extend_from_cache
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
 from prefill.scheduler.cost_model import LatencyModel
 from prefill.scheduler.invalidate import truncate
@@ -365,6 +366,11 @@ class StreamingScheduler(AccountingScheduler):
             # through the waiting path (prefix cache, then recompute) or through swap-in.
             ev.idle = False
             session.num_computed_tokens = 0
+        elif ev is None and self._single_group and self.hash_block_size == self.block_size:
+            # What the prefix cache holds of the appended input is shared, not computed again.
+            gained = extend_from_cache(self.kv_cache_manager, session)
+            if gained:
+                self._count(session, "append_cache_hit_tokens", gained)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.num_scheduled_tokens:

@@ -112,6 +112,46 @@ def test_rest_session_matches_whole_request(server, policy):
     wait_idle("prefill")
 
 
+def wait_prefilled(server: str, sid: str, timeout: float = 30.0) -> dict:
+    """The session's info once the engine holds all of its stable input (the conversation with its answer,
+    prefilled again after the answer)."""
+    deadline = time.time() + timeout
+    while not (got := info(server, sid))["prefilled"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert got["prefilled"], got
+    return got
+
+
+def test_rest_turn_sent_whole_is_computed_once(server):
+    """A turn that arrives in one piece is computed by its hand-off; the conversation streamed again after the
+    answer (for the next turn) shares the hand-off's blocks instead of computing them again, and the next
+    turn's answer, prefilled onto those shared blocks, is the whole request's."""
+    system = {"role": "system", "content": "Answer from the context."}
+    sid = create(server, messages=[system], max_tokens=10, temperature=0)["session_id"]
+    assert send_chunk(server, sid, 0, TEXT, end=True).status_code == 202
+    first = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()["answer"]
+    convo = [system, {"role": "user", "content": TEXT}]
+    assert first["text"] == whole_chat(server, convo, 10)["choices"][0]["message"]["content"]
+
+    session = wait_prefilled(server, sid)
+    work, block = session["work"], session["block_size"]
+    assert work["handoff_tokens"] >= first["usage"]["prompt_tokens"] - block, work  # nothing streamed before it
+    # Streamed again: the answer and what follows the hand-off's last full block (not the whole conversation).
+    assert work["streamed_tokens"] <= session["resident_tokens"] - first["usage"]["prompt_tokens"] + 2 * block, work
+
+    follow_up = "And which part of it arrives last?"
+    for seq, piece in enumerate(split_inside_words(follow_up, 3), start=1):
+        assert send_chunk(server, sid, seq, piece, end=seq == 3).status_code == 202
+        time.sleep(0.15)  # typed: prefilled as it comes
+    second = httpx.get(f"{server}{SESSIONS}/{sid}/result", params={"turn": 1}, timeout=120).json()["answer"]
+    convo += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": follow_up}]
+    expected = whole_chat(server, convo, 10)
+    assert second["text"] == expected["choices"][0]["message"]["content"]
+    assert second["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("prefill")
+
+
 def test_rest_session_events_stream_and_completion_prompt(server):
     prompt = "def stream_prefill(chunks):\n    " + TEXT
     whole = httpx.post(
