@@ -10,10 +10,11 @@ per-session sender passes them on in short chunks (`max_chunk_tokens`, the sched
 one in flight at a time, so a step of partial input stays short. A version arriving while a chunk prefills
 waits for it and the latest goes next, so versions that arrive faster than they prefill are coalesced. vLLM's
 streaming input is append-only: when a version changes tokens already sent (a rewrite in update mode, or a
-chunk boundary that fell inside a word), the idle request is truncated in place to the longest common prefix
-(the prefill scheduler frees exactly the KV after it, on the device and in the swap pool;
-prefill/scheduler/core.py `invalidate`). Superseded work therefore costs at most the chunk in flight when the
-rewrite came, and nobody waits longer than that chunk. A token is sent once it has stood unchanged for
+chunk boundary that fell inside a word), the request is truncated in place to the longest common prefix
+between two engine steps, whatever its state: a chunk in flight is ended there, part-way through its prefill
+(the prefill scheduler frees exactly the KV after the prefix, on the device and in the swap pool;
+prefill/scheduler/core.py `invalidate`). Superseded work therefore costs at most the engine step running when
+the rewrite came, and a rewrite waits for nothing. A token is sent once it has stood unchanged for
 `SETTLE_S` (the prefix every version of the last `SETTLE_S` shares): appended input goes with that lag, however
 fast it comes, and a rewrite right behind a version (update traces rewrite ~40 ms apart) is seen before the
 tokens it changes are prefilled. While rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every
@@ -89,6 +90,7 @@ class StreamingPrefill:
         self.rewrites = 0
         self.invalidated_tokens = 0  # sent tokens a rewrite dropped (computed or not)
         self.superseded_chunks = 0  # chunks in flight that the final input no longer had (aborted at its end)
+        self.chunks_cut = 0  # chunks in flight a rewrite ended part-way (cut between two engine steps)
         self.coalesced = 0  # versions that never reached the engine (a later one did)
         self.closed = False  # closed for good (the session ended): nothing is sent to the engine again
         self.input_done = False  # the turn's input ended: nothing more is streamed (the hand-off computes it)
@@ -175,12 +177,12 @@ class StreamingPrefill:
                     grows_at = None if self.input_done else self._grows_at(now)
                     await self._sleep(None if grows_at is None else max(0.0, grows_at - now))  # (until it settles)
                     continue
-                if self.busy:
-                    # A new version while a (short) chunk is in flight waits for it: the latest version then goes
-                    # as one chunk (versions arriving faster than they prefill cost one chunk, not one each), and a
-                    # rewrite cuts the idle request in place, keeping whatever of the chunk is still the input's.
+                if self.busy and common_prefix_len(goal, self.sent) == len(self.sent):
+                    # More input while a (short) chunk is in flight waits for it: the latest version then goes as
+                    # one chunk (versions arriving faster than they prefill cost one chunk, not one each).
                     await self._sleep(None)  # (woken by new input, or by the chunk's completion)
                     continue
+                # (A rewrite does not wait: the engine cuts the request between two steps, chunk in flight or not.)
                 async with self._lock:
                     if not self.closed and not self.input_done:
                         await self._apply(list(self.goal))
@@ -205,14 +207,20 @@ class StreamingPrefill:
         if lcp < len(self.sent):
             self.rewrites += 1
             self.invalidated_tokens += len(self.sent) - lcp
-            kept = None
-            if self._consumer is not None and not self._consumer.done() and not self.busy:
-                kept = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)  # idle: cut in place
-            if kept is None:  # gone: a new request; the prefix cache gives back the LCP's full blocks
+            cut = None
+            if self._consumer is not None and not self._consumer.done():
+                cut = await self.engine.utility("rtpd_invalidate", self.base_id, lcp)  # cut in place
+            if cut is None:  # gone: a new request; the prefix cache gives back the LCP's full blocks
                 await self._close()
                 self.sent = []
             else:
+                kept, ended = cut
                 self.sent = self.sent[:kept]
+                if ended:  # the chunk in flight was ended there, without output
+                    self.chunks_cut += ended
+                    async with self._progress:
+                        self._chunks_done += ended
+                        self._progress.notify_all()
         new = tokens[len(self.sent) : len(self.sent) + self.max_chunk_tokens]
         self._inflight_from = len(self.sent)
         if new:

@@ -27,7 +27,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
@@ -47,6 +47,13 @@ IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
 ACTIVE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
 SESSION_ARG, ARRIVAL_ARG = "rtpd_session", "rtpd_arrival"  # SamplingParams.extra_args set by the prefill server
 MAX_TRACKED_SESSIONS = 20_000
+
+
+class Cut(NamedTuple):
+    """What `invalidate` did: the tokens the session's request kept, and the chunks in flight it ended."""
+
+    kept: int
+    ended_chunks: int  # chunks in flight (the one being prefilled, and any queued behind it), ended without output
 
 
 @dataclass
@@ -387,24 +394,33 @@ class StreamingScheduler(AccountingScheduler):
         super()._update_after_schedule(scheduler_output)
 
     # --- longest-common-prefix invalidation ----------------------------------------------------------
-    def invalidate(self, session_key: str, keep: int) -> int | None:
-        """A session's input was rewritten from token `keep` on: drop its KV after the common prefix.
+    def invalidate(self, session_key: str, keep: int) -> Cut | None:
+        """A session's input was rewritten from token `keep` on: drop its KV after the common prefix, between
+        two engine steps, whatever the state of the session's streaming request.
 
-        Applies to the session's streaming request while it waits for its next chunk. Blocks wholly after
-        `keep` are freed (and host slots, if swapped out); the block holding the divergence point is kept
-        when the request owns it alone (its cached hash is dropped, since it will be rewritten), otherwise
-        it is recomputed from its start. Returns the tokens kept, or None if there is no idle request.
+        A chunk in flight (waiting, running part-way through its prefill, preempted) is ended here, without
+        output (`ended_chunks`, with any queued behind it): the request waits for its next chunk at the tokens
+        it has KV for, at most `keep`; what of the chunk is still the session's input goes with the next chunk.
+        Blocks wholly after `keep` are freed (and host slots, if swapped out); the block holding the
+        divergence point is kept when the request owns it alone (its cached hash is dropped, since it will be
+        rewritten), otherwise it is recomputed from its start. None if the session has no streaming request.
         """
         r = next(
             (
                 q
                 for rid, q in self.requests.items()
-                if self.req_session.get(rid) == session_key and q.resumable and q.status == IDLE
+                if self.req_session.get(rid) == session_key and q.resumable and (q.status == IDLE or q.status in ACTIVE)
             ),
             None,
         )
-        if r is None or not self._single_group:
-            return None
+        if r is None or not self._single_group or None in (r.streaming_queue or ()):
+            return None  # (its input stream is ending: the request goes with it)
+        ended = 0
+        if r.status != IDLE:
+            ended = 1 + len(r.streaming_queue or ())
+            if r.streaming_queue:
+                r.streaming_queue.clear()  # queued chunks are superseded too
+            keep = self._end_chunk(r, keep)
         ev = self.evicted.get(r.request_id)
         before = r.num_computed_tokens
         keep, dropped = truncate(self.kv_cache_manager, self.hash_block_size, r, keep)
@@ -416,6 +432,32 @@ class StreamingScheduler(AccountingScheduler):
             r.num_computed_tokens = keep
         self._count(r, "invalidated_tokens", max(0, before - keep))
         self._count(r, "invalidated_blocks", dropped)
+        if ended:
+            self._count(r, "chunks_cut_in_flight", ended)
+        return Cut(keep, ended)
+
+    def _end_chunk(self, r: Request, keep: int) -> int:
+        """End `r`'s chunk in flight without output: it waits for its next chunk, as after a finished one.
+        Returns how much of `keep` it can keep: what it has KV for (computed, or evicted and coming back)."""
+        if r.status == RequestStatus.RUNNING:
+            self.running.remove(r)  # (vLLM's runner drops it from its batch; resumed, it gets its blocks anew)
+        else:
+            for queue in (self.waiting, self.kv_holding_waiting):
+                if r in queue:
+                    queue.remove_request(r)
+            self.deferred_waiting.discard(r)
+        ev = self.evicted.get(r.request_id)
+        if r.num_computed_tokens or not (ev is not None or r.num_prompt_tokens):
+            keep = min(keep, r.num_computed_tokens)
+        else:  # no KV on the device now: it comes back (prefix cache, host copies, recompute) with the next chunk
+            keep = min(keep, ev.tokens if ev is not None else r.num_prompt_tokens)
+            if ev is None:
+                self.evicted[r.request_id] = ev = Evicted("recompute", keep)
+            ev.idle = True
+            r.num_computed_tokens = keep  # (an idle request's frontier: the next chunk appends after it)
+        r.status = IDLE
+        self.num_waiting_for_streaming_input += 1
+        self._enqueue_waiting_request(r)
         return keep
 
     # --- bookkeeping --------------------------------------------------------------------------------

@@ -32,8 +32,10 @@ def _rtpd_set_latency_model(self: EngineCore, model: dict[str, Any]) -> None:
     _scheduler(self).latency = LatencyModel.from_json(model)
 
 
-def _rtpd_invalidate(self: EngineCore, session_key: str, keep: int) -> int | None:
-    return _scheduler(self).invalidate(session_key, keep)
+def _rtpd_invalidate(self: EngineCore, session_key: str, keep: int) -> tuple[int, int] | None:
+    """(tokens kept, chunks in flight ended without output), or None: see StreamingScheduler.invalidate."""
+    cut = _scheduler(self).invalidate(session_key, keep)
+    return None if cut is None else (cut.kept, cut.ended_chunks)
 
 
 def _rtpd_input_ended(self: EngineCore, session_key: str) -> bool:

@@ -161,9 +161,12 @@ async def test_sessions_beyond_kv_capacity_all_answer(server: str, pressure: str
     assert evictions > 0, (before, after)
     if eviction == "swap":
         assert after.get("swapped_in_blocks", 0) > before.get("swapped_in_blocks", 0), after
-    # Replace chunks invalidate what follows the common prefix: in the engine when the session's request is
-    # idle, else by replacing the request (the prefix cache gives back the common prefix's full blocks).
-    assert all(r["info"]["rewrites"] >= 1 for k, r in enumerate(results) if k % 3 == 0)
+    # Replace chunks invalidate what follows the common prefix, in the engine between two steps (a chunk in flight
+    # is ended there), or by a new request when the session's is gone (the prefix cache gives the prefix back).
+    # (A session residency control kept from streaming has nothing to cut: its input waited, whole.)
+    updates = [r["info"] for k, r in enumerate(results) if k % 3 == 0]
+    assert all(u["rewrites"] >= 1 for u in updates if not u["buffered"]), updates
+    assert any(u["rewrites"] >= 1 for u in updates), updates
     assert sum(r["info"]["invalidated_tokens"] for r in results) > 0
     await wait_idle("prefill")
     await wait_idle("decode")

@@ -23,6 +23,8 @@ class Engine:
         self.open: set[str] = set()
         self.utility_calls: list[tuple[Any, ...]] = []
         self._done = asyncio.Event()
+        self.in_flight = False
+        self._cut = False
         self.client = self
 
     def finish(self) -> None:
@@ -35,8 +37,13 @@ class Engine:
                 async for chunk in inputs:
                     self.chunks.append((request_id, list(chunk.prompt["prompt_token_ids"])))
                     if not self.instant:
+                        self.in_flight = True
                         await self._done.wait()
                         self._done.clear()
+                        self.in_flight = False
+                        if self._cut:  # ended by a rewrite, between two steps: no output
+                            self._cut = False
+                            continue
                     yield type("Out", (), {"outputs": [type("C", (), {"token_ids": [0]})()]})()
             finally:
                 self.open.discard(request_id)
@@ -45,8 +52,13 @@ class Engine:
 
     async def utility(self, name: str, *args: Any) -> Any:
         self.utility_calls.append((name, *args))
-        if name == "rtpd_invalidate":
-            return args[1]  # the idle request keeps exactly the common prefix
+        if name == "rtpd_invalidate":  # the request keeps exactly the common prefix; a chunk in flight ends
+            ended = self.in_flight
+            if ended:
+                self._cut = True
+                self._done.set()
+                await asyncio.sleep(0)
+            return [args[1], int(ended)]
         return True
 
 
@@ -77,10 +89,10 @@ async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_c
     await streaming.close()
 
 
-async def test_a_rewrite_waits_for_at_most_the_short_chunk_in_flight_then_cuts_in_place(engine: Engine) -> None:
-    """Input goes in short chunks (`max_chunk_tokens`): a rewrite waits for the one in flight, then the idle
-    request is cut back to the common prefix in place and the latest version's suffix follows (no new request,
-    nothing of the common prefix computed again)."""
+async def test_a_rewrite_cuts_the_chunk_in_flight_and_its_new_suffix_follows_at_once(engine: Engine) -> None:
+    """Input goes in short chunks (`max_chunk_tokens`); a rewrite does not wait for the one in flight: the engine
+    cuts the request to the common prefix between two steps, ending that chunk, and the latest version's suffix
+    follows on the same request (nothing of the common prefix computed again)."""
     streaming = StreamingPrefill(engine, "sess_r_b", timeout=2, settle_s=0, rewrite_quiet_s=0, max_chunk_tokens=32)
     first = list(range(100))
     await streaming.sync(first)
@@ -89,11 +101,9 @@ async def test_a_rewrite_waits_for_at_most_the_short_chunk_in_flight_then_cuts_i
     rewritten = first[:10] + [7] * 50
     await streaming.sync(rewritten)
     await settle()
-    assert len(engine.chunks) == 1  # nothing more while the chunk is in flight
-    engine.finish()
-    await settle()
-    assert ("rtpd_invalidate", "sess_r_b", 10) in engine.utility_calls
+    assert ("rtpd_invalidate", "sess_r_b", 10) in engine.utility_calls  # without waiting for the chunk
     assert engine.chunks[1] == ("sess_r_b-stream1", rewritten[10:42])
+    assert streaming.chunks_cut == 1
     engine.instant = True
     engine.finish()
     await streaming.wait_computed()

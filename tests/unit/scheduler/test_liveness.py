@@ -35,7 +35,7 @@ def simulate(h: Harness, seed: int, sessions: int = 12, max_steps: int = 3000) -
     handed_off: dict[str, str] = {}
     finished: set[str] = set()
     plain: list[str] = []
-    rewrites = 0
+    rewrites = cuts_in_flight = 0
     peak_blocks = 0  # the blocks the open sessions' inputs needed at once
     for step in range(max_steps):
         for sid in list(chunks_left):
@@ -43,19 +43,24 @@ def simulate(h: Harness, seed: int, sessions: int = 12, max_steps: int = 3000) -
             if sid in started and request is None:
                 continue
             if rng.random() < 0.3:
-                if request is not None and request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
-                    if chunks_left[sid] == 0:  # end of input: the hand-off over the whole prompt
-                        hid = f"h{sid}"
-                        h.add(hid, list(prompts[sid]), resumable=False, session=sid)
-                        handed_off[sid] = hid
-                        del chunks_left[sid]
-                        continue
-                    if rng.random() < 0.2 and len(prompts[sid]) > 20:  # update mode: a rewrite
-                        keep = rng.randint(1, len(prompts[sid]) - 1)
-                        kept = h.sched.invalidate(sid, keep)
-                        assert kept is not None and kept <= keep
-                        prompts[sid] = prompts[sid][:kept]
-                        rewrites += 1
+                if request is not None and rng.random() < 0.1 and len(prompts[sid]) > 20:
+                    # update mode: a rewrite, whatever the request's state (idle, queued, part-way through its
+                    # prefill, evicted): cut between two steps
+                    keep = rng.randint(1, len(prompts[sid]) - 1)
+                    cut = h.sched.invalidate(sid, keep)
+                    assert cut is not None and cut.kept <= keep
+                    assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+                    assert request.num_tokens == cut.kept
+                    prompts[sid] = prompts[sid][: cut.kept]
+                    rewrites += 1
+                    cuts_in_flight += cut.ended_chunks
+                idle = request is not None and request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+                if idle and chunks_left[sid] == 0:  # end of input: the hand-off over the whole prompt
+                    hid = f"h{sid}"
+                    h.add(hid, list(prompts[sid]), resumable=False, session=sid)
+                    handed_off[sid] = hid
+                    del chunks_left[sid]
+                    continue
                 if chunks_left[sid] > 0:  # chunks also arrive mid-prefill: vLLM queues them on the request
                     new = h.tokens(rng.randint(16, 40))
                     prompts.setdefault(sid, []).extend(new)
@@ -75,7 +80,13 @@ def simulate(h: Harness, seed: int, sessions: int = 12, max_steps: int = 3000) -
                 finished.add(sid)
                 del handed_off[sid]
         if len(finished) == sessions and all(p not in h.sched.requests for p in plain):
-            return {"steps": step, "rewrites": rewrites, "peak_blocks": peak_blocks, **h.counters()}
+            return {
+                "steps": step,
+                "rewrites": rewrites,
+                "cuts": cuts_in_flight,
+                "peak_blocks": peak_blocks,
+                **h.counters(),
+            }
     stuck = {rid: (r.status.name, r.num_computed_tokens, r.num_tokens) for rid, r in h.sched.requests.items()}
     raise AssertionError(f"not done after {max_steps} steps ({len(finished)}/{sessions} sessions): {stuck}")
 

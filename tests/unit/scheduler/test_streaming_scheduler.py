@@ -273,7 +273,7 @@ def test_invalidate_keeps_the_common_prefix_blocks(make) -> None:
     assert edge.block_hash is not None  # full block 16..31: in the prefix cache
     free = h.free()
 
-    assert h.sched.invalidate("s", 20) == 20
+    assert h.sched.invalidate("s", 20).kept == 20
     assert h.blocks("s") == blocks[:2]  # ceil(20 / 16): the edge block is owned alone, so it is kept
     assert h.free() == free + 2
     assert edge.block_hash is None  # it will be rewritten: no longer a prefix-cache entry
@@ -306,7 +306,7 @@ def test_invalidate_recomputes_a_shared_edge_block(make) -> None:
     shared = h.blocks("a")[1]
     free = h.free()
 
-    assert h.sched.invalidate("a", 20) == 16  # the edge block is b's too: a restarts at its start
+    assert h.sched.invalidate("a", 20).kept == 16  # the edge block is b's too: a restarts at its start
     assert h.blocks("a") == h.blocks("b")[:1]
     assert h.free() == free + 2  # a's blocks 3 and 4; block 2 is still b's
     assert h.sched.kv_cache_manager.block_pool.blocks[shared].block_hash is not None
@@ -314,14 +314,47 @@ def test_invalidate_recomputes_a_shared_edge_block(make) -> None:
     assert h.counters()["invalidated_tokens"] == 40
 
 
-def test_invalidate_only_applies_to_an_idle_session(make) -> None:
+def test_invalidate_cuts_a_prefill_running_part_way_between_two_steps(make) -> None:
+    """A rewrite does not wait for the chunk being prefilled: between two steps the request is cut to the common
+    prefix, exactly the blocks past it freed, and it waits for its next chunk (the rest of the old chunk is
+    never computed)."""
     h = make(policy="fcfs", budget=32)
-    h.add("s", 64, arrival=1.0)
-    h.step()  # mid-prefill
-    assert h.sched.invalidate("s", 10) is None
+    toks = h.tokens(64)
+    r = h.add("s", toks, arrival=1.0)
+    h.step()  # 32 of 64 computed: running, mid-prefill
+    assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == 32
+    blocks, free = h.blocks("s"), h.free()
+    cut = h.sched.invalidate("s", 10)
+    assert cut.kept == 10 and cut.ended_chunks == 1
+    assert r.status == IDLE and r not in h.sched.running
+    assert h.blocks("s") == blocks[:1] and h.free() == free + len(blocks) - 1  # the edge block, owned, is kept
+    assert r.prompt_token_ids == toks[:10] and r.num_computed_tokens == 10
+    assert h.counters()["chunks_cut_in_flight"] == 1 and h.counters()["invalidated_tokens"] == 22
+    assert h.run() == []  # nothing of the old chunk is computed
+    new = h.tokens(30)
+    h.add("s", new)
+    assert h.run() == [{"s": 30}]
+    assert r.prompt_token_ids == toks[:10] + new and r.num_computed_tokens == 40
+
     assert h.sched.invalidate("unknown", 10) is None
     h.add("one-shot", 16, resumable=False)
     assert h.sched.invalidate("one-shot", 0) is None
+
+
+def test_invalidate_drops_a_queued_chunk_and_keeps_the_prefix(make) -> None:
+    h = make(policy="fcfs", budget=256)
+    toks = h.tokens(40)
+    r = h.add("s", toks, arrival=1.0)
+    h.run()
+    h.add("s", h.tokens(24))  # queued: not scheduled yet
+    assert r.status == RequestStatus.WAITING
+    blocks, free = h.blocks("s"), h.free()
+    cut = h.sched.invalidate("s", 30)
+    assert cut == (30, 1) and r.status == IDLE and r.num_tokens == 30
+    assert h.blocks("s") == blocks[:2] and h.free() == free + len(blocks) - 2
+    assert h.run() == []
+    h.add("s", h.tokens(5))
+    assert h.run() == [{"s": 5}] and r.num_computed_tokens == 35
 
 
 def test_invalidate_past_the_input_keeps_everything(make) -> None:
@@ -329,7 +362,7 @@ def test_invalidate_past_the_input_keeps_everything(make) -> None:
     r = h.add("s", 40, arrival=1.0)
     h.run()
     blocks = h.blocks("s")
-    assert h.sched.invalidate("s", 1000) == 40
+    assert h.sched.invalidate("s", 1000).kept == 40
     assert h.blocks("s") == blocks and r.num_computed_tokens == 40
     assert h.counters().get("invalidated_tokens", 0) == 0
 
@@ -338,7 +371,7 @@ def test_invalidate_an_evicted_session(make) -> None:
     h = make(policy="fcfs")
     first, _, _ = evict_idle_session(h)
     r = h.sched.requests["i"]
-    assert h.sched.invalidate("i", 20) == 20
+    assert h.sched.invalidate("i", 20).kept == 20
     assert h.sched.evicted["i"].tokens == 20
     assert r.prompt_token_ids == first[:20]
     second = h.tokens(12)

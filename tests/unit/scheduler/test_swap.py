@@ -209,7 +209,7 @@ def test_invalidating_a_swapped_out_session_frees_its_slots_after_the_prefix(mak
     h.add("n", 192, resumable=False, arrival=10.0)
     out = h.step()
     h.scribble(out.scheduled_new_reqs[0].block_ids[0])
-    assert h.sched.invalidate("s", 20) == 20
+    assert h.sched.invalidate("s", 20).kept == 20
     ev = h.sched.evicted["s"]
     assert ev.tokens == 20 and len(ev.slots) == 2
     assert h.counters()["host_slots_free"] == 6
@@ -222,6 +222,33 @@ def test_invalidating_a_swapped_out_session_frees_its_slots_after_the_prefix(mak
     # The edge block's first 4 token slots are the session's; the rest is what its new chunk wrote.
     restored = h.block_contents(h.blocks("s")[1:2])
     assert all(torch.equal(r[:, :, :, :4], o[:, 1:2, :, :4]) for r, o in zip(restored, snapshot, strict=True))
+    assert h.counters()["host_slots_free"] == 8
+
+
+def test_a_rewrite_of_a_swapped_out_session_with_a_chunk_queued_cuts_both(make) -> None:
+    """Swapped out, then a chunk arrives (it waits for room): a rewrite ends that chunk and cuts the host copy
+    to the common prefix; the next chunk swaps the prefix back in and computes only itself."""
+    h = make(policy="fcfs", eviction="swap", budget=256, swap_slots=8)
+    first = h.tokens(48)
+    s = h.add("s", first, arrival=1.0)
+    h.run()
+    snapshot = h.block_contents(h.blocks("s")[:1])
+    h.add("n", 192, resumable=False, arrival=10.0)
+    out = h.step()
+    h.scribble(out.scheduled_new_reqs[0].block_ids[0])
+    assert h.sched.evicted["s"].kind == "swap"
+    h.add("s", h.tokens(12))  # queued behind the plain request, its KV on the host
+    assert s.status != IDLE
+    cut = h.sched.invalidate("s", 20)
+    assert cut == (20, 1) and s.status == IDLE
+    ev = h.sched.evicted["s"]
+    assert ev.tokens == 20 and len(ev.slots) == 2 and h.counters()["host_slots_free"] == 6
+    assert all("s" not in step for step in h.run())  # the plain request ends; nothing of the cut chunk runs
+    second = h.tokens(10)
+    h.add("s", second)
+    assert h.run() == [{"s": 10}]
+    assert s.prompt_token_ids == first[:20] + second and s.num_computed_tokens == 30
+    assert same(h.block_contents(h.blocks("s")[:1]), snapshot)
     assert h.counters()["host_slots_free"] == 8
 
 
