@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -126,29 +127,32 @@ def test_rest_turn_sent_whole_is_computed_once(server):
     """A turn that arrives in one piece is computed by its hand-off; the conversation streamed again after the
     answer (for the next turn) shares the hand-off's blocks instead of computing them again, and the next
     turn's answer, prefilled onto those shared blocks, is the whole request's."""
-    system = {"role": "system", "content": "Answer from the context."}
+    # Its own system prompt: nothing of this conversation is in the prefix cache before its hand-off.
+    system = {"role": "system", "content": f"Answer from the context (conversation {uuid.uuid4().hex[:8]})."}
     sid = create(server, messages=[system], max_tokens=10, temperature=0)["session_id"]
-    assert send_chunk(server, sid, 0, TEXT, end=True).status_code == 202
-    first = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()["answer"]
-    convo = [system, {"role": "user", "content": TEXT}]
-    assert first["text"] == whole_chat(server, convo, 10)["choices"][0]["message"]["content"]
+    try:
+        assert send_chunk(server, sid, 0, TEXT, end=True).status_code == 202
+        first = httpx.get(f"{server}{SESSIONS}/{sid}/result", timeout=120).json()["answer"]
+        session = wait_prefilled(server, sid)
+        work, block = session["work"], session["block_size"]
+        assert work["handoff_tokens"] >= first["usage"]["prompt_tokens"] - block, work  # nothing streamed before
+        # Streamed again: the answer and what follows the hand-off's last full block, not the whole conversation.
+        resident = session["resident_tokens"]
+        assert work["streamed_tokens"] <= resident - first["usage"]["prompt_tokens"] + 2 * block, work
+        convo = [system, {"role": "user", "content": TEXT}]
+        assert first["text"] == whole_chat(server, convo, 10)["choices"][0]["message"]["content"]
 
-    session = wait_prefilled(server, sid)
-    work, block = session["work"], session["block_size"]
-    assert work["handoff_tokens"] >= first["usage"]["prompt_tokens"] - block, work  # nothing streamed before it
-    # Streamed again: the answer and what follows the hand-off's last full block (not the whole conversation).
-    assert work["streamed_tokens"] <= session["resident_tokens"] - first["usage"]["prompt_tokens"] + 2 * block, work
-
-    follow_up = "And which part of it arrives last?"
-    for seq, piece in enumerate(split_inside_words(follow_up, 3), start=1):
-        assert send_chunk(server, sid, seq, piece, end=seq == 3).status_code == 202
-        time.sleep(0.15)  # typed: prefilled as it comes
-    second = httpx.get(f"{server}{SESSIONS}/{sid}/result", params={"turn": 1}, timeout=120).json()["answer"]
-    convo += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": follow_up}]
-    expected = whole_chat(server, convo, 10)
-    assert second["text"] == expected["choices"][0]["message"]["content"]
-    assert second["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
-    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+        follow_up = "And which part of it arrives last?"
+        for seq, piece in enumerate(split_inside_words(follow_up, 3), start=1):
+            assert send_chunk(server, sid, seq, piece, end=seq == 3).status_code == 202
+            time.sleep(0.15)  # typed: prefilled as it comes
+        second = httpx.get(f"{server}{SESSIONS}/{sid}/result", params={"turn": 1}, timeout=120).json()["answer"]
+        convo += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": follow_up}]
+        expected = whole_chat(server, convo, 10)
+        assert second["text"] == expected["choices"][0]["message"]["content"]
+        assert second["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    finally:  # (a failure here must not leave KV held for the tests after it)
+        assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("prefill")
 
 
