@@ -30,9 +30,9 @@ policies rank by. Waits on the engine are bounded: past `timeout` the caller get
 
 The hand-off to decode is a separate one-token request over the final prompt with `do_remote_decode`
 (vLLM does not return `kv_transfer_params` for a streaming request); it hits the prefix cache for every full
-block this session computed, so it computes at most the last partial block plus whatever input had not
-been streamed yet. The other way round holds too: a chunk appended to the session's request shares what the
-prefix cache holds (a hand-off's blocks, another session's), as a new request would
+block this session computed and the scheduler gives it a copy of the last, partial one, so it computes only
+the input that had not been streamed yet. The other way round holds too: a chunk appended to the session's
+request shares what the prefix cache holds (a hand-off's blocks, another session's), as a new request would
 (prefill/scheduler/cache_hits.py).
 """
 

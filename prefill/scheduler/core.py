@@ -33,7 +33,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
 from prefill.scheduler import engine_calls  # noqa: F401  (registers the rtpd_* utility calls)
-from prefill.scheduler.cache_hits import extend_from_cache
+from prefill.scheduler.cache_hits import extend_from_cache, share_partial_block
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
 from prefill.scheduler.cost_model import LatencyModel
 from prefill.scheduler.invalidate import truncate
@@ -216,6 +216,8 @@ class StreamingScheduler(AccountingScheduler):
         for r, _ in planned:
             if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
                 self._swap_in(r)
+            elif policy != "vllm" and not r.resumable and r.status == RequestStatus.WAITING:
+                self._share_partial_block(r)
         if self._yielding:
             self.counters["partial_yields"] += 1
         if policy == "vllm":
@@ -347,6 +349,28 @@ class StreamingScheduler(AccountingScheduler):
         self._count(r, "tokens_back_from_prefix_cache", min(hit, target))
         self.host.free(ev.slots)
         del self.evicted[r.request_id]
+
+    def _share_partial_block(self, handoff: Request) -> None:
+        """A session's hand-off starts from everything its session computed, the last partial block included."""
+        if self.executor is None or not self._single_group or self.hash_block_size != self.block_size:
+            return
+        key = self.req_session.get(handoff.request_id)
+        session = next(
+            (
+                q
+                for rid, q in self.requests.items()
+                if rid != handoff.request_id
+                and self.req_session.get(rid) == key
+                and q.resumable
+                and q.status == IDLE
+                and rid not in self.evicted
+            ),
+            None,
+        )
+        if session is not None:
+            gained = share_partial_block(self.kv_cache_manager, self.executor, handoff, session)
+            if gained:
+                self._count(handoff, "partial_block_shared_tokens", gained)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         if (ev := self.evicted.pop(request.request_id, None)) is not None:

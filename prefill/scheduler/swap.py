@@ -42,6 +42,23 @@ def _block_dim(tensor: Any, num_blocks: int) -> int:
     raise ValueError(f"no block dimension of size {num_blocks} in KV tensor of shape {tuple(tensor.shape)}")
 
 
+def copy_blocks(kv_caches: list[Any], num_blocks: int, src: list[int], dst: list[int]) -> float:
+    """Copy device blocks onto other device blocks, every layer (a hand-off's copy of its session's partial
+    last block); returns the seconds it took."""
+    import torch
+
+    started = time.perf_counter()
+    if src:
+        for t in kv_caches:
+            dim = _block_dim(t, num_blocks)
+            s_index = torch.tensor(src, dtype=torch.long, device=t.device)
+            d_index = torch.tensor(dst, dtype=torch.long, device=t.device)
+            t.index_copy_(dim, d_index, t.index_select(dim, s_index))
+        if torch.cuda.is_available() and kv_caches[0].is_cuda:
+            torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
 class HostKVPool:
     """Host copies of KV blocks for every layer, `num_slots` blocks deep."""
 

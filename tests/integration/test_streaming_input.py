@@ -105,8 +105,11 @@ def test_rest_session_matches_whole_request(server, policy):
     assert answer["status"] == "completed"
     assert answer["text"] == expected["choices"][0]["message"]["content"]
     assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
-    assert info(server, sid)["turns"] == 1  # the second finish did not start another answer
+    session = info(server, sid)
+    assert session["turns"] == 1  # the second finish did not start another answer
     assert_compute_bounds(server, sid, expected["usage"]["prompt_tokens"])
+    if policy != "on_end_only":  # the hand-off started from a copy of the streamed input's partial last block
+        assert session["scheduler"].get("partial_block_shared_tokens", 0) > 0, session["scheduler"]
 
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     assert httpx.get(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 404

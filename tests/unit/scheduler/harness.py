@@ -30,7 +30,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from prefill.scheduler.core import StreamingScheduler
-from prefill.scheduler.swap import HostKVPool
+from prefill.scheduler.swap import HostKVPool, copy_blocks
 from serve_app.local_model import make_local_model
 
 BLOCK = 16
@@ -69,6 +69,8 @@ class FakeExecutor:
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         self.calls.append((method, args))
+        if method == "rtpd_copy_blocks":
+            return [copy_blocks(self.kv_caches, self.num_blocks, *args)]
         if method == "rtpd_swap_init":
             self.pool = HostKVPool(self.kv_caches, self.num_blocks, *args)
             return [self.pool.block_bytes]

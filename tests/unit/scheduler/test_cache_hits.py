@@ -3,6 +3,8 @@ request up once, on arrival; a session that already has KV would compute its cac
 
 from __future__ import annotations
 
+import torch
+
 from tests.unit.scheduler.harness import BLOCK
 
 
@@ -59,3 +61,39 @@ def test_an_append_with_nothing_cached_keeps_its_blocks_and_computes_it(make) ->
     assert sum(s.get("sess_a-stream1", 0) for s in h.run()) == 9
     assert h.blocks("sess_a-stream1")[:2] == before[:2]
     assert "append_cache_hit_tokens" not in h.counters()
+
+
+def test_a_hand_off_gets_a_copy_of_its_sessions_partial_last_block(make) -> None:
+    """vLLM hits whole blocks only: the hand-off would compute the session's last, partial block again. It gets a
+    copy of that block instead and computes only what the session never streamed."""
+    h = make(policy="fcfs", num_blocks=32, budget=256, swap_slots=4)  # (swap_slots: the harness's KV tensors)
+    streamed = h.tokens(2 * BLOCK + 8)
+    h.add("sess_a-stream1", streamed, session="sess_a")
+    h.run()
+    session_blocks = h.blocks("sess_a-stream1")
+    h.add("sess_a-t0-h1", [*streamed, *h.tokens(6)], resumable=False, session="sess_a")
+    out = h.step()
+    assert out.num_scheduled_tokens == {"sess_a-t0-h1": 6}  # not 8 + 6
+    assert ("rtpd_copy_blocks", ([session_blocks[2]], [out.scheduled_new_reqs[0].block_ids[0][2]])) in h.executor.calls
+    copied = out.scheduled_new_reqs[0].block_ids[0]
+    assert copied[:2] == session_blocks[:2]  # the full blocks: shared through the prefix cache
+    mine, theirs = h.block_contents([copied[2]]), h.block_contents([session_blocks[2]])
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert h.counters()["partial_block_shared_tokens"] == 8
+    h.run()
+    assert h.sched.compute_stats("sess_a")["prompt_tokens_computed_by_kind"]["handoff"] == 6
+
+
+def test_a_hand_off_that_leaves_the_session_inside_its_last_block_shares_what_is_the_same(make) -> None:
+    h = make(policy="fcfs", num_blocks=32, budget=256, swap_slots=4)
+    streamed = h.tokens(2 * BLOCK + 8)
+    h.add("sess_b-stream1", streamed, session="sess_b")
+    h.run()
+    rewritten = [*streamed[: 2 * BLOCK + 3], *h.tokens(10)]  # the input changed 3 tokens into the partial block
+    h.add("sess_b-t0-h1", rewritten, resumable=False, session="sess_b")
+    assert h.step().num_scheduled_tokens == {"sess_b-t0-h1": 10}
+    h.run()
+    # Diverging inside a block the session filled: the same, from a copy of that block.
+    h.add("sess_b-t0-h2", [*streamed[: BLOCK + 4], *h.tokens(20)], resumable=False, session="sess_b")
+    assert h.step().num_scheduled_tokens == {"sess_b-t0-h2": 20}
+    assert h.counters()["partial_block_shared_tokens"] == 3 + 4
