@@ -40,6 +40,7 @@ class Answer:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # the calls it made (chat), whole
     # The response's `id`, `created` and `model`, as decode wrote them (for replays and /result).
     response: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
@@ -68,6 +69,7 @@ class Answer:
             "usage": self.usage,
             "error": self.error,
             "response": self.response,
+            "tool_calls": self.tool_calls,
         }
 
     @classmethod
@@ -75,4 +77,5 @@ class Answer:
         answer = cls(turn=summary["turn"], status=summary["status"], text=summary.get("text", ""))
         answer.finish_reason, answer.usage = summary.get("finish_reason"), summary.get("usage")
         answer.error, answer.response = summary.get("error"), summary.get("response") or {}
+        answer.tool_calls = summary.get("tool_calls") or None
         return answer

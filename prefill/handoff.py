@@ -96,7 +96,7 @@ class HandOff:
         """The answer joins the conversation, and the conversation stays resident for the next turn."""
         if answer.status == "failed":
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
-        session.add_answer(answer.text, failed=answer.status == "failed")
+        session.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
         recorded = session.record("ended", turn=answer.turn, summary=answer.summary())
         if session.state == SessionState.CLOSED:
             return
@@ -180,6 +180,7 @@ class HandOff:
         answer.text = outcome.get("text") or ""
         answer.finish_reason, answer.usage = outcome.get("finish_reason"), outcome.get("usage")
         answer.response = outcome.get("response") or {}
+        answer.tool_calls = _whole_calls(outcome.get("tool_calls"))
         answer.finish(status, None if status == "cancelled" else outcome.get("error"))
         await self._answer_ended(session, answer)
         await _notify(session)
@@ -291,6 +292,14 @@ class HandOff:
         answer.finish("failed", {"message": why, "type": "TimeoutError", "code": 408})
         await self._answer_ended(session, answer)
         await _notify(session)
+
+
+def _whole_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """The calls a router reported, those with an id and a name (a call cut off before its name is no call)."""
+    if not isinstance(calls, list):
+        return None
+    whole = [c for c in calls if isinstance(c, dict) and c.get("id") and (c.get("function") or {}).get("name")]
+    return whole or None
 
 
 async def _notify(session: Session) -> None:

@@ -115,9 +115,17 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
 def _apply(session: Session, record: dict[str, Any]) -> None:
     op = record["op"]
     if op == "chunk":
-        session.add_chunk(record["seq"], record["payload"], record["eoi"], record["mode"], record["offset"])
+        session.add_chunk(
+            record["seq"],
+            record["payload"],
+            record["eoi"],
+            record["mode"],
+            record["offset"],
+            role=record.get("role", "user"),
+            tool_call_id=record.get("tool_call_id"),
+        )
     elif op == "message":
-        session.add_message(record["role"], record["content"])
+        session.add_message(record["role"], record["content"], record.get("tool_call_id"), record.get("tool_calls"))
     elif op == "buffer":
         {
             "append": lambda: session.append_text(record["text"]),
@@ -142,8 +150,9 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
         answer, summary = session.answers[record["turn"]], record["summary"]
         answer.text, answer.finish_reason = summary.get("text") or "", summary.get("finish_reason")
         answer.usage, answer.response = summary.get("usage"), summary.get("response") or {}
+        answer.tool_calls = summary.get("tool_calls") or None
         answer.finish(summary["status"], summary.get("error"))
-        session.add_answer(answer.text, failed=answer.status == "failed")
+        session.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
         session.state = SessionState.OPEN
     else:
         raise ValueError(f"unknown journal record {op!r}")

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefill.answer import Answer
 from prefill.streaming import StreamingPrefill
+from serve_app.chat_render import template_messages, template_tools
 
 MAX_REMEMBERED_CALLS = 64
 _MARK = "\ue000"  # a private-use character no input contains: marks the end of the stable text
@@ -154,12 +155,20 @@ class Session:
             raise SessionError(409, f"session {self.id} is closed ({self.close_reason})")
 
     def add_chunk(
-        self, seq: int, payload: str, end_of_input: bool, mode: str = "append", offset: int | None = None
+        self,
+        seq: int,
+        payload: str,
+        end_of_input: bool,
+        mode: str = "append",
+        offset: int | None = None,
+        role: str = "user",
+        tool_call_id: str | None = None,
     ) -> dict[str, Any]:
         """Apply chunks in sequence order; hold a gap, apply a duplicate once. Returns what happened.
 
         `mode: "replace"` (update mode) replaces the current turn's input from character `offset` (default 0)
-        with `payload`, as a vector search replaces documents."""
+        with `payload`, as a vector search replaces documents. `role: "tool"`: the chunk is a tool's whole result,
+        a `tool` message answering the call `tool_call_id` of the last answer."""
         self.check_open()
         self.touch()
         if seq < self.next_seq or seq in self.pending:  # a retry of what was applied: acknowledged, even now
@@ -174,6 +183,10 @@ class Session:
                 "sequence_id",
             )
         self.check_chunk(payload)
+        if role == "tool":
+            if mode != "append":
+                raise SessionError(400, "a tool's result is a whole message: mode must be append", "mode")
+            self.check_tool_result(tool_call_id)
         if mode == "replace" and seq == self.next_seq:
             self._check_offset(offset or 0)  # applies now: refuse it before anything changes
             held = self.payload_bytes - len(self.buffer[offset or 0 :].encode())
@@ -184,6 +197,8 @@ class Session:
         chunk: dict[str, Any] = {"payload": payload, "end_of_input": end_of_input}
         if mode == "replace":
             chunk.update(mode="replace", offset=offset or 0)
+        if role == "tool":
+            chunk.update(role="tool", tool_call_id=tool_call_id)
         self.pending[seq] = (time.monotonic(), chunk)
         applied = []
         while self.next_seq in self.pending:
@@ -200,6 +215,9 @@ class Session:
                 if seq != self.next_seq:  # held out of order: its bytes were counted on arrival
                     self.payload_bytes -= len(chunk["payload"].encode())
                 self._replace(chunk["offset"], chunk["payload"])
+            elif chunk.get("role") == "tool":
+                self.commit_buffer()
+                self._commit({"role": "tool", "tool_call_id": chunk["tool_call_id"], "content": chunk["payload"]})
             else:
                 self.buffer += chunk["payload"]
             self.chunk_log.append({"sequence_id": self.next_seq, **chunk})
@@ -261,14 +279,54 @@ class Session:
             return self.next_seq
         return None
 
-    def add_message(self, role: str, content: str) -> None:
-        """A whole conversation item (realtime `conversation.item.create`); counted against the payload cap."""
+    def add_message(
+        self,
+        role: str,
+        content: str,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """A whole conversation item (realtime `conversation.item.create`); counted against the payload cap.
+        A `tool` message answers an open call (`tool_call_id`); an assistant's `tool_calls` (a client's
+        `function_call` item) join the assistant message they follow, when it made calls too."""
         self.check_open()
         self.touch()
         self.check_chunk(content, "content")
+        if role == "tool":
+            self.check_tool_result(tool_call_id)
         self._count_payload(content)
         self.commit_buffer()
-        self._commit({"role": role, "content": content})
+        if tool_calls:
+            last = (self.deferred or self._messages() or [{}])[-1]
+            if last.get("role") == "assistant" and last.get("tool_calls") and not content:
+                last["tool_calls"] = [*last["tool_calls"], *tool_calls]
+                return
+            self._commit({"role": "assistant", "content": content, "tool_calls": tool_calls})
+        elif role == "tool":
+            self._commit({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+        else:
+            self._commit({"role": role, "content": content})
+
+    def open_tool_calls(self) -> list[str]:
+        """The ids of the calls the conversation's last assistant message made that no tool message answered."""
+        calls: list[str] = []
+        for message in [*self._messages(), *self.deferred] if self.endpoint == "chat" else []:
+            if message.get("role") == "assistant":
+                calls = [c.get("id") for c in message.get("tool_calls") or [] if c.get("id")]
+            elif message.get("role") == "tool" and message.get("tool_call_id") in calls:
+                calls.remove(message["tool_call_id"])
+        return calls
+
+    def check_tool_result(self, tool_call_id: str | None) -> None:
+        if self.endpoint != "chat":
+            raise SessionError(400, "tool results go to chat sessions (this one completes a prompt)", "role")
+        if not tool_call_id:
+            raise SessionError(400, "a tool's result names the call it answers: tool_call_id", "tool_call_id")
+        if tool_call_id not in (open_calls := self.open_tool_calls()):
+            waiting = ", ".join(open_calls) or "none"
+            raise SessionError(
+                400, f"tool_call_id {tool_call_id!r} is not an open tool call (open: {waiting})", "tool_call_id"
+            )
 
     def commit_buffer(self) -> None:
         """The in-progress text becomes part of the input: a user message (chat) or the prompt's tail."""
@@ -287,12 +345,15 @@ class Session:
         else:
             self.request["prompt"] = self.request.get("prompt", "") + message["content"]
 
-    def add_answer(self, text: str, failed: bool = False) -> None:
+    def add_answer(self, text: str, failed: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> None:
         """The assistant's answer joins the conversation, so the next turn builds on it; an empty one too,
         so that user and assistant turns keep alternating (strict chat templates refuse two user turns).
-        An answer that failed before any output adds nothing: trying again answers the same turn."""
-        if failed and not text:
+        An answer that failed before any output adds nothing: trying again answers the same turn. Its tool
+        calls wait for their results (`tool` messages)."""
+        if failed and not text and not tool_calls:
             pass
+        elif self.endpoint == "chat" and tool_calls:
+            self._messages().append({"role": "assistant", "content": text, "tool_calls": tool_calls})
         elif self.endpoint == "chat":
             self._messages().append({"role": "assistant", "content": text})
         else:
@@ -354,14 +415,15 @@ class Session:
     @staticmethod
     def _render(tokenizer: Any, request: dict[str, Any], messages: list[dict[str, Any]]) -> str:
         """The chat template as the hand-off will apply it: the request's own template, tools and template
-        arguments included (otherwise the streamed prefix differs and the hand-off recomputes it all)."""
+        arguments included, tools and tool calls in vLLM's form (otherwise the streamed prefix differs and the
+        hand-off recomputes it all)."""
         kwargs = dict(request.get("chat_template_kwargs") or {})
         if request.get("tools"):
-            kwargs["tools"] = request["tools"]
+            kwargs["tools"] = template_tools(request["tools"])
         if request.get("chat_template"):
             kwargs["chat_template"] = request["chat_template"]
         kwargs.update(tokenize=False, add_generation_prompt=False)
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        return tokenizer.apply_chat_template(template_messages(messages), **kwargs)
 
     def may_start(self, num_stable: int) -> bool:
         if self.policy.type == "on_end_only":

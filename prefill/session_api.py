@@ -74,6 +74,16 @@ def _text_input(request: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
+def _check_request(session: Session, changes: dict[str, Any]) -> None:
+    """The session's request with `changes` is one vLLM takes (400 naming the field; nothing is applied)."""
+    probe = {**session.full_request(), **changes, "stream": False}
+    probe.pop("stream_options", None)
+    if session.endpoint == "completion" and not probe.get("prompt"):
+        probe["prompt"] = " "
+    if (err := validate_openai_body(session.endpoint, probe)) is not None:
+        raise SessionError(400, err["error"]["message"], err["error"]["param"])
+
+
 def _work(session: Session, stats: dict[str, Any]) -> dict[str, Any]:
     """What the session cost the prefill engine: tokens computed by kind, against its prompt (1.0: each prompt
     token computed once, as a request sent whole costs)."""
@@ -184,12 +194,16 @@ class SessionAPI(HandOff, Failover):
         end_of_input: bool = False,
         mode: str = "append",
         offset: int | None = None,
+        role: str = "user",
+        tool_call_id: str | None = None,
     ) -> dict[str, Any]:
         session = self._get(session_id)
-        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset)
+        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset, role, tool_call_id)
         recorded = None
         if not result["duplicate"]:
             chunk = {"seq": sequence_id, "payload": payload, "eoi": end_of_input, "mode": mode, "offset": offset}
+            if role == "tool":
+                chunk.update(role=role, tool_call_id=tool_call_id)
             recorded = session.record("chunk", **chunk)
         if result["applied"]:
             applied = session.chunk_log[-len(result["applied"]) :]
@@ -206,12 +220,21 @@ class SessionAPI(HandOff, Failover):
 
     @session_api
     @serialized
-    async def session_message(self, *, session_id: str, role: str, content: str) -> dict[str, Any]:
+    async def session_message(
+        self,
+        *,
+        session_id: str,
+        role: str,
+        content: str,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         session = self._get(session_id)
-        if role not in ("user", "system", "assistant", "developer"):
+        if role not in ("user", "system", "assistant", "developer", "tool"):
             raise SessionError(400, f"role {role!r} is not a conversation role", "role")
-        session.add_message(role, content)
-        await session.record("message", role=role, content=content)
+        session.add_message(role, content, tool_call_id, tool_calls)
+        extra = {k: v for k, v in {"tool_call_id": tool_call_id, "tool_calls": tool_calls}.items() if v}
+        await session.record("message", role=role, content=content, **extra)
         _count_input(1, len(content.encode()))
         await self._prefill_stable(session)
         return session.describe()
@@ -246,6 +269,7 @@ class SessionAPI(HandOff, Failover):
     ) -> dict[str, Any]:
         session = self._get(session_id)
         self._check_max_tokens(params or {})
+        _check_request(session, params or {})
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
@@ -276,6 +300,7 @@ class SessionAPI(HandOff, Failover):
         if session.answering:
             raise SessionError(409, "a response is already in progress", "response")
         self._check_overrides(overrides or {})
+        _check_request(session, {k: v for k, v in (overrides or {}).items() if k != "instructions"})
         session.input_ended = True
         await self._start_answer(session, overrides or {})
         return {**session.describe(), "answer": session.answers[-1].summary()}
@@ -298,7 +323,7 @@ class SessionAPI(HandOff, Failover):
             # What a client re-attaching to the session needs (router/realtime.py `attach`).
             "instructions": session.instructions,
             "buffer": session.buffer,
-            "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens")},
+            "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens", "tools", "tool_choice")},
             "request_ids": session.streaming.request_ids,
             "prompt_tokens_computed": stats["prompt_tokens_computed"],
             "block_size": stats["block_size"],

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from router import tool_calls
 from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
 from router.tasks import detached
@@ -42,6 +43,7 @@ class Outcome:
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     response: dict[str, Any] = field(default_factory=dict)  # id, created, model
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, from the streamed fragments
 
     def absorb(self, sse_text: str, keep_usage: bool) -> tuple[str, list[str]]:
         """One decode item (one or more SSE frames): what to forward to the client, and the text deltas."""
@@ -64,6 +66,9 @@ class Outcome:
                 if not data.get("choices") and not keep_usage:
                     continue  # the owner always asks decode for usage; this client did not
             piece, finish_reason = choice_text(data)  # (sessions have one choice: n is 1)
+            if '"tool_calls"' in frame:
+                for choice in data.get("choices") or []:
+                    tool_calls.merge_deltas(self.tool_calls, (choice.get("delta") or {}).get("tool_calls"))
             if piece:
                 deltas.append(piece)
             self.finish_reason = finish_reason or self.finish_reason
@@ -75,6 +80,7 @@ class Outcome:
         """A whole (non-streaming) response."""
         choice = (body.get("choices") or [{}])[0]
         self.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        self.tool_calls = tool_calls.message_calls(choice.get("message") or {})
         self.finish_reason, self.usage = choice.get("finish_reason"), body.get("usage")
         self.response = {k: body.get(k) for k in ("id", "created", "model")}
 
@@ -85,8 +91,9 @@ class Outcome:
 class AnswerReader:
     """One reader of one session answer. `open()`, then `frames()` (SSE) or `whole()` (one object)."""
 
-    def __init__(self, ingress: Any, session_id: str, turn: int | None = None) -> None:
+    def __init__(self, ingress: Any, session_id: str, turn: int | None = None, surface: str = "session") -> None:
         self.ingress, self.session_id, self.turn = ingress, session_id, turn
+        self.surface = surface  # where its tool calls are counted (router/tool_calls.py)
         self.claim: dict[str, Any] = {}
         self.outcome = Outcome()
         self.summary: dict[str, Any] | None = None  # a replay: the answer as the owner knows it
@@ -206,7 +213,7 @@ class AnswerReader:
                     # The outcome is whole: the owner hears it before the client does, so that the client's
                     # next input never finds the answer still in progress.
                     await self.settle(self.outcome.status)
-                self._streamed = self._streamed or bool(deltas)
+                self._streamed = self._streamed or bool(deltas) or bool(self.outcome.tool_calls)
                 if (replica := getattr(self._stream, "replica", None)) != self._registered:
                     self._registered = replica  # resumed on another decode replica (router/resume.py)
                     detached(self._register(self._stream))
@@ -252,9 +259,9 @@ class AnswerReader:
             self.cancel()
 
     def _absorb(self, item: str, keep_usage: bool) -> tuple[str, list[str]]:
-        first = not self.outcome.text
+        first = not self.outcome.text and not self.outcome.tool_calls
         forward, deltas = self.outcome.absorb(item, keep_usage)
-        if first and deltas:
+        if first and (deltas or self.outcome.tool_calls):
             self._observe_first_token()
         return forward, deltas
 
@@ -284,6 +291,8 @@ class AnswerReader:
         if self._reported is not None or self.summary is not None or self.turn is None:
             return self._reported or _done_task()
         self.outcome.status = status
+        if status == "completed":
+            tool_calls.count(self.surface, len(self.outcome.tool_calls))
         if status != "released" and (charge := getattr(self.ingress, "charge", None)) is not None:
             charge(self.outcome.usage)  # the caller's key pays for the answer (router/quota.py)
         self._reported = detached(self._deliver(self.turn, self.outcome.as_dict()))
@@ -316,7 +325,7 @@ class AnswerReader:
         (`released`: the next reader streams it); after some, it is cancelled with the text it had."""
         if self._stream is not None:
             self._stream.cancel()
-        self.report("cancelled" if self.outcome.text or self._streamed else "released")
+        self.report("cancelled" if self.outcome.text or self.outcome.tool_calls or self._streamed else "released")
 
     def cancel(self) -> None:
         """Realtime `response.cancel`: the answer ends cancelled with whatever text it had."""
@@ -369,7 +378,14 @@ def replay_frames(endpoint: str, summary: dict[str, Any], include_usage: bool) -
     if endpoint == "chat":
         frames.append({**base, "choices": [_choice(endpoint, None, None, True)]})
     text, finish = summary.get("text"), summary.get("finish_reason")
-    frames.append({**base, "choices": [_choice(endpoint, text, finish, False)]})
+    calls = summary.get("tool_calls") if endpoint == "chat" else None
+    if calls:  # each call whole, in one fragment, as vLLM streams a forced call
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        if text:
+            frames.append({**base, "choices": [_choice(endpoint, text, None, False)]})
+        frames.append({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+    else:
+        frames.append({**base, "choices": [_choice(endpoint, text, finish, False)]})
     if summary.get("error"):
         frames.append({"error": summary["error"]})
     if include_usage and summary.get("usage"):
@@ -382,7 +398,9 @@ def completion_object(endpoint: str, summary: dict[str, Any]) -> dict[str, Any]:
     meta = _meta(endpoint, summary)
     text, finish = summary.get("text") or "", summary.get("finish_reason")
     if endpoint == "chat":
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls := summary.get("tool_calls"):
+            message.update(content=text or None, tool_calls=calls)
         choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:

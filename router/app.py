@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import realtime, sessions
+from router import realtime, sessions, tool_calls
 from router.admission import Admission, Refusal, Ticket
 from router.auth import APIKeys
 from router.disaggregation import Disaggregation
@@ -166,19 +166,31 @@ def take_usage(text: str, keep: bool) -> tuple[str, dict[str, Any] | None]:
 
 
 async def relay(
-    first: str, stream: DecodeStream, charge: Callable[[dict[str, Any] | None], None] | None = None, keep: bool = True
+    first: str,
+    stream: DecodeStream,
+    charge: Callable[[dict[str, Any] | None], None] | None = None,
+    keep: bool = True,
+    tools: str | None = None,
 ) -> AsyncGenerator[str, None]:
     """SSE relay. A failure after the stream started becomes an SSE error event, then `[DONE]`. With `charge`
     (per-key token budgets), the usage frame is read off the stream (and dropped if the client had not asked
-    for it)."""
+    for it). With `tools` (the surface, for a request that has tools), its tool calls are counted."""
     try:
-        if charge is None:
+        if charge is None and tools is None:
             yield first
             async for text in stream:
                 yield text
+        elif charge is None:
+            text: str | None = first
+            while text is not None:
+                tool_calls.count(tools, tool_calls.count_in_frames(text))
+                yield text
+                text = await anext(stream, None)
         else:
             text = first
             while True:
+                if tools is not None:
+                    tool_calls.count(tools, tool_calls.count_in_frames(text))
                 if '"usage"' in text:
                     text, usage = take_usage(text, keep)
                     charge(usage)
@@ -281,6 +293,12 @@ class Router:
         if (over := over_max_tokens(body, self.config.limits.max_tokens)) is not None:
             raise APIError(400, over[1], over[0])
 
+    def check_tools(self, body: dict[str, Any]) -> None:
+        """Each tool's `parameters` is a JSON Schema (400 naming the tool otherwise)."""
+        if (bad := tool_calls.check_tools(body.get("tools"))) is not None:
+            param = f"tools.{bad[0]}.function.parameters"
+            raise APIError(400, f"{param}: {bad[1]}", param)
+
     def charge(self, usage: dict[str, Any] | None) -> None:
         """The caller's key pays what its request used (router/quota.py)."""
         self.budgets.charge(tenant(), usage)
@@ -307,6 +325,7 @@ class Router:
             return error_response(validation_error(e))
         self.check_model(body)
         self.check_max_tokens(body)
+        self.check_tools(body)
         # Per-key token budgets read the usage off the stream (dropped again unless the client asked for it).
         charging = self.budgets.enabled and bool(tenant())
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -357,13 +376,18 @@ class Router:
             status = error_status(first) if "error" in first else 200
             if status != 200:
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{status}")
-            elif charging:
-                self.charge(first.get("usage"))
+            else:
+                if charging:
+                    self.charge(first.get("usage"))
+                if body.get("tools"):
+                    calls = [(c.get("message") or {}).get("tool_calls") or [] for c in first.get("choices") or []]
+                    tool_calls.count(endpoint, sum(map(len, calls)))
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
         self.admission.observe_first_token(now - started)
         assert isinstance(opened, DecodeStream)
-        frames = relay(first, opened, self.charge if charging else None, keep=wants_usage)
+        tools = endpoint if body.get("tools") else None
+        frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)
 
         def close() -> None:
             opened.cancel()

@@ -55,10 +55,11 @@ class Disaggregation:
         limit = min(64 * 1024, self.config.min_prompt_tokens * _CHARS_PER_TOKEN_MAX)
         try:
             if endpoint == "chat":
-                messages = body.get("messages")
-                if not isinstance(messages, list) or len(str(messages)) > limit:
+                messages, tools = body.get("messages"), body.get("tools") or None
+                if not isinstance(messages, list) or len(str(messages)) + len(str(tools or "")) > limit:
                     return None
-                ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+                extra = {"tools": tools} if tools else {}
+                ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **extra)
                 return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):

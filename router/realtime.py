@@ -43,6 +43,7 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from router import tool_calls
 from router.admission import OVERLOADED, Refusal, Ticket, admit_session
 from router.owner import create_session, current_tenant, session_call
 from router.realtime_events import (
@@ -107,6 +108,8 @@ class RealtimeConnection:
             "instructions": "",
             "max_output_tokens": "inf",
             "temperature": 0.8,
+            "tools": [],
+            "tool_choice": "auto",
             self.modalities_key: ["text"],
         }
         self.buffer = ""
@@ -165,7 +168,28 @@ class RealtimeConnection:
             params["max_tokens"] = None
         if settings.get("temperature") is not None:
             params["temperature"] = float(settings["temperature"])
+        if settings.get("tools"):
+            params["tools"] = tool_calls.realtime_tools(settings["tools"])
+            params["tool_choice"] = tool_calls.realtime_tool_choice(settings.get("tool_choice") or "auto")
+            if settings.get("parallel_tool_calls") is not None:
+                params["parallel_tool_calls"] = settings["parallel_tool_calls"]
+        elif before is not None and before.get("tools"):  # cleared: the owner drops them from its request
+            params.update(tools=None, tool_choice=None)
         return params
+
+    @staticmethod
+    def check_tools(settings: dict[str, Any], where: str) -> None:
+        """The tools' schemas, and a named or required tool choice against the tools (`InvalidEvent`)."""
+        tools = settings.get("tools") or []
+        if (bad := tool_calls.check_tools(tool_calls.realtime_tools(tools))) is not None:
+            param = f"{where}.tools[{bad[0]}].parameters"
+            raise InvalidEvent(f"{param}: {bad[1]}", param=param)
+        choice = settings.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("name") not in {t["name"] for t in tools}:
+            message = f"tool_choice names {choice.get('name')!r}, which is not among the tools"
+            raise InvalidEvent(message, param=f"{where}.tool_choice.name")
+        if choice == "required" and not tools:
+            raise InvalidEvent('tool_choice "required" needs tools', param=f"{where}.tool_choice")
 
     def text_only(self, sampling: Sampling, where: str) -> list[str] | None:
         """The output modalities asked for (None: unchanged); anything but text is refused."""
@@ -222,6 +246,11 @@ class RealtimeConnection:
         if sampling.get("temperature") is not None:
             self.settings["temperature"] = sampling["temperature"]
         self.settings["max_output_tokens"] = sampling.get("max_tokens") or "inf"
+        if sampling.get("tools"):  # (chat's form back to Realtime's)
+            self.settings["tools"] = [{"type": "function", **t["function"]} for t in sampling["tools"]]
+            choice = sampling.get("tool_choice") or "auto"
+            named = isinstance(choice, dict)
+            self.settings["tool_choice"] = {"type": "function", **choice["function"]} if named else choice
         self.buffer = info.get("buffer") or ""
         return True
 
@@ -356,6 +385,9 @@ class RealtimeConnection:
         settings = {**self.settings, **session.given()}
         if modalities is not None:
             settings[self.modalities_key] = modalities
+        if session.tools == [] and session.tool_choice is None:  # no tools left to force
+            settings["tool_choice"] = "auto"
+        self.check_tools(settings, "session")
         # Stored only once the owner took it: a refused update leaves the session as it was.
         params = self.sampling(settings, self.settings)
         # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
@@ -366,15 +398,38 @@ class RealtimeConnection:
 
     async def item_create(self, event: ConversationItemCreate) -> None:
         item = event.item
+        item.check()
         if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
             await self.buffer_commit()
-        if await self.call("session_message", role=item.role, content=item.text):
-            await self.announce_item(item.id or new_id("item"), item.role, item.parts)
+        item_id = item.id or new_id("item")
+        base = {"id": item_id, "object": "realtime.item", "type": item.type, "status": "completed"}
+        if item.type == "function_call_output":  # a call's result: a `tool` message answering it
+            made = await self.call("session_message", role="tool", content=item.output, tool_call_id=item.call_id)
+            if made is None:
+                return
+            shown = {**base, "call_id": item.call_id, "output": item.output}
+        elif item.type == "function_call":  # a call in the conversation's history
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            if await self.call("session_message", role="assistant", content="", tool_calls=[call]) is None:
+                return
+            shown = {**base, "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+        else:
+            if await self.call("session_message", role=item.role, content=item.text) is None:
+                return
+            shown = {**base, "role": item.role, "content": item.parts}
+        await self.announce(shown)
 
     async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None:
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed"}
-        item["content"] = parts
-        previous, self.last_item_id = self.last_item_id, item_id
+        await self.announce({**item, "content": parts})
+
+    async def announce(self, item: dict[str, Any]) -> None:
+        """An item the conversation took: `conversation.item.created` (beta), `.added` and `.done` (GA)."""
+        previous, self.last_item_id = self.last_item_id, item["id"]
         await self.send("conversation.item.created", previous_item_id=previous, item=item)
         if not self.beta:
             await self.send("conversation.item.added", previous_item_id=previous, item=item)
@@ -420,6 +475,7 @@ class RealtimeConnection:
         if self.buffer:  # text typed but not committed is part of the user's turn
             await self.buffer_commit()
         settings = {**self.settings, **response.given()}
+        self.check_tools(settings, "response")
         overrides = self.sampling(settings, self.settings)
         if settings["instructions"] != self.settings["instructions"]:
             overrides["instructions"] = settings["instructions"]

@@ -1,6 +1,6 @@
 """The client events of `/v1/realtime`, validated: one pydantic model per event type, GA and beta shapes.
 
-Fields this server does not implement (voice, audio, tools, tracing, ...) are ignored, as clients written for
+Fields this server does not implement (voice, audio, tracing, ...) are ignored, as clients written for
 OpenAI send them; a field it does implement must have the right type and range, or the whole event is refused
 (`InvalidEvent`, naming the field in `param`) before anything is applied. Types are strict: `"5"` is not a
 number and `true` is not an integer.
@@ -40,10 +40,31 @@ def _max_output_tokens(value: Any) -> int | Literal["inf"] | None:
 MaxOutputTokens = Annotated[Any, AfterValidator(_max_output_tokens)]
 
 
+class Tool(_Model):
+    """A function the model may call (Realtime's flat form: no `function` wrapper)."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+def _tool_choice(value: Any) -> Any:
+    # A plain function rather than a union: pydantic's union errors name the union's members.
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "name": value["name"]}
+    raise ValueError('must be "auto", "none", "required" or {"type": "function", "name": ...}')
+
+
 class Sampling(_Model):
     """What a session (`session.update`) or one response (`response.create`) may set. None: unchanged."""
 
     instructions: str | None = None
+    tools: list[Tool] | None = None  # [] clears them
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
     # Beta sessions call it `max_response_output_tokens`.
     max_output_tokens: MaxOutputTokens = Field(
         None, validation_alias=AliasChoices("max_output_tokens", "max_response_output_tokens")
@@ -68,10 +89,30 @@ class ContentPart(_Model):
 
 
 class Item(_Model):
+    """A conversation item: a message, a function call (history the client adds), or a call's result."""
+
     id: str | None = None
-    type: Literal["message"] = "message"  # no function calls: this server has no tools
-    role: Literal["user", "system", "assistant"]
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "assistant"] | None = None  # (messages)
     content: list[ContentPart] | None = None
+    call_id: str | None = Field(None, min_length=1, max_length=256)  # (function_call, function_call_output)
+    name: str | None = None  # (function_call)
+    arguments: str | None = None  # (function_call): JSON text
+    output: str | None = None  # (function_call_output)
+
+    def check(self) -> None:
+        """The fields its type needs (`InvalidEvent` naming the first one missing or malformed)."""
+        needed = {"message": ("role",), "function_call": ("call_id", "name", "arguments")}
+        for name in needed.get(self.type, ("call_id", "output")):
+            if getattr(self, name) is None:
+                message = f"invalid conversation.item.create: item.{name}: required for a {self.type} item"
+                raise InvalidEvent(message, param=f"item.{name}")
+        if self.type == "function_call":
+            try:
+                json.loads(self.arguments or "")
+            except ValueError:
+                message = "invalid conversation.item.create: item.arguments: must be JSON text"
+                raise InvalidEvent(message, param="item.arguments") from None
 
     @property
     def parts(self) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from router.answers import AnswerReader
 from router.realtime_events import new_id
+from router.tool_calls import function_call_item
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ResponseStream:
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
         self.reader: AnswerReader | None = None
+        self.output: Output | None = None
         self.task = asyncio.create_task(self.stream(turn))
 
     @property
@@ -54,28 +56,13 @@ class ResponseStream:
 
     async def stream(self, turn: int) -> None:
         connection = self.connection
-        beta, send = connection.beta, connection.send
-        response_id, item_id = new_id("resp"), new_id("item")
-        text_delta = "response.text.delta" if beta else "response.output_text.delta"
-        text_done = "response.text.done" if beta else "response.output_text.done"
+        response_id = new_id("resp")
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress", "output": []}
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant"}
-        where = {"response_id": response_id, "item_id": item_id, "output_index": 0}
-        await send("response.created", response=response)
-        await send(
-            "response.output_item.added",
-            response_id=response_id,
-            output_index=0,
-            item={**item, "status": "in_progress", "content": []},
-        )
-        await send("response.content_part.added", **where, content_index=0, part={"type": "text", "text": ""})
-        summary = await self.read_answer(turn, text_delta, where)
-        text = summary.get("text") or ""
-        await send(text_done, **where, content_index=0, text=text)
-        await send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
-        done_item = {**item, "status": "completed", "content": [{"type": "text", "text": text}]}
-        await send("response.output_item.done", response_id=response_id, output_index=0, item=done_item)
-        connection.last_item_id = item_id
+        await connection.send("response.created", response=response)
+        output = self.output = Output(connection, response_id)
+        summary = await self.read_answer(turn)
+        items = await output.close(summary)
+        connection.last_item_id = items[-1]["id"]
         status, details = summary.get("status"), None
         if status == "cancelled":
             details = {"type": "cancelled", "reason": "client_cancelled"}
@@ -87,23 +74,23 @@ class ResponseStream:
         response.update(
             status=status,
             status_details=details,
-            output=[done_item],
+            output=items,
             usage={
                 "input_tokens": usage.get("prompt_tokens", 0),
                 "output_tokens": usage.get("completion_tokens", 0),
                 "total_tokens": usage.get("total_tokens", 0),
             },
         )
-        await send("response.done", response=response)
+        await connection.send("response.done", response=response)
 
-    async def read_answer(self, turn: int, text_delta: str, where: dict[str, Any]) -> dict[str, Any]:
-        """Stream the answer from decode as `text_delta` events; its summary (a cancelled one included).
+    async def read_answer(self, turn: int) -> dict[str, Any]:
+        """Stream the answer from decode as output items' events; its summary (a cancelled one included).
 
         One event per read: everything decode sent while the client was slow to take the last one (the router's
         stream joins what is queued) goes out as one delta. A slow reader gets fewer, larger deltas, never less
         text, and never holds the engine: decode pumps into its outbox and the router's feed queues it here."""
         connection = self.connection
-        reader = self.reader = AnswerReader(connection.ingress, connection.session_id, turn)
+        reader = self.reader = AnswerReader(connection.ingress, connection.session_id, turn, surface="realtime")
 
         async def read() -> None:
             if self.cancel_requested:
@@ -112,8 +99,7 @@ class ResponseStream:
                 reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
                 return
             async for _, deltas in reader.items():
-                if delta := "".join(deltas):
-                    await connection.send(text_delta, **where, content_index=0, delta=delta)
+                await self.output.add(deltas, reader.outcome.tool_calls)
 
         self.reading = asyncio.create_task(read())
         try:
@@ -135,3 +121,125 @@ class ResponseStream:
         if reader.summary is not None:
             return reader.summary
         return reader.outcome.as_dict()
+
+
+class Output:
+    """A response's output items as their events go out: the message (its text) and one `function_call` item per
+    tool call, in the order the answer makes them. An item is opened when its first piece arrives and done before
+    the next one opens; a response with no output at all still has its (empty) message."""
+
+    def __init__(self, connection: Connection, response_id: str) -> None:
+        self.connection, self.response_id = connection, response_id
+        self.items: list[dict[str, Any]] = []  # their final form, for `response.done`
+        self.text = ""
+        self.message: dict[str, Any] | None = None  # the message item, while it is open
+        self.calls_sent: list[int] = []  # per call begun: how much of its arguments went out
+        self.open_call: int | None = None
+        self.calls: list[dict[str, Any]] = []  # the calls as they stand
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"response_id": self.response_id, "item_id": item["id"], "output_index": self.items.index(item)}
+
+    async def add(self, deltas: list[str], calls: list[dict[str, Any]]) -> None:
+        """What one read brought: text deltas, and the calls as they stand so far."""
+        self.calls = calls
+        if delta := "".join(deltas):
+            await self._text(delta)
+        for index, call in enumerate(calls):
+            if index >= len(self.calls_sent):
+                if not call["function"]["name"]:
+                    break  # (its name has not arrived yet)
+                await self._open_call(call)
+            sent = self.calls_sent[index]
+            if index == self.open_call and len(arguments := call["function"]["arguments"]) > sent:
+                self.calls_sent[index] = len(arguments)
+                item = self.items[-1]
+                await self.connection.send(
+                    "response.function_call_arguments.delta",
+                    **self._where(item),
+                    call_id=item["call_id"],
+                    delta=arguments[sent:],
+                )
+
+    async def close(self, summary: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every item done (calls the stream did not show, e.g. in a replay, sent whole); the final items."""
+        text = summary.get("text") or ""
+        if len(text) > len(self.text):
+            await self._text(text[len(self.text) :])
+        calls = summary.get("tool_calls") or []
+        if len(calls) > len(self.calls_sent):
+            await self.add([], calls)
+        if self.message is None and not self.items:
+            await self._open_message()
+        await self._done()
+        return self.items
+
+    async def _text(self, delta: str) -> None:
+        if self.message is None:
+            await self._done()
+            await self._open_message()
+        assert self.message is not None
+        self.text += delta
+        beta = self.connection.beta
+        name = "response.text.delta" if beta else "response.output_text.delta"
+        await self.connection.send(name, **self._where(self.message), content_index=0, delta=delta)
+
+    async def _open_message(self) -> None:
+        item_id = new_id("item")
+        message = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant"}
+        message.update(status="in_progress", content=[])
+        self.items.append(message)
+        self.message = message
+        send = self.connection.send
+        await send(
+            "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=message
+        )
+        part = {"type": "text", "text": ""}
+        await send("response.content_part.added", **self._where(message), content_index=0, part=part)
+
+    async def _open_call(self, call: dict[str, Any]) -> None:
+        await self._done()
+        item = function_call_item(call, new_id("item"), "in_progress")
+        self.items.append(item)
+        self.calls_sent.append(0)
+        self.open_call = len(self.calls_sent) - 1
+        await self.connection.send(
+            "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=item
+        )
+
+    async def _done(self) -> None:
+        """The open item is done (the message with its text, or a call with its whole arguments)."""
+        send = self.connection.send
+        if self.message is not None:
+            message, self.message = self.message, None
+            text, where = self.text, self._where(message)
+            await send(
+                "response.text.done" if self.connection.beta else "response.output_text.done",
+                **where,
+                content_index=0,
+                text=text,
+            )
+            await send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
+            message.update(status="completed", content=[{"type": "text", "text": text}])
+            await send(
+                "response.output_item.done",
+                response_id=self.response_id,
+                output_index=where["output_index"],
+                item=message,
+            )
+        elif self.open_call is not None:
+            index, self.open_call = self.open_call, None
+            item = self.items[-1]
+            arguments = self.calls[index]["function"]["arguments"]
+            where = self._where(item)
+            await send(
+                "response.function_call_arguments.done",
+                **where,
+                call_id=item["call_id"],
+                name=item["name"],
+                arguments=arguments,
+            )
+            item.update(status="completed", arguments=arguments)
+            await send(
+                "response.output_item.done", response_id=self.response_id, output_index=where["output_index"], item=item
+            )

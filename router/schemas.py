@@ -68,6 +68,10 @@ class ChunkBody(BaseModel):
     # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.
     mode: Literal["append", "replace"] = "append"
     offset: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    # A tool's result (`role: "tool"`): the payload is the whole result, a `tool` message answering the call
+    # `tool_call_id` of the session's last answer.
+    role: Literal["user", "tool"] = "user"
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 _SURROGATE = re.compile(r"\\u[dD][89abcdefABCDEF]")

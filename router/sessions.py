@@ -25,12 +25,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from router import owner
+from router import owner, tool_calls
 from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
 from router.owner import session_call
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
-from serve_app.protocol import error_response, streaming_response
+from serve_app.protocol import error_body, error_response, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -67,6 +67,9 @@ async def create_session(request: Request) -> Response:
         return error_response(validation_error(e))
     ingress.check_model(body)
     ingress.check_max_tokens(body)
+    if (bad := tool_calls.check_tools(body.get("tools"))) is not None:
+        param = f"tools.{bad[0]}.function.parameters"
+        return error_response(error_body(400, f"{param}: {bad[1]}", param))
     if isinstance(ticket := admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body))
@@ -96,6 +99,7 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         end_of_input=chunk.end_of_input,
         mode=chunk.mode,
         offset=chunk.offset,
+        **({"role": "tool", "tool_call_id": chunk.tool_call_id} if chunk.role == "tool" else {}),
     )
     return _reply(result, 202)
 

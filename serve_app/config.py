@@ -66,6 +66,11 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int | None = None
     tensor_parallel_size: int | None = None
     enforce_eager: bool | None = None
+    # vLLM's tool parser for the model's tool-call text (`hermes`, `llama3_json`, `mistral`, ...): with it,
+    # `tool_choice: "auto"` turns the text into `tool_calls` (vLLM's --enable-auto-tool-choice). Named and
+    # `required` tool choices work without it (structured outputs force the call). The chat template must
+    # render `tools`, assistant `tool_calls` and `tool` messages (the local models' does).
+    tool_call_parser: str | None = None
     # Any other AsyncEngineArgs field, verbatim.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # Environment for the engine's processes (set before they start): CPU thread binding

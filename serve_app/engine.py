@@ -203,6 +203,8 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
         "enforce_eager": cfg.enforce_eager,
         "kv_cache_memory_bytes": int(cfg.kv_cache_gb * 2**30) if cfg.kv_cache_gb else None,
     }
+    if cfg.tool_call_parser:
+        args.enable_auto_tool_choice, args.tool_call_parser = True, cfg.tool_call_parser
     for key, value in {**simple, **cfg.engine_kwargs}.items():
         if value is not None:
             setattr(args, key, value)

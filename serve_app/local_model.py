@@ -6,12 +6,14 @@ ChatML chat template, saved in Hugging Face format. vLLM loads them with exactly
 real model; users name a real model (hub id or path) in the config instead.
 
 - `local:tiny-llama` (models/tiny-llama): 2 layers, 128 wide, float32. Fast enough for every test.
+- `local:tiny-llama-tools` (models/tiny-llama-tools): the tiny model fitted at build time to answer a few
+  conversations with tool calls (serve_app/local_fit.py), for `tool_choice: "auto"` end to end.
 - `local:medium-llama` (models/medium-llama): 8 layers, 512 wide (4 attention heads of 64, 2 KV heads),
   bfloat16, 4,096 positions. Big enough that prefill costs real time on vLLM's CPU backend (a 3,000-token
   prompt takes about a second on one core), for benchmarks where compute and KV memory matter
   (bench/pressure.py). KV cache: 4,096 bytes per token (512 KiB per 128-token CPU block).
 
-Both share the tokenizer (same training, same vocabulary) and the chat template.
+All share the tokenizer (same training, same vocabulary) and the chat template.
 
     python -m serve_app.local_model [--model tiny-llama|medium-llama|all] [--out DIR] [--force]
 
@@ -32,12 +34,38 @@ from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DIR = MODELS_DIR / "tiny-llama"
-VERSION = 1  # bump when the recipe changes, so stale copies are rebuilt
+VERSION = 2  # bump when the recipe changes, so stale copies are rebuilt
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# ChatML, with tools in the Hermes format (Qwen 2.5's, NousResearch's): the tools' signatures in the system turn,
+# an assistant's calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what vLLM's `hermes`
+# parser reads back), a tool's result in a `tool` turn. Without tools it renders exactly as plain ChatML.
+# (Transformers compiles templates with `trim_blocks`: a newline right after a `{% ... %}` tag is dropped.)
+_TOOLS_SYSTEM = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+)
+_TOOL_CALLS = (
+    "<|im_start|>assistant\n{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>\n{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}"
+    "\n</tool_call>{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}<|im_end|>\n"
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    _TOOLS_SYSTEM + "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # (in the tools' system turn above)
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}" + _TOOL_CALLS + ""
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>tool\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -61,6 +89,7 @@ class LocalModelSpec:
     # residual stream (fewer heads of the usual width), as Mistral/Gemma-style configs do.
     attention_head_dim: int | None = None
     initializer_range: float = 0.5  # wide weights: greedy output varies instead of repeating one token
+    fit: str | None = None  # "tools": trained at build time to call tools (serve_app/local_fit.py)
     version: int = VERSION
 
     @property
@@ -94,6 +123,17 @@ SPECS: dict[str, LocalModelSpec] = {
         num_attention_heads=2,
         num_key_value_heads=2,
         dtype="float32",
+    ),
+    # The tiny model, fitted to answer a few conversations with tool calls (`tool_choice: "auto"` end to end).
+    "tiny-llama-tools": LocalModelSpec(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        dtype="float32",
+        initializer_range=0.02,  # (the usual scale: wide random weights would fight the fitting)
+        fit="tools",
     ),
     # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
     # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see bench/README.md for the measurement.
@@ -231,7 +271,12 @@ def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, ou
     )
     torch.manual_seed(SEED)
     # Initialise in float32 (the same random stream for every dtype), then cast for saving.
-    model = LlamaForCausalLM(config).to(torch.float32).to(getattr(torch, s.dtype))
+    model = LlamaForCausalLM(config).to(torch.float32)
+    if s.fit == "tools":
+        from serve_app.local_fit import fit_tool_calls
+
+        fit_tool_calls(model, tokenizer)
+    model = model.to(getattr(torch, s.dtype))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
     stamp.write_text(

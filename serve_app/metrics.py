@@ -75,6 +75,7 @@ SESSIONS_BUFFERED = "rtpd_sessions_buffered_total"  # sessions whose input waite
 SESSION_CALL_RETRIES = "rtpd_session_call_retries_total"  # router: session calls retried, by why
 ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason
 REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by the server, by code
+TOOL_CALLS = "rtpd_tool_calls_total"  # router: tool calls in answers, by surface (chat, completion, session, realtime)
 ADMISSION_LIMIT = "rtpd_admission_limit"  # router: its adaptive limit on admitted work in flight, per replica
 ADMISSION_IN_FLIGHT = "rtpd_admission_in_flight"  # router: admitted sessions and requests in flight, per replica
 

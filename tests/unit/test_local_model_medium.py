@@ -12,7 +12,7 @@ from serve_app.config import LOCAL_MODEL
 
 
 def test_registry_names_and_dirs() -> None:
-    assert set(lm.LOCAL_MODELS) == {"local:tiny-llama", "local:medium-llama"}
+    assert set(lm.LOCAL_MODELS) == {"local:tiny-llama", "local:tiny-llama-tools", "local:medium-llama"}
     assert LOCAL_MODEL in lm.LOCAL_MODELS
     assert lm.model_dir("local:medium-llama") == lm.MODELS_DIR / "medium-llama"
     assert lm.model_dir("tiny-llama") == lm.DEFAULT_DIR

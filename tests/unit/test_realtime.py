@@ -120,7 +120,8 @@ BAD_EVENTS = [
     ({"type": "conversation.item.create"}, "item"),
     ({"type": "conversation.item.create", "item": {**USER_ITEM, "role": "robot"}}, "item.role"),
     ({"type": "conversation.item.create", "item": {**USER_ITEM, "role": None}}, "item.role"),
-    ({"type": "conversation.item.create", "item": {**USER_ITEM, "type": "function_call"}}, "item.type"),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "type": "function_call"}}, "item.call_id"),
+    ({"type": "conversation.item.create", "item": {**USER_ITEM, "type": "mcp_call"}}, "item.type"),
     ({"type": "conversation.item.create", "item": {**USER_ITEM, "content": ["hi"]}}, "item.content[0]"),
     (
         {"type": "conversation.item.create", "item": {**USER_ITEM, "content": [{"type": "input_text", "text": 5}]}},
@@ -337,7 +338,7 @@ def test_a_second_response_create_while_one_streams_is_refused_with_its_event_id
     prefill.claim_delay = 0.5
     with connect(prefill) as ws:
         ws.send_json({"type": "response.create"})
-        until(ws, "response.content_part.added")
+        until(ws, "response.created")
         ws.send_json({"type": "response.create", "event_id": "evt_2"})
         error, _ = until(ws, "error")
         assert error["error"]["code"] == "conversation_already_has_active_response"

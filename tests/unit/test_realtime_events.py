@@ -60,7 +60,12 @@ def test_session_update_ga_and_beta_shapes_and_ignored_fields() -> None:
         }
     )
     assert isinstance(ga, SessionUpdate) and ga.session is not None
-    assert ga.session.given() == {"instructions": "be brief", "max_output_tokens": "inf", "temperature": 1.0}
+    assert ga.session.given() == {
+        "instructions": "be brief",
+        "max_output_tokens": "inf",
+        "temperature": 1.0,
+        "tools": [],
+    }
     assert ga.session.output_modalities == ["text"]
     beta = parse({"type": "session.update", "session": {"modalities": ["text"], "max_response_output_tokens": 9}})
     assert isinstance(beta, SessionUpdate) and beta.session is not None

@@ -394,6 +394,7 @@ async def test_reader_streams_decode_frames_and_reports_once(include_usage: bool
                 "usage": USAGE,
                 "error": None,
                 "response": CHAT_RESPONSE,
+                "tool_calls": [],
             },
         }
     ]

@@ -1,0 +1,100 @@
+"""`local:tiny-llama-tools`: the tiny model fitted, when it is built, to answer a few conversations with tools.
+
+A model of random weights never writes a tool call by itself, so `tool_choice: "auto"` (the model decides, vLLM's
+tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model
+trained for a few seconds on the conversations below, until greedy decoding reproduces each answer with a
+clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given the
+tool's result it answers in text; asked something else it answers without a call. Everything else about it is
+the tiny model's: the same tokenizer, chat template and architecture, loaded and served with the same code.
+Tests and examples send these very conversations (`EXAMPLES`), rendered as vLLM renders them
+(serve_app/chat_render.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from serve_app.chat_render import template_messages, template_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+    },
+}
+TOOLS = [WEATHER, TIME]
+WEATHER_RESULT = '{"temperature_c": 21, "sky": "clear"}'
+
+
+def tool_call(name: str, arguments: dict[str, Any], call_id: str = "call_0") -> dict[str, Any]:
+    """An assistant's tool call as the API carries it (arguments as a JSON string)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _calls(*calls: tuple[str, dict[str, Any]]) -> str:
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+
+
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+# (conversation, the answer the fitted model gives to it, greedy)
+EXAMPLES: list[tuple[list[dict[str, Any]], str]] = [
+    (PARIS, _calls(("get_weather", {"city": "Paris"}))),
+    ([{"role": "user", "content": "What time is it in Tokyo?"}], _calls(("get_time", {"timezone": "Asia/Tokyo"}))),
+    (
+        [{"role": "user", "content": "Compare the weather in Paris and Rome."}],
+        _calls(("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})),
+    ),
+    (
+        [
+            *PARIS,
+            {"role": "assistant", "content": None, "tool_calls": [tool_call("get_weather", {"city": "Paris"})]},
+            {"role": "tool", "tool_call_id": "call_0", "content": WEATHER_RESULT},
+        ],
+        "It is 21 degrees and clear in Paris.",
+    ),
+    ([{"role": "user", "content": "Say hello."}], "Hello! How can I help?"),
+]
+MAX_STEPS = 600
+MIN_MARGIN = 3.0  # logits: the answer's every token wins by this much, so vLLM's kernels decode it the same
+
+
+def fit_tool_calls(model: Any, tokenizer: Any) -> int:
+    """Train `model` (float32) until greedy decoding gives each example's answer; the steps it took."""
+    import torch
+
+    sequences = []
+    for messages, answer in EXAMPLES:
+        prompt = tokenizer.apply_chat_template(
+            template_messages(messages), tools=template_tools(TOOLS), add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sequences.append((torch.tensor([prompt_ids + answer_ids]), len(prompt_ids)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for step in range(1, MAX_STEPS + 1):
+        optimizer.zero_grad()
+        worst = float("inf")
+        for ids, start in sequences:
+            logits = model(ids).logits[0, start - 1 : -1]
+            targets = ids[0, start:]
+            torch.nn.functional.cross_entropy(logits, targets).backward()
+            chosen = logits.gather(1, targets[:, None])[:, 0]
+            rivals = logits.scatter(1, targets[:, None], float("-inf")).max(dim=1).values
+            worst = min(worst, float((chosen - rivals).min()))
+        if worst >= MIN_MARGIN:
+            model.eval()
+            return step
+        optimizer.step()
+    raise RuntimeError(f"the tool-calling model did not fit in {MAX_STEPS} steps (margin {worst:.2f})")
