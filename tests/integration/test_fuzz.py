@@ -188,6 +188,52 @@ def maybe_junk(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(plausible, plausible, junk)
 
 
+# Tools and tool calls: good ones, schemas that are no JSON Schema, names and choices that match nothing.
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+schemas = st.one_of(
+    st.just(WEATHER_PARAMETERS),
+    st.sampled_from([{"type": "nonsense"}, {"required": 5}, {"properties": []}, {"$ref": "#/nowhere"}, {}, "x", 5]),
+    junk,
+)
+tool_defs = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": maybe_junk(st.sampled_from(["get_weather", "f", ""]))},
+                optional={"parameters": schemas, "description": junk, "strict": junk},
+            ),
+        }
+    ),
+    st.fixed_dictionaries({"type": maybe_junk(st.sampled_from(["function", "mcp", "code_interpreter"]))}),
+    junk,
+)
+tool_choices = st.one_of(
+    st.sampled_from(["auto", "none", "required", "sometimes", ""]),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries({"name": maybe_junk(st.sampled_from(["get_weather", "nope"]))}),
+        }
+    ),
+    junk,
+)
+tool_call_shapes = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "id": maybe_junk(st.sampled_from(["call_1", ""])),
+            "type": maybe_junk(st.just("function")),
+            "function": st.fixed_dictionaries(
+                {
+                    "name": maybe_junk(st.just("get_weather")),
+                    "arguments": st.sampled_from(['{"city": "Paris"}', "{no", "[]", "", 5]),
+                }
+            ),
+        }
+    ),
+    junk,
+)
+
 content_parts = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": maybe_junk(words)}),
     st.fixed_dictionaries({"type": st.sampled_from(["input_text", "image_url", "audio", "video", "x"]), "text": junk}),
@@ -211,6 +257,13 @@ message = st.one_of(
         optional={"content": st.one_of(words, st.lists(content_parts, max_size=3), junk), "tool_call_id": junk},
     ),
     st.fixed_dictionaries({"role": st.just("assistant"), "tool_calls": junk}, optional={"content": junk}),
+    st.fixed_dictionaries(
+        {"role": st.just("assistant"), "tool_calls": st.lists(tool_call_shapes, max_size=2)},
+        optional={"content": st.one_of(st.none(), words)},
+    ),
+    st.fixed_dictionaries(
+        {"role": st.just("tool"), "content": maybe_junk(words)}, optional={"tool_call_id": maybe_junk(texts)}
+    ),
     junk,
 )
 messages = st.one_of(
@@ -273,8 +326,8 @@ COMMON_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 CHAT_FIELDS = {
     **COMMON_FIELDS,
     "messages": messages,
-    "tools": junk,
-    "tool_choice": maybe_junk(st.sampled_from(["auto", "none", "required"])),
+    "tools": st.one_of(st.lists(tool_defs, max_size=3), junk),
+    "tool_choice": tool_choices,
     "parallel_tool_calls": junk,
     "add_generation_prompt": junk,
     "continue_final_message": junk,
@@ -362,6 +415,8 @@ chunk_bodies = st.one_of(
             "end_of_input": maybe_junk(st.booleans()),
             "mode": maybe_junk(st.sampled_from(["append", "replace", "insert"])),
             "offset": maybe_junk(st.one_of(st.integers(-2, 60), st.sampled_from(HUGE_INTS))),
+            "role": maybe_junk(st.sampled_from(["user", "tool", "assistant"])),
+            "tool_call_id": maybe_junk(st.sampled_from(["call_1", "", "x" * 300])),
             "extra": junk,
         },
     ),
@@ -883,6 +938,26 @@ def bad_step(draw: Any, family: str, conv: RealtimeFuzz, huge_left: list[int]) -
                 st.fixed_dictionaries({"instructions": st.sampled_from([5, [], {"a": 1}, True, ["x"]])}),
                 st.fixed_dictionaries({"output_modalities": st.sampled_from(["text", [1], [[]], ["audio"], {}, 5])}),
                 st.fixed_dictionaries({"modalities": st.sampled_from([["audio", "text"], [None], "text"])}),
+                st.fixed_dictionaries(
+                    {
+                        "tools": st.sampled_from(
+                            [
+                                "f",
+                                [5],
+                                [{"name": "a b"}],
+                                [{"name": "f", "parameters": {"type": 5}}],
+                                [{"type": "mcp", "name": "f"}],
+                            ]
+                        )
+                    }
+                ),
+                st.fixed_dictionaries(
+                    {
+                        "tool_choice": st.sampled_from(
+                            ["sometimes", "required", {"type": "function", "name": "nope"}, {"name": 5}, 5]
+                        )
+                    }
+                ),
             )
         )
         return Step(
@@ -906,6 +981,21 @@ def bad_step(draw: Any, family: str, conv: RealtimeFuzz, huge_left: list[int]) -
                 ),
                 st.fixed_dictionaries(
                     {"type": st.sampled_from(["function_call", "function_call_output", 5]), "role": st.just("user")}
+                ),
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("function_call_output"),
+                        "call_id": st.sampled_from(["call_unknown", 5, ""]),
+                        "output": st.sampled_from(["21C", 5]),
+                    }
+                ),
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("function_call"),
+                        "call_id": st.sampled_from(["c", 5]),
+                        "name": st.sampled_from(["f", None]),
+                        "arguments": st.sampled_from(["{no", 5]),
+                    }
                 ),
             )
         )
