@@ -141,13 +141,14 @@ class RealtimeConnection:
         error = {"type": type_, "code": code, "message": message, "param": param, "event_id": self.event_id}
         await self.send("error", error=error)
 
-    async def call(self, method: str, **kwargs: Any) -> dict[str, Any] | None:
-        """A session call on the owner prefill replica; an `error` event (and None) if it failed, and
-        `SessionGone` once the session is over."""
+    async def call(self, method: str, fields: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any] | None:
+        """A session call on the owner prefill replica; an `error` event (and None) if it failed (`fields`: the
+        owner's names of fields → the event's), and `SessionGone` once the session is over."""
         result = await session_call(self.ingress, method, session_id=self.session_id, **kwargs)
         if "error" in result:
             err = result["error"]
-            await self.error(err["message"], str(err.get("type") or "session_error"), err.get("param"))
+            param = (fields or {}).get(err.get("param"), err.get("param"))
+            await self.error(err["message"], str(err.get("type") or "session_error"), param)
             if session_gone(err):
                 raise SessionGone(err["message"])
             return None
@@ -404,7 +405,13 @@ class RealtimeConnection:
         item_id = item.id or new_id("item")
         base = {"id": item_id, "object": "realtime.item", "type": item.type, "status": "completed"}
         if item.type == "function_call_output":  # a call's result: a `tool` message answering it
-            made = await self.call("session_message", role="tool", content=item.output, tool_call_id=item.call_id)
+            made = await self.call(
+                "session_message",
+                fields={"tool_call_id": "item.call_id"},
+                role="tool",
+                content=item.output,
+                tool_call_id=item.call_id,
+            )
             if made is None:
                 return
             shown = {**base, "call_id": item.call_id, "output": item.output}
