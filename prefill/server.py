@@ -164,6 +164,10 @@ class PrefillServer(SessionAPI):
 
     async def __del__(self) -> None:
         # Serve awaits an async destructor during graceful shutdown (scale-down, redeploy).
+        if not hasattr(self, "sessions"):  # its constructor failed before the replica held anything
+            if hasattr(self, "engine"):
+                self.engine.shutdown()
+            return
         try:
             await self.drain()
         except Exception:

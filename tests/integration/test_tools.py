@@ -98,21 +98,19 @@ def calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-LONG = TEXT  # over the router's min_prompt_tokens: prefilled on the prefill replica
-SHORT = "What is the weather like?"  # under it: decode computes the prompt itself
-
-
 @pytest.mark.parametrize(
     "tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
 )
-def test_a_forced_call_through_prefill_and_decode_and_through_decode_alone(server, tool_choice) -> None:
-    """The call validates against its schema, and is the same streamed or not, disaggregated or not."""
-    seen = {}
-    for content, where in ((LONG, "prefill"), (SHORT, "decode")):
+def test_a_forced_call_through_prefill_and_decode_and_through_decode_alone(server, tools_app, tool_choice) -> None:
+    """The call validates against its schema and is the same streamed or not, on the main app (prefilled on the
+    prefill replica, its KV pulled over NIXL) and on the tools app (whose router has decode compute every
+    prompt itself)."""
+    for base, where in ((server, "prefill"), (tools_app, "decode")):
+        seen = []
         for stream in (False, True):
-            body = {"messages": [{"role": "user", "content": content}], "tools": FORCED_TOOLS}
+            body = {"messages": [{"role": "user", "content": TEXT}], "tools": FORCED_TOOLS}
             body.update(tool_choice=tool_choice, stream=stream, parallel_tool_calls=False)
-            message, headers = chat(server, body)
+            message, headers = chat(base, body)
             assert headers["x-prefilled-by"] == where
             made = calls(message)
             assert len(made) == 1, message
@@ -121,9 +119,8 @@ def test_a_forced_call_through_prefill_and_decode_and_through_decode_alone(serve
                 assert name == "get_weather"
             jsonschema.validate(arguments, SCHEMAS[name])
             assert message["finish_reason"] in ("tool_calls", "stop")
-            seen[(where, stream)] = made
-    assert seen[("prefill", True)] == seen[("prefill", False)]
-    assert seen[("decode", True)] == seen[("decode", False)]
+            seen.append(made)
+        assert seen[0] == seen[1], where
 
 
 def test_bad_tools_are_refused_naming_the_field(server) -> None:
@@ -146,7 +143,8 @@ def test_bad_tools_are_refused_naming_the_field(server) -> None:
 def tools_args() -> dict[str, Any]:
     args = copy.deepcopy(app_args())
     args["model"] = "local:tiny-llama-tools"
-    args["router"]["disaggregation"]["min_prompt_tokens"] = 0  # every request through prefill → NIXL → decode
+    # Decode computes every plain request's prompt itself (the main app disaggregates them; sessions always are).
+    args["router"]["disaggregation"]["min_prompt_tokens"] = 1_000_000
     return args
 
 
@@ -178,14 +176,14 @@ PARIS_CALL = [("get_weather", {"city": "Paris"})]
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_turns_the_models_call_into_tool_calls_and_the_result_into_an_answer(tools_app, stream) -> None:
     message, headers = chat(tools_app, {"messages": PARIS, "tools": TOOLS, "stream": stream})
-    assert headers["x-prefilled-by"] == "prefill"
+    assert headers["x-prefilled-by"] == "decode"
     assert calls(message) == PARIS_CALL and message["finish_reason"] == "tool_calls"
     assert not message.get("content")  # the call's text is not content
     both = [{"role": "user", "content": "Compare the weather in Paris and Rome."}]
     parallel, _ = chat(tools_app, {"messages": both, "tools": TOOLS, "stream": stream})
     assert calls(parallel) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
     assert len({c["id"] for c in parallel["tool_calls"]}) == 2
-    # The tool's result continues the conversation: the model answers in text, and prefill finds the first
+    # The tool's result continues the conversation: the model answers in text, and decode finds the first
     # request's KV in its prefix cache (it computes the call and the result, not the conversation again).
     call = message["tool_calls"][0]
     assistant = {"role": "assistant", "content": None, "tool_calls": [call]}
@@ -207,8 +205,8 @@ def test_auto_turns_the_models_call_into_tool_calls_and_the_result_into_an_answe
         json={"messages": PARIS, "tools": TOOLS, "max_tokens": 1, "temperature": 0},
         timeout=120,
     ).json()
-    computed = tools_stats("prefill", rid)["prompt_tokens_computed"]
-    block = tools_stats("prefill")["block_size"]
+    computed = tools_stats("decode", rid)["prompt_tokens_computed"]
+    block = tools_stats("prefill")["block_size"]  # (the same for both engines)
     new = answer["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
     assert 0 < computed <= new + block, (computed, new, block)
 
