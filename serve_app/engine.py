@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
 from serve_app.config import AppConfig
-from serve_app.protocol import Endpoint, request_model
+from serve_app.protocol import Endpoint, request_model, validation_error_body
 from serve_app.stats import EngineTotals, TotalsStatLogger
 
 logger = logging.getLogger(__name__)
@@ -296,9 +296,15 @@ class Engine:
         Returns an `ErrorResponse`, a full response model, or (for `stream: true`) an async generator of
         SSE strings. Validation errors raised by the serving layer come back as `ErrorResponse`.
         """
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
         serving = self._chat if endpoint == "chat" else self._completion
         try:
             request = request_model(endpoint).model_validate(body)
+        except ValidationError as e:  # OpenAI error JSON naming the field, as for a request checked up front
+            return ErrorResponse.model_validate(validation_error_body(e))
+        try:
             if endpoint == "chat":
                 return await serving.create_chat_completion(request, raw_request=None)
             return await serving.create_completion(request, raw_request=None)

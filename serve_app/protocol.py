@@ -94,12 +94,17 @@ def validate_openai_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, 
     try:
         request_model(endpoint).model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
-        return error_body(400, f"{loc or 'request'}: {first.get('msg', str(e))}", param=loc)
+        return validation_error_body(e)
     except Exception as e:  # vLLM's own validation errors (VLLMValidationError) name the parameter
         return error_body(400, str(e), getattr(e, "parameter", None))
     return None
+
+
+def validation_error_body(e: Any) -> dict[str, Any]:
+    """A pydantic ValidationError of vLLM's request model as OpenAI error JSON, `param` the field's path."""
+    first = e.errors()[0] if e.errors() else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
+    return error_body(400, f"{loc or 'request'}: {first.get('msg', str(e))}", param=loc)
 
 
 def parse_sse(text: str) -> list[dict[str, Any]]:

@@ -314,3 +314,29 @@ def test_a_text_answer_still_has_its_message_item() -> None:
         assert [o["type"] for o in done["response"]["output"]] == ["message"]
         assert done["response"]["output"][0]["content"][0]["text"] == ANSWER["text"]
         assert "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta") == ANSWER["text"]
+
+
+def test_the_shipped_config_turns_tool_calls_on_for_both_engines() -> None:
+    """The default config's tool parser reaches vLLM's args on both roles (auto tool choice), and its
+    structured-outputs settings fill vLLM's own config dataclass (compact JSON for forced calls)."""
+    from pathlib import Path
+
+    import yaml
+
+    from serve_app.config import AppConfig
+    from serve_app.engine import build_engine_args
+    from serve_app.local_model import make_local_model
+
+    root = Path(__file__).resolve().parents[2]
+    args = yaml.safe_load((root / "configs" / "config.yaml").read_text())["applications"][0]["args"]
+    app = AppConfig.model_validate({**args, "model": str(make_local_model())})
+    for role in ("prefill", "decode"):
+        engine = build_engine_args(app, role)
+        assert engine.enable_auto_tool_choice is True and engine.tool_call_parser == "hermes"
+        assert engine.structured_outputs_config.disable_any_whitespace is True
+        assert engine.structured_outputs_config.backend == "xgrammar"
+        assert app.engine_for(role).env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
+    assert (
+        build_engine_args(AppConfig.model_validate({"model": str(make_local_model())}), "decode").tool_call_parser
+        is None
+    )
