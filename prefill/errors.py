@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
+from prefill.conversation import SessionError
 from prefill.journal import current_call
-from prefill.session import SessionError
 from serve_app import metrics
 from serve_app.protocol import error_body
 

@@ -27,8 +27,9 @@ from typing import Any
 import ray
 from ray import serve
 
+from prefill.conversation import SessionError
 from prefill.journal import Journal, replay
-from prefill.session import Session, SessionError, SessionState
+from prefill.session import Session, SessionState
 from serve_app import metrics
 from serve_app.placement import owner_of
 

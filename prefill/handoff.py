@@ -20,8 +20,9 @@ import time
 from typing import Any
 
 from prefill.answer import DONE, Answer
+from prefill.conversation import SessionError
 from prefill.errors import overloaded, session_api
-from prefill.session import Session, SessionError, SessionState
+from prefill.session import Session, SessionState
 from serve_app import metrics
 
 logger = logging.getLogger(__name__)
