@@ -295,9 +295,8 @@ class Router:
 
     def check_tools(self, body: dict[str, Any]) -> None:
         """Each tool's `parameters` is a JSON Schema (400 naming the tool otherwise)."""
-        if (bad := tool_calls.check_tools(body.get("tools"))) is not None:
-            param = f"tools.{bad[0]}.function.parameters"
-            raise APIError(400, f"{param}: {bad[1]}", param)
+        if (refused := tool_calls.refusal(body)) is not None:
+            raise APIError(400, refused["error"]["message"], refused["error"]["param"])
 
     def charge(self, usage: dict[str, Any] | None) -> None:
         """The caller's key pays what its request used (router/quota.py)."""

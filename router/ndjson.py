@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from router import tool_calls
 from router.admission import Refusal, admit_session
 from router.answers import AnswerReader
 from router.owner import create_session, session_call
@@ -80,6 +81,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         return error_response(validation_error(e))
     ingress.check_model(first)
     ingress.check_max_tokens(first)
+    if (refused := tool_calls.refusal(first)) is not None:
+        return error_response(refused)
     stream = bool(first.get("stream"))
     messages = first.setdefault("messages", [])
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}

@@ -30,7 +30,7 @@ from router.admission import Refusal, admit_session, bind_session, release_sessi
 from router.answers import AnswerReader
 from router.owner import session_call
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
-from serve_app.protocol import error_body, error_response, streaming_response
+from serve_app.protocol import error_response, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -67,9 +67,8 @@ async def create_session(request: Request) -> Response:
         return error_response(validation_error(e))
     ingress.check_model(body)
     ingress.check_max_tokens(body)
-    if (bad := tool_calls.check_tools(body.get("tools"))) is not None:
-        param = f"tools.{bad[0]}.function.parameters"
-        return error_response(error_body(400, f"{param}: {bad[1]}", param))
+    if (refused := tool_calls.refusal(body)) is not None:
+        return error_response(refused)
     if isinstance(ticket := admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body))

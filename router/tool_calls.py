@@ -93,6 +93,16 @@ def check_tools(tools: Any) -> tuple[int, str] | None:
     return None
 
 
+def refusal(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A request's tools checked (`check_tools`): OpenAI error JSON naming the tool's parameters, or None."""
+    if (bad := check_tools(body.get("tools"))) is None:
+        return None
+    from serve_app.protocol import error_body
+
+    param = f"tools.{bad[0]}.function.parameters"
+    return error_body(400, f"{param}: {bad[1]}", param)
+
+
 # --- Realtime ------------------------------------------------------------------------------------------------
 def realtime_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Realtime function tools (`{"type": "function", "name", "description", "parameters"}`) as chat tools."""

@@ -252,6 +252,41 @@ def test_a_rest_session_whose_answer_is_a_call_takes_the_result_as_its_next_inpu
         httpx.delete(f"{tools_app}{SESSIONS}/{sid}", timeout=60)
 
 
+def test_an_ndjson_body_with_tools_streams_the_call(tools_app) -> None:
+    question = PARIS[0]["content"]
+
+    async def body() -> Any:
+        first = {"messages": [{"role": "user", "content": question[:10]}], "tools": TOOLS, "stream": True}
+        yield (json.dumps({**first, "temperature": 0, "max_tokens": 60}) + "\n").encode()
+        yield (json.dumps({"payload": question[10:]}) + "\n").encode()
+        yield b'{"end_of_input": true}\n'
+
+    async def run() -> str:
+        headers = {"X-Streaming-Input": "true", "Content-Type": "application/x-ndjson"}
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{tools_app}/v1/chat/completions", content=body(), headers=headers) as r,
+        ):
+            assert r.status_code == 200
+            return "".join([text async for text in r.aiter_text()])
+
+    streamed: list[dict[str, Any]] = []
+    finish = None
+    for frame in parse_sse(asyncio.run(run())):
+        for choice in frame.get("choices") or []:
+            merge_deltas(streamed, (choice.get("delta") or {}).get("tool_calls"))
+            finish = choice.get("finish_reason") or finish
+    assert calls({"tool_calls": streamed}) == PARIS_CALL and finish == "tool_calls"
+    bad = {"messages": PARIS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}
+    r = httpx.post(
+        f"{tools_app}/v1/chat/completions",
+        content=json.dumps(bad) + "\n",
+        headers={"X-Streaming-Input": "true", "Content-Type": "application/x-ndjson"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function.parameters"
+
+
 def test_the_official_realtime_client_calls_a_function_and_answers_from_its_output(tools_app) -> None:
     from openai import AsyncOpenAI
 
