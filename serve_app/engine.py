@@ -304,6 +304,8 @@ class Engine:
             request = request_model(endpoint).model_validate(body)
         except ValidationError as e:  # OpenAI error JSON naming the field, as for a request checked up front
             return ErrorResponse.model_validate(validation_error_body(e))
+        except Exception as e:  # vLLM's own validation errors (VLLMValidationError) name their parameter
+            return serving.create_error_response(e)
         try:
             if endpoint == "chat":
                 return await serving.create_chat_completion(request, raw_request=None)
