@@ -36,6 +36,7 @@ pytestmark = pytest.mark.integration
 
 MARKER = "RTPD_ENGINE_EXIT_TEST"
 EXIT_WITHIN_S = 30.0
+ORPHANED_RAY_EXIT_S = 90.0  # Ray's processes after their raylet was killed (they find out by health checks)
 STARTUP_S = 420.0
 TITLE_WAIT_S = 60.0  # for an engine process to show its title (`VLLM::EngineCore`, `VLLM::Worker`)
 
@@ -114,21 +115,21 @@ class Cluster:
             time.sleep(1)
         pytest.fail(f"not healthy after {STARTUP_S:.0f} s:\n{self.log_tail()}")
 
-    def stop_like_a_supervisor(self) -> float:
+    def stop_like_a_supervisor(self, within: float = EXIT_WITHIN_S) -> float:
         """SIGTERM to `make run`'s process group (a terminal's, `timeout`'s or `kill -- -PGID`'s stop); asserts
-        that every process of the cluster is gone within EXIT_WITHIN_S and the port is free; returns the time
+        that every process of the cluster is gone within `within` seconds and the port is free; returns the time
         the engine processes took."""
         engines = self.engines()
         started = time.monotonic()
         os.killpg(self.make.pid, signal.SIGTERM)
         took = wait_gone(engines, "after SIGTERM to `make run`")
-        deadline = started + EXIT_WITHIN_S
-        while time.monotonic() < deadline and (self.make.poll() is None or self.processes()):
+        deadline = started + within
+        while time.monotonic() < deadline and (self.make.poll() is None or self.processes() or _port_open(self.port)):
             time.sleep(0.2)
         assert self.make.poll() is not None, "make run still running"
-        assert not _port_open(self.port), f"port {self.port} still open"
         assert not self.engines(), f"engine processes started later still running:\n{_report(self.engines())}"
         assert not self.processes(), f"left running:\n{_report(self.processes())}"
+        assert not _port_open(self.port), f"port {self.port} still open"
         return took
 
 
@@ -215,4 +216,6 @@ def test_engines_exit_when_ray_dies_with_the_replicas(cluster: Cluster) -> None:
         p.kill()
     took = wait_gone(engines, "after the raylet and the replicas were killed")
     print(f"engine processes gone {took:.1f} s after Ray")
-    cluster.stop_like_a_supervisor()
+    # With its raylet gone, Ray's own processes (the HTTP proxy among them, holding the port) notice it only
+    # through their health checks: seen once past 30 s on two busy cores. The engines, this test's point, went.
+    cluster.stop_like_a_supervisor(within=ORPHANED_RAY_EXIT_S)
