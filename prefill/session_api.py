@@ -74,13 +74,13 @@ def _text_input(request: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-def _check_request(session: Session, changes: dict[str, Any]) -> None:
-    """The session's request with `changes` is one vLLM takes (400 naming the field; nothing is applied)."""
-    probe = {**session.full_request(), **changes, "stream": False}
+def _check_request(endpoint: Endpoint, request: dict[str, Any]) -> None:
+    """`request` is one vLLM takes, its input still to come (400 naming the field; nothing is applied)."""
+    probe = {**request, "stream": False}
     probe.pop("stream_options", None)
-    if session.endpoint == "completion" and not probe.get("prompt"):
-        probe["prompt"] = " "
-    if (err := validate_openai_body(session.endpoint, probe)) is not None:
+    if endpoint == "completion" and not probe.get("prompt"):
+        probe["prompt"] = " "  # the input is still to come; validate everything else now
+    if (err := validate_openai_body(endpoint, probe)) is not None:
         raise SessionError(400, err["error"]["message"], err["error"]["param"])
 
 
@@ -126,12 +126,7 @@ class SessionAPI(HandOff, Failover):
         request = _text_input(dict(spec.get("request") or {}))
         endpoint: Endpoint = "chat" if "messages" in request else "completion"
         self._check_max_tokens(request)
-        probe = {**request, "stream": False}
-        probe.pop("stream_options", None)
-        if endpoint == "completion" and not probe.get("prompt"):
-            probe["prompt"] = " "  # the input is still to come; validate everything else now
-        if (err := validate_openai_body(endpoint, probe)) is not None:
-            raise SessionError(400, err["error"]["message"], err["error"]["param"])
+        _check_request(endpoint, request)
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
         policy = _validated(StartPolicy, "start_policy", spec)
@@ -269,7 +264,7 @@ class SessionAPI(HandOff, Failover):
     ) -> dict[str, Any]:
         session = self._get(session_id)
         self._check_max_tokens(params or {})
-        _check_request(session, params or {})
+        _check_request(session.endpoint, {**session.full_request(), **(params or {})})
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
@@ -300,7 +295,8 @@ class SessionAPI(HandOff, Failover):
         if session.answering:
             raise SessionError(409, "a response is already in progress", "response")
         self._check_overrides(overrides or {})
-        _check_request(session, {k: v for k, v in (overrides or {}).items() if k != "instructions"})
+        changes = {k: v for k, v in (overrides or {}).items() if k != "instructions"}
+        _check_request(session.endpoint, {**session.full_request(), **changes})
         session.input_ended = True
         await self._start_answer(session, overrides or {})
         return {**session.describe(), "answer": session.answers[-1].summary()}

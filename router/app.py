@@ -180,24 +180,16 @@ async def relay(
             yield first
             async for text in stream:
                 yield text
-        elif charge is None:
+        else:
             text: str | None = first
             while text is not None:
-                tool_calls.count(tools, tool_calls.count_in_frames(text))
-                yield text
-                text = await anext(stream, None)
-        else:
-            text = first
-            while True:
                 if tools is not None:
                     tool_calls.count(tools, tool_calls.count_in_frames(text))
-                if '"usage"' in text:
+                if charge is not None and '"usage"' in text:
                     text, usage = take_usage(text, keep)
                     charge(usage)
                 yield text
                 text = await anext(stream, None)
-                if text is None:
-                    break
     except DecodeFailed as e:  # the decode replica failed mid-stream
         logger.error("decode stream failed: %s", e)
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")

@@ -247,11 +247,10 @@ class RealtimeConnection:
         if sampling.get("temperature") is not None:
             self.settings["temperature"] = sampling["temperature"]
         self.settings["max_output_tokens"] = sampling.get("max_tokens") or "inf"
-        if sampling.get("tools"):  # (chat's form back to Realtime's)
-            self.settings["tools"] = [{"type": "function", **t["function"]} for t in sampling["tools"]]
-            choice = sampling.get("tool_choice") or "auto"
-            named = isinstance(choice, dict)
-            self.settings["tool_choice"] = {"type": "function", **choice["function"]} if named else choice
+        if sampling.get("tools"):
+            self.settings["tools"], self.settings["tool_choice"] = tool_calls.from_chat(
+                sampling["tools"], sampling.get("tool_choice")
+            )
         self.buffer = info.get("buffer") or ""
         return True
 

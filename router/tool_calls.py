@@ -124,6 +124,12 @@ def realtime_tool_choice(choice: Any) -> Any:
     return choice
 
 
+def from_chat(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str, Any]], Any]:
+    """Chat's `tools` and `tool_choice` back in Realtime's shapes (the inverse of the two above)."""
+    flat = [{"type": "function", **tool["function"]} for tool in tools]
+    return flat, {"type": "function", **choice["function"]} if isinstance(choice, dict) else choice or "auto"
+
+
 def function_call_item(call: dict[str, Any], item_id: str, status: str) -> dict[str, Any]:
     """A call as a Realtime conversation item."""
     return {

@@ -115,26 +115,19 @@ class LocalModelSpec:
         return self
 
 
+_TINY = LocalModelSpec(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    dtype="float32",
+)
 SPECS: dict[str, LocalModelSpec] = {
-    "tiny-llama": LocalModelSpec(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        dtype="float32",
-    ),
-    # The tiny model, fitted to answer a few conversations with tool calls (`tool_choice: "auto"` end to end).
-    "tiny-llama-tools": LocalModelSpec(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        dtype="float32",
-        initializer_range=0.02,  # (the usual scale: wide random weights would fight the fitting)
-        fit="tools",
-    ),
+    "tiny-llama": _TINY,
+    # The tiny model, fitted to answer a few conversations with tool calls (`tool_choice: "auto"` end to end);
+    # initialised at the usual scale: wide random weights would fight the fitting.
+    "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools"),
     # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
     # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see bench/README.md for the measurement.
     # Attention is 4 heads of 64 (narrower than the 512-wide residual stream) with 2 KV heads: at 3,000
