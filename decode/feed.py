@@ -53,6 +53,35 @@ def take_token_ids(text: str, keep: bool) -> tuple[str, list[int] | None, list[i
     return _IDS.sub(cut, text), prompt, tokens
 
 
+# A frame that shows text (chat content or reasoning, completion text), and one that ends its choice.
+_SHOWS_TEXT = re.compile(r'"(?:content|text|reasoning|reasoning_content)":"[^"]')
+_FINISHED = '"finish_reason":"'
+
+
+class ShownIds:
+    """One stream's token ids, each reported once the text it makes has been shown.
+
+    vLLM's detokenizer shows nothing for a token that ends inside a character (byte-level BPE) until a later one
+    completes it. A continuation whose prompt ended at such a token is detokenized from a broken prefix, and vLLM
+    then writes the whole prompt's text into the answer (a resumed session answer was seen carrying its rendered
+    prompt). So the router learns an id only with the text it belongs to, and a resume regenerates the held ones.
+    (vLLM writes one token per frame unless it speculates; a frame of several shows all of their text or none.)"""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.held: list[int] = []
+
+    def take(self, text: str) -> tuple[str, list[int] | None, list[int]]:
+        """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer)."""
+        text, prompt, tokens = take_token_ids(text, self.keep)
+        if tokens and _FINISHED not in text and not _SHOWS_TEXT.search(text):
+            self.held.extend(tokens)
+            return text, prompt, []
+        if self.held:
+            tokens, self.held = self.held + tokens, []
+        return text, prompt, tokens
+
+
 class Outbox:
     """What one router's streams produced and it has not yet taken."""
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from ray import serve
 
-from decode.feed import Batch, Outbox, take_token_ids
+from decode.feed import Batch, Outbox, ShownIds
 from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
@@ -77,6 +77,7 @@ class DecodeServer:
         self, stream: AsyncGenerator[str, None], outbox: Outbox, stream_id: str, ids: IdsMode | None = None
     ) -> None:
         error: dict[str, Any] | None = None
+        shown = ShownIds(keep=ids == "keep") if ids is not None else None
         try:
             async for text in stream:
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
@@ -85,10 +86,10 @@ class DecodeServer:
                     logger.error("decode stream %s failed in the engine: %s", stream_id, failed.get("message"))
                     error = failed
                     break
-                if ids is None:
+                if shown is None:
                     outbox.put(stream_id, text)
                 else:
-                    text, prompt, tokens = take_token_ids(text, keep=ids == "keep")
+                    text, prompt, tokens = shown.take(text)
                     outbox.put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]

@@ -1185,15 +1185,18 @@ async def realtime_episode(server: str, family: str, data: Any) -> None:
         try:
             if conv.active > 0:
                 await conv.until_done([])
-            seen = await conv.exchange([ev("conversation.item.create", "final_item", item=USER_ITEM)])
-            seen += await conv.exchange([ev("response.create", "final_response", response={"max_output_tokens": 4})])
+            # Greedy: a fuzzed temperature (up to 1.5) can sample only byte fragments and special tokens, which
+            # detokenize to no text at all; the greedy answer of the random model is text.
+            seen = await conv.exchange([ev("session.update", "final_update", session={"temperature": 0})])
+            seen += await conv.exchange([ev("conversation.item.create", "final_item", item=USER_ITEM)])
+            seen += await conv.exchange([ev("response.create", "final_response", response={"max_output_tokens": 8})])
             done = await conv.until_done(seen)
         except WSClosed as e:
             fail("ws_connection_closed", step="final conversation", why=str(e), history=conv.history)
         errors = [e for e in seen if e.get("type") == "error"]
         text = "".join(e.get("delta", "") for e in seen if e.get("type") == "response.output_text.delta")
         status = done["response"].get("status") if done else None
-        # (the random local model may end at once: "completed" with no text; 4 tokens of no text is a bug)
+        # (the random local model may end at once: "completed" with no text; 8 greedy tokens of no text is a bug)
         if errors or status not in ("completed", "incomplete") or (status == "incomplete" and not text):
             fail("ws_final_conversation_failed", errors=errors, status=status, text=text, history=conv.history)
         COUNTS["ws_final_conversations"] += 1

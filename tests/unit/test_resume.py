@@ -79,6 +79,35 @@ def test_the_outbox_carries_the_ids_beside_the_frames_and_restores_them_in_order
     assert again == ({"a": "f1f2f3"}, {}, {"a": ([1, 2], [10, 11, 12])})
 
 
+def test_ids_whose_text_is_held_back_are_reported_only_with_the_text_that_shows_them() -> None:
+    """A token that ends inside a character (byte-level BPE) shows no text until the next one completes it. A
+    continuation whose prompt ended there would be detokenized from a broken prefix: vLLM then writes the whole
+    prompt's text into the answer (seen in CI: a resumed session answer carried its rendered prompt). So decode
+    reports an id only once the text it belongs to has been shown, and a resume regenerates the rest."""
+    from decode.server import DecodeServer
+
+    frames = [
+        completion_frame(" inter", "10", prompt="1,2"),
+        completion_frame("", "11"),  # half of a character: held back by vLLM's detokenizer
+        completion_frame("", "12"),
+        completion_frame("\u00e9 bu", "13"),  # the character, shown
+        completion_frame("", "14", finish="length"),  # the end: nothing is held back any more
+    ]
+    seen: list[Any] = []
+
+    class Box(Outbox):
+        def put(self, stream_id: str, text: str, prompt: list[int] | None = None, tokens: Any = None) -> None:
+            seen.append((prompt, list(tokens or [])))
+
+    async def engine() -> AsyncIterator[str]:
+        for frame in frames:
+            yield frame
+
+    box = Box()
+    asyncio.run(DecodeServer.func_or_class._pump(None, engine(), box, "s", "strip"))
+    assert seen == [([1, 2], [10]), (None, []), (None, []), (None, [11, 12, 13]), (None, [14])]
+
+
 # --- the continuation ---------------------------------------------------------------------------------------
 def progress(prompt: list[int] | None, generated: list[int]) -> resume.Progress:
     p = resume.Progress(prompt=prompt, generated=list(generated), sent=True)

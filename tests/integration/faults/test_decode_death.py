@@ -231,53 +231,61 @@ def test_answers_go_on_when_their_decode_replica_is_killed(faults: str, model_na
     ]
     for reader in readers:
         reader.start()
-    for reader in readers:
-        assert reader.started.wait(120), f"{reader.name} produced no text"
-        assert reader.failure is None, (reader.name, reader.failure)
+    try:
+        for reader in readers:
+            assert reader.started.wait(120), f"{reader.name} produced no text"
+            assert reader.failure is None, (reader.name, reader.failure)
 
-    # Kill the replica that serves the most of them.
-    pids = replicas("decode")
-    where = {r.name: [rid for rid in pids if replica_stats(rid, r.key).get("prompt_tokens_computed")] for r in readers}
-    victim = max(pids, key=lambda rid: sum(rid in found for found in where.values()))
-    moved = [name for name, found in where.items() if victim in found]
-    assert handle("decode").pid.remote(replica=victim).result(timeout_s=30)["pid"] == pids[victim]
-    os.kill(pids[victim], signal.SIGKILL)
-    killed_at = {r.name: r.frames for r in readers}
-    cut = [r.name for r in readers if r.name in moved and r.is_alive()]  # mid-answer on the killed replica
+        # Kill the replica that serves the most of them.
+        pids = replicas("decode")
+        where = {
+            r.name: [rid for rid in pids if replica_stats(rid, r.key).get("prompt_tokens_computed")] for r in readers
+        }
+        victim = max(pids, key=lambda rid: sum(rid in found for found in where.values()))
+        moved = [name for name, found in where.items() if victim in found]
+        assert handle("decode").pid.remote(replica=victim).result(timeout_s=30)["pid"] == pids[victim]
+        os.kill(pids[victim], signal.SIGKILL)
+        killed_at = {r.name: r.frames for r in readers}
+        cut = [r.name for r in readers if r.name in moved and r.is_alive()]  # mid-answer on the killed replica
 
-    for reader in readers:
-        reader.join(300)
-        assert not reader.is_alive(), f"{reader.name} never ended"
-        assert reader.failure is None, (reader.name, reader.failure)
-        assert reader.errors == [], (reader.name, reader.errors)
+        for reader in readers:
+            reader.join(300)
+            assert not reader.is_alive(), f"{reader.name} never ended"
+            assert reader.failure is None, (reader.name, reader.failure)
+            assert reader.errors == [], (reader.name, reader.errors)
 
-    # The uninterrupted answers, from the app as it is now (one decode replica until Serve replaces the other).
-    expected = {
-        "chat": whole(faults, "/v1/chat/completions", chat_body(False)),
-        "completion": whole(faults, "/v1/completions", completion_body(False)),
-    }
-    expected["session"] = expected["chat"]
-    messages = [{"role": "user", "content": PROMPT}]
-    expected["realtime"] = whole(
-        faults, "/v1/chat/completions", {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
-    )
-    for reader in readers:
-        assert reader.text == expected[reader.name], (reader.name, reader.name in moved, killed_at[reader.name])
-    assert cut, f"no answer was mid-stream on the killed replica: {where}, {killed_at}"
-    assert wait_metric("rtpd_decode_resumes_total", before + len(cut)), "the resumes were not counted"
-    assert whole(faults, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}) is not None  # still serving
+        # The uninterrupted answers, from the app as it is now (one decode replica until Serve replaces the other).
+        expected = {
+            "chat": whole(faults, "/v1/chat/completions", chat_body(False)),
+            "completion": whole(faults, "/v1/completions", completion_body(False)),
+        }
+        expected["session"] = expected["chat"]
+        messages = [{"role": "user", "content": PROMPT}]
+        expected["realtime"] = whole(
+            faults, "/v1/chat/completions", {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
+        )
+        for reader in readers:
+            assert reader.text == expected[reader.name], (reader.name, reader.name in moved, killed_at[reader.name])
+        assert cut, f"no answer was mid-stream on the killed replica: {where}, {killed_at}"
+        assert wait_metric("rtpd_decode_resumes_total", before + len(cut)), "the resumes were not counted"
+        assert whole(faults, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}) is not None  # still serving
 
-    # The REST session stays open, its conversation resident for a next turn, until its client deletes it; a
-    # session left behind would hold KV into the next test (test_prefill_death checks that no engine holds any).
-    sid = next(r.key for r in readers if r.name == "session")
-    deadline = time.time() + 30  # (its conversation is prefilled again after the answer: idle once that is done)
-    while (
-        len(idle := [r for r in replicas("prefill") if sid in prefill_stats(r)["scheduler"]["idle_session_ids"]]) != 1
-    ):
-        assert time.time() < deadline, f"session {sid} is not resident on its prefill replica"
-        time.sleep(0.5)
-    assert httpx.delete(f"{faults}{SESSIONS}/{sid}", timeout=60).status_code == 200
-    deadline = time.time() + 30
-    while sid in (stats := prefill_stats(idle[0]))["scheduler"]["idle_session_ids"]:
-        assert time.time() < deadline, f"a deleted session's KV is still resident: {stats}"
-        time.sleep(0.5)
+        # The REST session stays open, its conversation resident for a next turn, until its client deletes it; a
+        # session left behind would hold KV into the next test (test_prefill_death checks that no engine holds any).
+        sid = next(r.key for r in readers if r.name == "session")
+        deadline = time.time() + 30  # (its conversation is prefilled again after the answer: idle once that is done)
+        while (
+            len(idle := [r for r in replicas("prefill") if sid in prefill_stats(r)["scheduler"]["idle_session_ids"]])
+            != 1
+        ):
+            assert time.time() < deadline, f"session {sid} is not resident on its prefill replica"
+            time.sleep(0.5)
+        assert httpx.delete(f"{faults}{SESSIONS}/{sid}", timeout=60).status_code == 200
+        deadline = time.time() + 30
+        while sid in (stats := prefill_stats(idle[0]))["scheduler"]["idle_session_ids"]:
+            assert time.time() < deadline, f"a deleted session's KV is still resident: {stats}"
+            time.sleep(0.5)
+    finally:  # a failure above must not leave the session's KV resident into the next test
+        sid = next(r.key for r in readers if r.name == "session")
+        if not sid.startswith("session-"):  # (its reader created it: the key is now its id)
+            httpx.delete(f"{faults}{SESSIONS}/{sid}", timeout=60)
