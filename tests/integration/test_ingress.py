@@ -1,0 +1,35 @@
+"""The HTTP ingress (serve_app/serve_env.py): HAProxy on the app's port by default, connected straight to the router
+replicas, with timeouts past the longest session, and dying with the Serve process that started it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.conftest import PORT
+
+pytestmark = pytest.mark.integration
+
+
+def listener(port: int) -> psutil.Process:
+    pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+    assert len(pids) == 1, f"{len(pids)} processes listen on {port}"
+    return psutil.Process(pids.pop())
+
+
+@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "0", reason="Serve's own proxy was asked for")
+def test_haproxy_serves_the_port_with_timeouts_past_the_longest_session(server: str) -> None:
+    proxy = listener(PORT)
+    assert proxy.name() == "haproxy", proxy.cmdline()
+    # Started through serve_app/bin/haproxy: the kernel kills it with the Serve process that started it
+    # (test_engine_exit kills Ray and checks that nothing keeps the port).
+    assert "RTPD_HAPROXY_BINARY" in proxy.environ() and proxy.ppid() != 1, proxy.parent().cmdline()
+    config = Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).read_text()
+    assert re.search(r"timeout client 3660s", config), config
+    assert re.search(r"hard-stop-after 3660s", config), config
+    # Its own files and ports: another cluster on this machine (test_engine_exit's `make run`) has others.
+    assert f"haproxy-serve-{PORT}" in os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]
