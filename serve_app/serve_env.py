@@ -42,14 +42,10 @@ SERVE_ENV = {
 def local_env(port: int) -> dict[str, str]:
     """Settings for the Serve processes of one cluster on this machine, serving HTTP on `port` (`make run`, the
     tests, the benchmarks; not the manifests, whose pods end whole). HAProxy runs through serve_app/bin/haproxy,
-    which makes it die with the process that started it. Its files and its stats and metrics ports are the
-    cluster's own: Serve's defaults (/tmp/haproxy-serve, 8404, 9101) are one per machine, and a second cluster's
-    HAProxy would overwrite the first one's config or fail to bind."""
+    which makes it die with the process that started it. Its stats and metrics ports are the cluster's own:
+    Serve's defaults (8404, 9101) are one per machine, and a second cluster's HAProxy could not bind them (its
+    files are per Ray node already)."""
     env = {
-        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"/tmp/haproxy-serve-{port}/haproxy.cfg",
-        "RAY_SERVE_HAPROXY_SOCKET_PATH": f"/tmp/haproxy-serve-{port}/admin.sock",
-        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": f"/tmp/haproxy-serve-{port}",
-        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"/tmp/haproxy-serve-{port}/server-state",
         "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
     }
@@ -72,8 +68,8 @@ def _free_port() -> int:
 
 def settings(port: int) -> dict[str, str]:
     """Everything for the Serve processes of a cluster serving on `port`: the tuned settings (a value already in
-    the environment kept) and the cluster's own HAProxy files and ports (always this cluster's: a process started
-    from another cluster's environment inherits that one's)."""
+    the environment kept) and the cluster's own HAProxy ports (always this cluster's: a process started from
+    another cluster's environment inherits that one's)."""
     ours = {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
     return {**ours, **local_env(port)} if ours["RAY_SERVE_ENABLE_HA_PROXY"] == "1" else ours
 

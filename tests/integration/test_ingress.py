@@ -28,8 +28,11 @@ def test_haproxy_serves_the_port_with_timeouts_past_the_longest_session(server: 
     # Started through serve_app/bin/haproxy: the kernel kills it with the Serve process that started it
     # (test_engine_exit kills Ray and checks that nothing keeps the port).
     assert "RTPD_HAPROXY_BINARY" in proxy.environ() and proxy.ppid() != 1, proxy.parent().cmdline()
-    config = Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).read_text()
+    args = proxy.cmdline()
+    config = Path(args[args.index("-f") + 1]).read_text()
     assert re.search(r"timeout client 3660s", config), config
     assert re.search(r"hard-stop-after 3660s", config), config
-    # Its own files and ports: another cluster on this machine (test_engine_exit's `make run`) has others.
-    assert f"haproxy-serve-{PORT}" in os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]
+    # Its own stats and metrics ports: another cluster on this machine (test_engine_exit's `make run`) has others.
+    for name in ("STATS", "METRICS"):
+        port = int(os.environ[f"RAY_SERVE_HAPROXY_{name}_PORT"])
+        assert f":{port}" in config and listener(port).pid == proxy.pid
