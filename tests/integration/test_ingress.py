@@ -32,7 +32,10 @@ def test_haproxy_serves_the_port_with_timeouts_past_the_longest_session(server: 
     config = Path(args[args.index("-f") + 1]).read_text()
     assert re.search(r"timeout client 3660s", config), config
     assert re.search(r"hard-stop-after 3660s", config), config
-    # Its own stats and metrics ports: another cluster on this machine (test_engine_exit's `make run`) has others.
-    for name in ("STATS", "METRICS"):
-        port = int(os.environ[f"RAY_SERVE_HAPROXY_{name}_PORT"])
-        assert f":{port}" in config and listener(port).pid == proxy.pid
+    # Its own stats, metrics and fallback-proxy ports: another cluster on this machine (test_engine_exit's
+    # `make run`) has others (with Serve's fixed defaults, its HAProxy sent requests to this cluster's app).
+    for name in ("HAPROXY_STATS", "HAPROXY_METRICS"):
+        port = int(os.environ[f"RAY_SERVE_{name}_PORT"])
+        assert f":{port}" in config and listener(port).pid == proxy.pid, (name, port)
+    fallback = int(os.environ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"])
+    assert f":{fallback} " in config and "ProxyActor" in " ".join(listener(fallback).cmdline()), fallback
