@@ -48,21 +48,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summary(results: dict[str, Any]) -> dict[str, Any]:
     """Ratios app/plain and app/rayllm per chat level, and the goals."""
     ratios: dict[str, Any] = {}
-    app = results.get("app", {}).get("chat", {})
-    for peer in ("plain", "rayllm"):
-        other = results.get(peer, {}).get("chat", {})
-        for c, mine in app.items():
-            theirs = other.get(c)
-            if theirs is None:
-                continue
-            row = {k: _ratio(mine.get(k), theirs.get(k)) for k in [*LATENCY, "output_tok_s"]}
-            row["ttft_p50_diff_ms"] = (
-                mine["ttft_p50_ms"] - theirs["ttft_p50_ms"]
-                if mine.get("ttft_p50_ms") is not None and theirs.get("ttft_p50_ms") is not None
-                else None
-            )
-            row["front_ms_per_1k_tokens"] = _ratio(front_cpu(mine)[1], front_cpu(theirs)[1])
-            ratios.setdefault(f"app/{peer}", {})[c] = row
+    for name in ("app", "app_proxy"):  # behind HAProxy, behind Serve's own proxy
+        app = results.get(name, {}).get("chat", {})
+        for peer in ("plain", "rayllm", "app_proxy"):
+            other = results.get(peer, {}).get("chat", {})
+            for c, mine in app.items():
+                theirs = other.get(c)
+                if theirs is None or peer == name:
+                    continue
+                row = {k: _ratio(mine.get(k), theirs.get(k)) for k in [*LATENCY, "output_tok_s"]}
+                row["ttft_p50_diff_ms"] = (
+                    mine["ttft_p50_ms"] - theirs["ttft_p50_ms"]
+                    if mine.get("ttft_p50_ms") is not None and theirs.get("ttft_p50_ms") is not None
+                    else None
+                )
+                row["front_ms_per_1k_tokens"] = _ratio(front_cpu(mine)[1], front_cpu(theirs)[1])
+                ratios.setdefault(f"{name}/{peer}", {})[c] = row
     return {"ratios": ratios, "goals": goals(ratios)}
 
 

@@ -119,25 +119,42 @@ def ray_serve(port: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def app(app_args: dict[str, Any]) -> Iterator[System]:
+def _serve_proxy(on: bool) -> Iterator[None]:
+    """Serve's own Python proxy instead of HAProxy for the Ray instance started meanwhile (serve_app/serve_env.py)."""
+    key, before = "RAY_SERVE_ENABLE_HA_PROXY", os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
+    if on:
+        os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+@contextlib.contextmanager
+def app(app_args: dict[str, Any], serve_proxy: bool = False) -> Iterator[System]:
+    """This app, behind HAProxy (its default) or, with `serve_proxy`, behind Serve's own proxy (`app_proxy`)."""
     from ray import serve
 
     from serve_app.builder import build_app
 
     port = PORTS["app"]
-    with ray_serve(port):
+    with _serve_proxy(serve_proxy), ray_serve(port):
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300)
         roles = {
             "router": f"ServeReplica:{APP_NAME}:router",
-            "proxy": "ProxyActor",
+            "proxy": "ProxyActor" if serve_proxy else "haproxy -db",
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
             "engines": ENGINES,
         }
         config = AppConfig.model_validate(app_args)
-        yield System("app", base, config.model_name, roles, resolve_model(config.model))
+        name = "app_proxy" if serve_proxy else "app"
+        yield System(name, base, config.model_name, roles, resolve_model(config.model))
 
 
 def _engine_env(config: AppConfig, role: str) -> dict[str, str]:

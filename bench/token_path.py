@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -41,7 +42,12 @@ from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-SYSTEMS = {"app": systems.app, "plain": systems.plain, "rayllm": systems.rayllm}
+SYSTEMS = {
+    "app": systems.app,  # behind HAProxy (the default ingress)
+    "app_proxy": functools.partial(systems.app, serve_proxy=True),  # behind Serve's own proxy
+    "plain": systems.plain,
+    "rayllm": systems.rayllm,
+}
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
 
 
@@ -161,7 +167,7 @@ def main() -> None:
     for name in args.systems:
         print(f"== {name} ({time.perf_counter() - started:.0f}s)", flush=True)
         t0 = time.perf_counter()
-        with SYSTEMS[name](app_args if name == "app" else config) as system:
+        with SYSTEMS[name](app_args if name.startswith("app") else config) as system:
             print(f"  up in {time.perf_counter() - t0:.0f}s", flush=True)
             results[name] = asyncio.run(bench_system(system, args))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
