@@ -48,9 +48,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summary(results: dict[str, Any]) -> dict[str, Any]:
     """Ratios app/plain and app/rayllm per chat level, and the goals."""
     ratios: dict[str, Any] = {}
-    for name in ("app", "app_proxy"):  # behind HAProxy, behind Serve's own proxy
+    for name in ("app", "app_haproxy"):  # behind Serve's own proxy, behind HAProxy
         app = results.get(name, {}).get("chat", {})
-        for peer in ("plain", "rayllm", "app_proxy"):
+        for peer in ("plain", "rayllm", "app"):
             other = results.get(peer, {}).get("chat", {})
             for c, mine in app.items():
                 theirs = other.get(c)

@@ -96,7 +96,7 @@ def ray_serve(port: int) -> Iterator[None]:
 
     from serve_app import serve_env
 
-    serve_env.apply(port)  # as `make run` serves it (HAProxy on the port); Ray Serve LLM gets the same
+    serve_env.apply(port)  # as `make run` serves it; Ray Serve LLM gets the same
     ray.init(
         address="local",
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled; Ray Serve LLM needs > 2
@@ -119,11 +119,12 @@ def ray_serve(port: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _serve_proxy(on: bool) -> Iterator[None]:
-    """Serve's own Python proxy instead of HAProxy for the Ray instance started meanwhile (serve_app/serve_env.py)."""
+def _ingress(haproxy: bool | None) -> Iterator[None]:
+    """HAProxy on (True) or off (False) for the Ray instance started meanwhile; None: the default
+    (serve_app/serve_env.py)."""
     key, before = "RAY_SERVE_ENABLE_HA_PROXY", os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
-    if on:
-        os.environ[key] = "0"
+    if haproxy is not None:
+        os.environ[key] = "1" if haproxy else "0"
     try:
         yield
     finally:
@@ -134,26 +135,27 @@ def _serve_proxy(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def app(app_args: dict[str, Any], serve_proxy: bool = False) -> Iterator[System]:
-    """This app, behind HAProxy (its default) or, with `serve_proxy`, behind Serve's own proxy (`app_proxy`)."""
+def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[System]:
+    """This app behind the default ingress (`app`), or behind HAProxy (`app_haproxy`)."""
     from ray import serve
 
     from serve_app.builder import build_app
 
     port = PORTS["app"]
-    with _serve_proxy(serve_proxy), ray_serve(port):
+    with _ingress(haproxy), ray_serve(port):
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300)
+        behind_haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
         roles = {
             "router": f"ServeReplica:{APP_NAME}:router",
-            "proxy": "ProxyActor" if serve_proxy else "haproxy -db",
+            "proxy": "haproxy -db" if behind_haproxy else "ProxyActor",
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
             "engines": ENGINES,
         }
         config = AppConfig.model_validate(app_args)
-        name = "app_proxy" if serve_proxy else "app"
+        name = "app_haproxy" if haproxy else "app"
         yield System(name, base, config.model_name, roles, resolve_model(config.model))
 
 

@@ -43,8 +43,8 @@ from serve_app.config import AppConfig
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SYSTEMS = {
-    "app": systems.app,  # behind HAProxy (the default ingress)
-    "app_proxy": functools.partial(systems.app, serve_proxy=True),  # behind Serve's own proxy
+    "app": systems.app,  # behind the default ingress (Serve's own proxy)
+    "app_haproxy": functools.partial(systems.app, haproxy=True),  # behind HAProxy
     "plain": systems.plain,
     "rayllm": systems.rayllm,
 }

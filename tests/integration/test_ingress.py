@@ -1,5 +1,6 @@
-"""The HTTP ingress (serve_app/serve_env.py): HAProxy on the app's port by default, connected straight to the router
-replicas, with timeouts past the longest session, and dying with the Serve process that started it."""
+"""The HTTP ingress (serve_app/serve_env.py) with HAProxy switched on (`RAY_SERVE_ENABLE_HA_PROXY=1 make test`;
+off by default): HAProxy on the app's port, connected straight to the router replicas, with timeouts past the
+longest session, its own ports, and dying with the Serve process that started it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def listener(port: int) -> psutil.Process:
     return psutil.Process(pids.pop())
 
 
-@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "0", reason="Serve's own proxy was asked for")
+@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1", reason="Serve's own proxy (the default)")
 def test_haproxy_serves_the_port_with_timeouts_past_the_longest_session(server: str) -> None:
     proxy = listener(PORT)
     assert proxy.name() == "haproxy", proxy.cmdline()
