@@ -29,7 +29,7 @@ run: install
 	# Serve's settings (serve_app/serve_env.py) are read when Ray starts: `serve run` starts Ray with them.
 	# RAY_SERVE_ENABLE_HA_PROXY=1 in the environment puts HAProxy on the port instead of Serve's proxy.
 	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & \
-	  exec env $$($(PY) -m serve_app.serve_env --port $(PORT)) $(VENV)/bin/serve run $(CONFIG)
+	  exec env $$($(PY) -m serve_app.serve_env) $(VENV)/bin/serve run $(CONFIG)
 
 test: install lint
 	$(VENV)/bin/pytest -q -ra --durations=25

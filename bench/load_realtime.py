@@ -219,7 +219,7 @@ def start_server(config: str, port: int, admission: list[tuple[str, Any]] | None
     from serve_app import serve_env
     from serve_app.builder import build_app
 
-    serve_env.apply(port)
+    serve_env.apply()
     args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
     args.setdefault("router", {}).setdefault("admission", {}).update(dict(admission or []))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)

@@ -96,7 +96,7 @@ def ray_serve(port: int) -> Iterator[None]:
 
     from serve_app import serve_env
 
-    serve_env.apply(port)  # as `make run` serves it; Ray Serve LLM gets the same
+    serve_env.apply()  # as `make run` serves it; Ray Serve LLM gets the same
     ray.init(
         address="local",
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled; Ray Serve LLM needs > 2

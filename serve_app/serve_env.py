@@ -18,7 +18,7 @@ refused a hundred sessions (README "Ray Serve settings").
 `make run`, the tests, the benchmarks and the KubeRay manifests set them; set them yourself before `serve run`
 or `ray start` (a variable already in the environment is kept):
 
-    export $(python -m serve_app.serve_env --port 8000)
+    export $(python -m serve_app.serve_env)
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import os
 import socket
 from pathlib import Path
 
-MAX_SESSION_S = 3600  # limits.max_session_s's default (serve_app/config.py)
+from serve_app.config import LimitsConfig
+
+MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
 SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "0",  # `1`: HAProxy on the HTTP port (above)
@@ -42,9 +44,9 @@ SERVE_ENV = {
 }
 
 
-def local_env(port: int) -> dict[str, str]:
-    """Settings for the Serve processes of one cluster on this machine, serving HTTP on `port` (`make run`, the
-    tests, the benchmarks; not the manifests, whose pods end whole). HAProxy runs through serve_app/bin/haproxy,
+def local_env() -> dict[str, str]:
+    """Settings for the Serve processes of one cluster on this machine (`make run`, the tests, the benchmarks;
+    not the manifests, whose pods end whole). HAProxy runs through serve_app/bin/haproxy,
     which makes it die with the process that started it. Its stats and metrics ports and the ports of Serve's
     fallback proxy (the backup server HAProxy sends a request to while no router replica is up) are the
     cluster's own: Serve's defaults (8404, 9101, 8500, 9500) are one per machine, so a second cluster's HAProxy
@@ -69,22 +71,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def settings(port: int) -> dict[str, str]:
-    """Everything for the Serve processes of a cluster serving on `port`: the tuned settings (a value already in
+def settings() -> dict[str, str]:
+    """Everything for the Serve processes of a cluster started from here: the tuned settings (a value already in
     the environment kept) and the cluster's own HAProxy ports (always this cluster's: a process started from
     another cluster's environment inherits that one's)."""
     ours = {key: os.environ.get(key, value) for key, value in SERVE_ENV.items()}
-    return {**ours, **local_env(port)} if ours["RAY_SERVE_ENABLE_HA_PROXY"] == "1" else ours
+    return {**ours, **local_env()} if ours["RAY_SERVE_ENABLE_HA_PROXY"] == "1" else ours
 
 
-def apply(port: int) -> None:
+def apply() -> None:
     """Into this process's environment, before it starts Ray (whose processes inherit it)."""
-    os.environ.update(settings(port))
+    os.environ.update(settings())
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Print the Serve settings as VAR=value pairs.")
-    parser.add_argument("--port", type=int, default=8000, help="the HTTP port the cluster serves on")
-    print(" ".join(f"{k}={v}" for k, v in settings(parser.parse_args().port).items()))
+    print(" ".join(f"{k}={v}" for k, v in settings().items()))

@@ -56,7 +56,7 @@ def server() -> Iterator[str]:
     from serve_app import serve_env
     from serve_app.builder import build_app
 
-    serve_env.apply(PORT)  # the Serve settings `make run` uses (inherited by every Ray process started here)
+    serve_env.apply()  # the Serve settings `make run` uses (inherited by every Ray process started here)
     ray.init(
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled
         include_dashboard=False,

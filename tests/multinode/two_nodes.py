@@ -122,7 +122,7 @@ def lose_the_decode_node(cluster: Cluster, base: str) -> dict[str, Any]:
 def main() -> None:
     from serve_app import serve_env
 
-    serve_env.apply(PORT)  # as `make run` serves it, with this cluster's own HAProxy (not the test session's)
+    serve_env.apply()  # as `make run` serves it, with this cluster's own HAProxy (not the test session's)
     # A head (the router, prefill) and two decode workers, each with its own resources, as `ray start` does.
     cluster = Cluster(
         initialize_head=True,
