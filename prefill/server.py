@@ -17,6 +17,7 @@ from typing import Any
 from ray import serve
 
 from prefill.errors import overloaded
+from prefill.rewrite_depth import RewriteDepth
 from prefill.scheduler.config import SchedulerSettings
 from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
@@ -68,6 +69,7 @@ class PrefillServer(SessionAPI):
         self.sessions: dict[str, Session] = {}
         self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
+        self.rewrite_depth = RewriteDepth()  # how deep this replica's sessions rewrite (their senders hold the rest)
         self._sweeper = asyncio.create_task(self._sweep())
 
     @property
@@ -153,7 +155,8 @@ class PrefillServer(SessionAPI):
         """(`route_to`: a replica id, to ask that replica; router/placement.py)"""
         stats = await self.engine.compute_stats(request_id_prefix)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]
-        return {**stats, "sessions_open": len(open_sessions), "replica": self.replica}
+        hold = self.rewrite_depth.hold_fraction()
+        return {**stats, "sessions_open": len(open_sessions), "replica": self.replica, "rewrite_hold_fraction": hold}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -19,6 +19,7 @@ from prefill.errors import caller, overloaded, serialized, session_api
 from prefill.failover import Failover
 from prefill.handoff import HandOff
 from prefill.journal import Journal, create_record
+from prefill.rewrite_depth import RewriteDepth
 from prefill.session import (
     Session,
     SessionError,
@@ -114,11 +115,16 @@ class SessionAPI(HandOff, Failover):
     engine: Any
     replica: str
     _export_scheduler_stats: Any
+    rewrite_depth: RewriteDepth
 
     def _streaming(self, session_id: str) -> StreamingPrefill:
         settings = self.settings
         return StreamingPrefill(
-            self.engine, session_id, settings.admission_timeout_s, max_chunk_tokens=settings.partial_chunk_tokens
+            self.engine,
+            session_id,
+            settings.admission_timeout_s,
+            max_chunk_tokens=settings.partial_chunk_tokens,
+            depth=self.rewrite_depth,
         )
 
     @session_api

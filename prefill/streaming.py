@@ -19,6 +19,9 @@ the rewrite came, and a rewrite waits for nothing. A token is sent once it has s
 fast it comes, and a rewrite right behind a version (update traces rewrite ~40 ms apart) is seen before the
 tokens it changes are prefilled. While rewrites keep coming (within `REWRITE_QUIET_S`), only the prefix every
 recent version shares is prefilled: the unstable rest is computed once, by the hand-off or when rewrites stop.
+Where this replica's sessions rewrite (prefill/rewrite_depth.py), a session that has not appended to its input
+streams only the share of each fresh version that past rewrites kept, the rest once the version has stood for
+`REWRITE_QUIET_S`: a first version's tail is not computed only to be rewritten.
 
 At end of input (`finish_input`) nothing more is streamed: what was not sent yet, the hand-off computes as
 complete work. A chunk in flight that holds the input's tokens is waited for, ranked as complete work
@@ -46,6 +49,8 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
+
+from prefill.rewrite_depth import RewriteDepth, is_rewrite
 
 logger = logging.getLogger(__name__)
 # A token is prefilled once it has stood unchanged this long: a rewrite right behind a version (update traces
@@ -78,6 +83,7 @@ class StreamingPrefill:
         settle_s: float | None = None,
         rewrite_quiet_s: float | None = None,
         max_chunk_tokens: int | None = None,
+        depth: RewriteDepth | None = None,
     ) -> None:
         self.engine = engine  # serve_app.engine.Engine
         self.base_id = request_id
@@ -99,6 +105,9 @@ class StreamingPrefill:
         self.max_chunk_tokens = max_chunk_tokens or 2**31  # longer input goes in pieces, one in flight at a time
         self._changes: deque[tuple[float, int]] = deque()  # (when, tokens kept) of the versions of the last settle_s
         self._rewrite_at = -math.inf  # when the latest rewrite came
+        self._changed_at = -math.inf  # when the latest version came
+        self.depth = depth  # the replica's rewrites, recorded and consulted (None: nothing held for them)
+        self.appends = False  # the session extended its input: it streams every version whole
         self._stable = 0  # tokens every version since the rewrites began shares
         self._inflight_from = 0  # tokens resident before the chunk in flight
         self._queue: asyncio.Queue[Any] | None = None
@@ -118,25 +127,41 @@ class StreamingPrefill:
 
     @property
     def wanted(self) -> list[int]:
-        """What the session wants resident: the latest tokens, or while rewrites come, only their stable prefix."""
-        if time.monotonic() - self._rewrite_at < self.rewrite_quiet_s:
-            return self.target[: self._stable]
-        return self.target
+        return self._wanted(time.monotonic())
+
+    def _wanted(self, now: float) -> list[int]:
+        """What the session wants resident: the latest tokens, or while rewrites come, only their stable prefix;
+        of a fresh version of a session that may rewrite, the share this replica's rewrites keep."""
+        cap = len(self.target)
+        if now - self._rewrite_at < self.rewrite_quiet_s:
+            cap = self._stable
+        if self._holding(now):
+            assert self.depth is not None
+            held = int(self.depth.hold_fraction() * len(self.target))
+            cap = min(cap, max(held, common_prefix_len(self.sent, self.target)))  # (what is resident stays)
+        return self.target[:cap]
+
+    def _holding(self, now: float) -> bool:
+        """Whether the latest version's tail waits for it to stand (see prefill/rewrite_depth.py)."""
+        return self.depth is not None and not self.appends and now - self._changed_at < self.rewrite_quiet_s
 
     @property
     def goal(self) -> list[int]:
+        return self._goal(time.monotonic())
+
+    def _goal(self, now: float) -> list[int]:
         """What the sender makes resident now: of `wanted`, the tokens that stood unchanged for `settle_s`."""
-        now = time.monotonic()
         while self._changes and self._changes[0][0] <= now - self.settle_s:
             self._changes.popleft()
-        wanted = self.wanted
+        wanted = self._wanted(now)
         return wanted[: min((kept for _, kept in self._changes), default=len(wanted))]
 
     def _grows_at(self, now: float) -> float | None:
         """When `goal` may next grow by itself (a version settles, or the rewrites' quiet time ends)."""
         times = [t + self.settle_s for t, _ in self._changes]
-        if self.wanted != self.target:
-            times.append(self._rewrite_at + self.rewrite_quiet_s)
+        if self._wanted(now) != self.target:  # the rewrites' or the version's quiet time ends
+            times += [t + self.rewrite_quiet_s for t in (self._rewrite_at, self._changed_at)]
+            times = [t for t in times if t > now] or [now]  # (one of them is ahead: see `_wanted`)
         return min(times, default=None)
 
     @property
@@ -162,6 +187,12 @@ class StreamingPrefill:
             recent = now - self._rewrite_at < self.rewrite_quiet_s
             self._stable = min(self._stable, lcp) if recent else lcp
             self._rewrite_at = now
+        if self.target and not is_rewrite(len(self.target), lcp) and len(tokens) > len(self.target):
+            self.appends = True
+        if self.depth is not None:
+            self.depth.record(len(self.target), lcp)
+        if tokens != self.target:
+            self._changed_at = now
         if self.settle_s > 0:
             self._changes.append((now, lcp))
         self.target, self.input_done = list(tokens), False
@@ -172,7 +203,8 @@ class StreamingPrefill:
     async def _send_loop(self) -> None:
         try:
             while not self.closed and self._error is None:
-                goal, now = self.goal, time.monotonic()
+                now = time.monotonic()
+                goal = self._goal(now)
                 if self.input_done or goal == self.sent:
                     grows_at = None if self.input_done else self._grows_at(now)
                     await self._sleep(None if grows_at is None else max(0.0, grows_at - now))  # (until it settles)

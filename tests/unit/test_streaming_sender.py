@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from prefill.rewrite_depth import MIN_REWRITES, RETOKENIZED_TOKENS, RewriteDepth
 from prefill.streaming import StreamingPrefill
 
 
@@ -210,4 +211,56 @@ async def test_input_that_keeps_coming_flows_with_the_settle_lag(engine: Engine)
     assert 100 <= sent_while_streaming < 300  # what stood for 50 ms went; the newest waits
     await asyncio.sleep(0.1)
     assert [t for _, c in engine.chunks for t in c] == tokens  # in order, each once
+    await streaming.close()
+
+
+def rewriting_replica(kept: float) -> RewriteDepth:
+    """A replica whose sessions' rewrites kept `kept` of each version."""
+    depth = RewriteDepth()
+    for _ in range(MIN_REWRITES):
+        depth.record(1000, int(kept * 1000))
+    return depth
+
+
+def test_a_replica_holds_nothing_until_its_sessions_have_rewritten_and_appends_are_not_rewrites() -> None:
+    depth = RewriteDepth()
+    for _ in range(50):
+        depth.record(1000, 1000 - RETOKENIZED_TOKENS)  # a chunk boundary inside a word, re-tokenized
+        depth.record(0, 0)  # a first version
+    assert depth.hold_fraction() == 1.0
+    for kept in range(100, 900, 100):  # eight rewrites keeping 10%..80%
+        depth.record(1000, kept)
+    assert depth.hold_fraction() == 0.1  # what all but the deepest tenth kept
+
+
+async def test_a_fresh_version_streams_only_the_share_rewrites_keep_until_it_stands(engine: Engine) -> None:
+    """On a replica whose sessions rewrite from half-way on, a first version's tail is not prefilled only to be
+    rewritten: half streams at once, the rest once the version stood for rewrite_quiet_s; a rewrite inside the
+    held tail then costs nothing."""
+    engine.instant = True
+    depth = rewriting_replica(0.5)
+    streaming = StreamingPrefill(engine, "sess_r_j", timeout=2, settle_s=0, rewrite_quiet_s=0.3, depth=depth)
+    first = list(range(100))
+    await streaming.sync(first)
+    await asyncio.sleep(0.1)
+    assert [t for _, c in engine.chunks for t in c] == first[:50]
+    await streaming.sync([*first[:70], *[7] * 30])  # rewritten from 70% on: nothing computed is dropped
+    await asyncio.sleep(0.1)
+    assert streaming.invalidated_tokens == 0 and len(depth.kept) == MIN_REWRITES + 1
+    await asyncio.sleep(0.4)  # the version stood: the rest follows
+    assert [t for _, c in engine.chunks for t in c] == [*first[:70], *[7] * 30]
+    await streaming.close()
+
+
+async def test_a_session_that_appends_streams_every_version_whole_on_a_rewriting_replica(engine: Engine) -> None:
+    engine.instant = True
+    streaming = StreamingPrefill(
+        engine, "sess_r_k", timeout=2, settle_s=0, rewrite_quiet_s=10, depth=rewriting_replica(0.2)
+    )
+    await streaming.sync(list(range(100)))
+    await asyncio.sleep(0.05)
+    assert sum(len(c) for _, c in engine.chunks) == 20  # a first version: maybe rewritten
+    await streaming.sync(list(range(150)))  # it grows: an appending session
+    await asyncio.sleep(0.05)
+    assert [t for _, c in engine.chunks for t in c] == list(range(150)) and streaming.appends
     await streaming.close()
