@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pressure
 import replay
 import suite_report
 import systems
@@ -192,6 +193,7 @@ class Runner:
     def replay(self, system: systems.System, trace: workloads.Trace, label: str, mode: str) -> dict[str, Any]:
         desc = f"{trace.kind} q{trace.qps:g} {label}"
         computed_before = prefill_computed() if system.name == "app" else None
+        counters_before = scheduler_counters() if computed_before is not None else None
         with tqdm(total=len(trace.queries), desc=desc, unit="q", leave=True, file=sys.stdout) as bar:
             result = asyncio.run(
                 replay.replay(
@@ -217,6 +219,8 @@ class Runner:
         run = {"workload": trace.kind, "qps": trace.qps, "system": label, **result}
         if computed_before is not None:
             run["work"] = work(trace, result, computed_before)
+            # where the work went (computed by kind, evictions, recompute, invalidated input, swaps)
+            run["scheduler_delta"] = pressure.counter_delta(counters_before, scheduler_counters())
             print(f"  {desc}: work ratio {run['work']['work_ratio'] or 0:.3f} (computed / prompt tokens)", flush=True)
         self.runs.append(run)
         return run
@@ -228,6 +232,14 @@ class Runner:
             result = asyncio.run(replay.replay(trace, base=system.base, model=system.model, mode=mode))
             if result["errors"]:
                 self.notes.append(f"warm-up of {system.name} ({mode}) had errors: {result['error_samples']}")
+
+
+def scheduler_counters() -> dict[str, Any] | None:
+    """The app's prefill scheduler counters (None when the app is not running)."""
+    try:
+        return pressure.scheduler_counters(pressure.prefill_call("stats"))
+    except Exception:  # noqa: BLE001 - not this app (the peer), or no engine
+        return None
 
 
 def prefill_computed() -> int | None:

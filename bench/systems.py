@@ -14,6 +14,7 @@ that outlive `ray.shutdown()` (vLLM engine cores have been seen to), which are k
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -39,6 +40,10 @@ PORTS = {"app": 8794, "plain": 8795, "rayllm": 8796}
 # threads run on the bound core). Both are counted as the engine.
 ENGINES = "VLLM::"
 RAYLLM_MODEL = "tiny-llama"  # Ray Serve LLM reads a model id with a colon as a LoRA adapter id
+# Importing ray.serve.llm (the peer) sets the root logger to INFO: httpx would then print a line per request over
+# the benches' progress bars. Every bench imports this module.
+for _name in ("httpx", "httpcore"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 @dataclass

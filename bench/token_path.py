@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import functools
 import json
-import logging
 import os
 import shlex
 import sys
@@ -87,8 +86,6 @@ async def bench_kind(
 
 
 async def bench_system(system: systems.System, args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("httpx", "httpcore"):  # importing ray.serve.llm sets the root logger to INFO: one line a request
-        logging.getLogger(name).setLevel(logging.WARNING)
     roles = cpu.find_roles(system.roles, system.root)
     result: dict[str, Any] = {"model": system.model, "base": system.base, "processes": cpu.describe(roles)}
     result["info"] = system.info
