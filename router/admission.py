@@ -281,6 +281,14 @@ class Admission:
     def limit(self) -> int:
         return int(self.limiter.limit)
 
+    def state(self) -> dict[str, Any]:
+        """What is in flight here, by kind, and how many of the sessions are REST sessions (held between calls)."""
+        self._expire()
+        kinds: dict[str, int] = {}
+        for ticket in self._open:
+            kinds[ticket.kind] = kinds.get(ticket.kind, 0) + 1
+        return {"in_flight": self.in_flight, "limit": self.limit, "kinds": kinds, "rest_sessions": len(self._sessions)}
+
     def observe_first_token(self, seconds: float) -> None:
         """An answer's end of input to first token (a plain request's arrival to first token)."""
         self.limiter.observe(seconds)

@@ -226,6 +226,10 @@ class Router:
         self._ready_at = 0.0  # when both engines last answered
         app.state.ingress = self  # the session and realtime routes reach the handles through it
 
+    def admission_state(self) -> dict[str, Any]:
+        """This router replica's admission: work in flight by kind (tests check nothing is left counted)."""
+        return self.admission.state()
+
     async def engines_ready(self) -> bool:
         """Both engines answer (checked at most once a second while ready). Serve does not route to a replica
         before its constructor, which loads the engine, has returned; the router itself is up long before."""

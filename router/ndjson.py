@@ -96,7 +96,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     spec.update(ephemeral=True, limits={**(spec.get("limits") or {}), "idle_timeout_s": idle})
     if isinstance(ticket := admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # the body's session, refused before it exists
-    created = await create_session(ingress, spec)
+    created = await create_session(ingress, spec, abandoned=ticket.release)
     if "error" in created:
         ticket.release()
         return error_response(created)

@@ -12,12 +12,14 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
 from ray.exceptions import RayActorError
 
 from router.admission import session_seen
+from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import error_body, error_status
 
@@ -60,10 +62,32 @@ def _learn(session_id: str, owner: str) -> None:
         owners.popitem(last=False)
 
 
-async def create_session(ingress: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """A new session on some prefill replica, owned by the caller's key (and within its session cap)."""
+async def create_session(
+    ingress: Any, spec: dict[str, Any], abandoned: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """A new session on some prefill replica, owned by the caller's key (and within its session cap).
+
+    The call runs in a task of its own (router/tasks.py): a client that leaves meanwhile (its request cancelled)
+    does not cut it half-way; the session it makes is deleted, and `abandoned` runs at once (the caller's
+    admission ticket: nothing the client left behind stays counted or open)."""
     spec = {**spec, "tenant": current_tenant.get()}
-    return await ingress.prefill.create_session.remote(spec)
+
+    async def create() -> dict[str, Any]:
+        return await ingress.prefill.create_session.remote(spec)
+
+    call = detached(create())
+    try:
+        return await asyncio.shield(call)
+    except BaseException:
+        if abandoned is not None:
+            abandoned()
+        call.add_done_callback(lambda done: _delete_made(ingress, done))
+        raise
+
+
+def _delete_made(ingress: Any, call: asyncio.Task[dict[str, Any]]) -> None:
+    if not call.cancelled() and call.exception() is None and "session_id" in (made := call.result()):
+        detached(session_call(ingress, "session_delete", session_id=made["session_id"]))
 
 
 async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:

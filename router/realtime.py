@@ -216,12 +216,7 @@ class RealtimeConnection:
             "request": {"model": model, "messages": [], **self.sampling(self.settings)},
             "close_after_answer": self.close_after_answer,
         }
-        call = asyncio.ensure_future(create_session(self.ingress, spec))
-        try:
-            created = await asyncio.shield(call)
-        except BaseException:  # the client left during the handshake: a session made meanwhile goes too
-            call.add_done_callback(self._delete_made)
-            raise
+        created = await create_session(self.ingress, spec)  # (the client left meanwhile: the session goes too)
         if "error" in created:
             err = created["error"]
             if error_status(created) == 429:  # every session slot is taken (the replica's own hard limit)
@@ -298,10 +293,6 @@ class RealtimeConnection:
         await self.send("error", error={**error, "event_id": None, "session_id": self.session_id})
         await self.ws.close(code=SERVICE_RESTART, reason="service restart")
         metrics.inc(metrics.REALTIME_CLOSES, 1, "realtime connections closed by the server", code=str(SERVICE_RESTART))
-
-    def _delete_made(self, call: asyncio.Future[Any]) -> None:
-        if not call.cancelled() and call.exception() is None and "session_id" in (made := call.result()):
-            detached(session_call(self.ingress, "session_delete", session_id=made["session_id"]))
 
     def time_left(self) -> float:
         deadline = min(self.last_event + self.limits.idle_timeout_s, self.opened + self.limits.max_session_s)

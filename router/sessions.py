@@ -71,7 +71,7 @@ async def create_session(request: Request) -> Response:
         return error_response(refused)
     if isinstance(ticket := admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # (calls on sessions already made are never refused)
-    result = await owner.create_session(ingress, session_spec(body))
+    result = await owner.create_session(ingress, session_spec(body), abandoned=ticket.release)
     if "error" in result:
         ticket.release()
         return _reply(result)

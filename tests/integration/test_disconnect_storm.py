@@ -38,8 +38,9 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+from ray import serve
 
-from tests.integration.conftest import METRICS_PORT, engine_stats
+from tests.integration.conftest import APP, METRICS_PORT, engine_stats
 from tests.integration.fuzzing import COUNTS, dump, record, reset, summary_lines
 
 pytestmark = pytest.mark.integration
@@ -399,6 +400,10 @@ def attribute_anonymous_leaks(server: str) -> dict[str, int]:
     return leaks
 
 
+def router_admission() -> dict[str, Any]:
+    return serve.get_deployment_handle("router", app_name=APP).admission_state.remote().result(timeout_s=60)
+
+
 def test_disconnect_storm(server: str, pytestconfig: pytest.Config) -> None:
     reset()
     before = wait_settled(10**9, SETTLE_S)  # the engines must be idle to begin with (sessions aside)
@@ -469,6 +474,15 @@ def test_disconnect_storm(server: str, pytestconfig: pytest.Config) -> None:
             failures.append(
                 f"unhealthy after the storm: /health {health.status_code}, chat {chat.status_code} {chat.text[:200]}"
             )
+
+    # Nothing the storm admitted is still counted by the router's admission (a ticket left behind would shrink
+    # its room for new sessions until the longest session's limit).
+    deadline, state = time.time() + SETTLE_S, router_admission()
+    while state["in_flight"] and time.time() < deadline:
+        time.sleep(1)
+        state = router_admission()
+    if state["in_flight"]:
+        failures.append(f"{SETTLE_S:.0f} s after the storm the router still counts work in flight: {state}")
 
     kinds = Counter(c.kind for c in clients)
     errors = [(c.index, c.kind, c.error) for c in clients if c.error]

@@ -4,6 +4,7 @@ latency and the prefill queues, is reached; unknown state admits; admitted sessi
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -368,3 +369,48 @@ def test_answers_feed_the_limit_from_their_last_chunk_or_else_from_their_request
     reader.claim = {"last_chunk_time": time.time() - 2.0}
     reader._observe_first_token()
     assert 0 <= seen[0] < 1 and 1.9 < seen[1] < 5
+
+
+class SlowCreate(FakePrefill):
+    """A prefill pool whose `create_session` answers only when the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    def __getattr__(self, method: str) -> Any:
+        if method != "create_session":
+            return super().__getattr__(method)
+        calls, answer = self.calls, self.answer
+
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                calls.append(method)
+
+                async def reply() -> dict[str, Any]:
+                    await answer.wait()
+                    return {"session_id": "sess_r1_made"}
+
+                return reply()
+
+        return Method()
+
+
+async def test_a_client_that_leaves_while_its_session_is_made_leaves_nothing_counted_or_open() -> None:
+    """The client goes (its request cancelled) while the owner is still making its session: the router's ticket
+    is released at once, and the session made meanwhile is deleted (behind HAProxy, NDJSON bodies dropped early
+    in the disconnect storm left a ticket each, until the router refused new sessions)."""
+    gate, _ = limited(Clock(), min_sessions=4, max_in_flight=4)
+    prefill = SlowCreate()
+    async with sessions_client(gate, prefill) as client:
+        creating = asyncio.ensure_future(client.post(BASE, json={"messages": []}))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert prefill.calls == ["create_session"] and gate.in_flight == 1
+        creating.cancel()
+        await asyncio.gather(creating, return_exceptions=True)
+        assert gate.in_flight == 0
+        prefill.answer.set()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert prefill.calls == ["create_session", "session_delete"]
