@@ -27,7 +27,7 @@ run: install
 	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
 	# One line on stdout once /health is 200 (both engines answer); `serve run` keeps this shell's pid.
 	# Serve's settings (serve_app/serve_env.py) are read when Ray starts: `serve run` starts Ray with them.
-	# RAY_SERVE_ENABLE_HA_PROXY=1 in the environment puts HAProxy on the port instead of Serve's proxy.
+	# HAProxy serves the port (RAY_SERVE_ENABLE_HA_PROXY=0 in the environment: Serve's own proxy instead).
 	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & \
 	  exec env $$($(PY) -m serve_app.serve_env) $(VENV)/bin/serve run $(CONFIG)
 

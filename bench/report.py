@@ -48,7 +48,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def summary(results: dict[str, Any]) -> dict[str, Any]:
     """Ratios app/plain and app/rayllm per chat level, and the goals."""
     ratios: dict[str, Any] = {}
-    for name in ("app", "app_haproxy"):  # behind Serve's own proxy, behind HAProxy
+    for name in ("app", "app_serve_proxy"):  # behind HAProxy (the default), behind Serve's own proxy
         app = results.get(name, {}).get("chat", {})
         for peer in ("plain", "rayllm", "app"):
             other = results.get(peer, {}).get("chat", {})

@@ -141,7 +141,7 @@ def _ingress(haproxy: bool | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[System]:
-    """This app behind the default ingress (`app`), or behind HAProxy (`app_haproxy`)."""
+    """This app behind the default ingress, HAProxy (`app`), or behind Serve's own proxy (`app_serve_proxy`)."""
     from ray import serve
 
     from serve_app.builder import build_app
@@ -160,7 +160,7 @@ def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[Syste
             "engines": ENGINES,
         }
         config = AppConfig.model_validate(app_args)
-        name = "app_haproxy" if haproxy else "app"
+        name = "app_serve_proxy" if haproxy is False else "app"
         yield System(name, base, config.model_name, roles, resolve_model(config.model))
 
 

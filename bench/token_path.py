@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SYSTEMS = {
     "app": systems.app,  # behind the default ingress (Serve's own proxy)
-    "app_haproxy": functools.partial(systems.app, haproxy=True),  # behind HAProxy
+    "app_serve_proxy": functools.partial(systems.app, haproxy=False),  # behind Serve's own proxy
     "plain": systems.plain,
     "rayllm": systems.rayllm,
 }

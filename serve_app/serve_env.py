@@ -6,14 +6,12 @@ through their handles (`_by_reference=False`, router/app.py). Measured with benc
 machine: 1.7-1.9x the tokens/s at 32 and 128 streams and a third less TTFT at one stream, with the router and
 proxy using half the CPU per token (bench/README.md).
 
-**HAProxy ingress** (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray 2.56+), off by default for now: Serve runs HAProxy on
-the HTTP port, connected straight to each router replica's own HTTP server, with no Python proxy and no Ray hop
-for a request. Set, its timeouts go past the longest session a client may hold (`limits.max_session_s`), so
-HAProxy never cuts an idle or long realtime WebSocket before the app's own limits, and a reload (Serve reloads
-HAProxy whenever router replicas change) lets older streams finish instead of cutting them after Ray's default
-120 s (Ray issue 66056). Why not by default yet: behind it, closed realtime sessions held the router's admission
-longer (80 in flight for 60 clients against 65 behind Serve's proxy), and the load test under capacity was
-refused a hundred sessions (README "Ray Serve settings").
+**HAProxy ingress** (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray 2.56+; the default here, `0` switches back to Serve's
+own proxy): Serve runs HAProxy on the HTTP port, connected straight to each router replica's own HTTP server,
+with no Python proxy and no Ray hop for a request. Its timeouts go past the longest session a client may hold
+(`limits.max_session_s`), so HAProxy never cuts an idle or long realtime WebSocket before the app's own limits,
+and a reload (Serve reloads HAProxy whenever router replicas change) lets older streams finish instead of
+cutting them after Ray's default 120 s (Ray issue 66056).
 
 `make run`, the tests, the benchmarks and the KubeRay manifests set them; set them yourself before `serve run`
 or `ray start` (a variable already in the environment is kept):
@@ -32,7 +30,7 @@ from serve_app.config import LimitsConfig
 MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
 SERVE_ENV = {
-    "RAY_SERVE_ENABLE_HA_PROXY": "0",  # `1`: HAProxy on the HTTP port (above)
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy on the HTTP port (above); `0`: Serve's own proxy
     # HAProxy's inactivity timeouts (client side; the WebSocket tunnel inherits them) and how long a reloaded
     # HAProxy keeps serving the connections it had: past the longest session.
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(MAX_SESSION_S + 60),

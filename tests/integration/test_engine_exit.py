@@ -11,6 +11,7 @@ that is how the test finds its own processes, also once they have been re-parent
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -31,6 +32,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import ROOT, for_tests
+from tests.integration.ingress_checks import check_ingress
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +146,8 @@ def wait_gone(procs: list[psutil.Process], after: str) -> float:
 
 
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """`make run` on a free port; `request.param` (indirect parametrization): environment to start it with."""
     tmp = Path(tempfile.mkdtemp(prefix="rtpd-exit-", dir="/tmp"))  # short: Ray's socket paths live under it
     port = _free_port()
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
@@ -155,7 +158,7 @@ def cluster() -> Iterator[Cluster]:
 
     token = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster, attach to none
-    env.update({MARKER: token, "RAY_TMPDIR": str(tmp)})
+    env.update({MARKER: token, "RAY_TMPDIR": str(tmp), **getattr(request, "param", {})})
     venv = Path(sys.prefix)
     stamps = [arg for extra in ("cpu", "cuda") for arg in ("-o", f"{venv}/.installed-{extra}")]  # no (re)install
     command = ["make", *stamps, "run", f"VENV={venv}", f"CONFIG={config_path}", f"PORT={port}"]
@@ -179,8 +182,13 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.mark.timeout(STARTUP_S + 120)
+@pytest.mark.parametrize("cluster", [{"RAY_SERVE_ENABLE_HA_PROXY": "0"}], indirect=True, ids=["serve_proxy"])
 def test_engines_exit_with_a_killed_replica_and_with_make_run(cluster: Cluster) -> None:
     cluster.wait_healthy()
+    # This cluster runs behind Serve's own proxy, the documented switch back from HAProxy: every surface works
+    # there too (tests/integration/ingress_checks.py; test_ingress.py checks the same behind HAProxy).
+    assert "haproxy" not in {_name(p) for p in cluster.processes()}
+    asyncio.run(check_ingress(f"http://127.0.0.1:{cluster.port}"))
     assert len(cluster.engines()) >= 2, f"no prefill and decode engines:\n{_report(cluster.processes())}"
 
     # A replica killed outright (the OOM killer, `ray.kill`): its engine processes go with it.

@@ -1,9 +1,10 @@
-"""The HTTP ingress (serve_app/serve_env.py) with HAProxy switched on (`RAY_SERVE_ENABLE_HA_PROXY=1 make test`;
-off by default): HAProxy on the app's port, connected straight to the router replicas, with timeouts past the
-longest session, its own ports, and dying with the Serve process that started it."""
+"""The HTTP ingress (serve_app/serve_env.py): HAProxy (the default) on the app's port, connected straight to the
+router replicas, with timeouts past the longest session, its own ports, and dying with the Serve process that
+started it; every surface works through it (the same checks run behind Serve's own proxy in test_engine_exit)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import PORT
+from tests.integration.ingress_checks import check_ingress
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +24,14 @@ def listener(port: int) -> psutil.Process:
     return psutil.Process(pids.pop())
 
 
-@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1", reason="Serve's own proxy (the default)")
+HAPROXY_OFF = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1"
+
+
+def test_every_surface_works_through_the_ingress(server: str) -> None:
+    asyncio.run(check_ingress(server))
+
+
+@pytest.mark.skipif(HAPROXY_OFF, reason="RAY_SERVE_ENABLE_HA_PROXY=0: Serve's own proxy")
 def test_haproxy_serves_the_port_with_timeouts_past_the_longest_session(server: str) -> None:
     proxy = listener(PORT)
     assert proxy.name() == "haproxy", proxy.cmdline()
