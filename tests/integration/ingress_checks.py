@@ -84,4 +84,4 @@ async def check_ingress(base: str) -> None:
         await _leave_mid_answer(http)
         await _sse(http)  # the server answers on
         missing = await http.post("/v1/chat/completions", json={"messages": "not a list"})
-        assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages", missing.text
