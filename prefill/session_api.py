@@ -119,6 +119,8 @@ class SessionAPI(HandOff, Failover):
 
     def _streaming(self, session_id: str) -> StreamingPrefill:
         settings = self.settings
+        if getattr(self, "rewrite_depth", None) is None:  # (servers built without __init__, as unit tests do)
+            self.rewrite_depth = RewriteDepth()
         return StreamingPrefill(
             self.engine,
             session_id,

@@ -18,6 +18,7 @@ from ray import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "realtime-pd"
+TEST_DRAINING_PERIOD_S = 3
 PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
 METRICS_PORT = int(os.environ.get("RTPD_TEST_METRICS_PORT", "8767"))
 
@@ -57,6 +58,9 @@ def server() -> Iterator[str]:
     from serve_app.builder import build_app
 
     serve_env.apply()  # the Serve settings `make run` uses (inherited by every Ray process started here)
+    # Behind HAProxy a stopping router replica stays reachable this long before it drains, so that load balancers
+    # deregister it (Ray's default 30 s); every app a test deletes or redeploys would wait it out.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(TEST_DRAINING_PERIOD_S))
     ray.init(
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled
         include_dashboard=False,
