@@ -166,8 +166,8 @@ class StreamingPrefill:
 
     @property
     def prefilled(self) -> bool:
-        """The engine has prefilled the tokens the sender meant to (none waiting to be sent, no chunk in flight)."""
-        return bool(self.sent) and self.wanted == self.sent and not self.busy and self._consumer is not None
+        """The engine holds the session's whole latest input (nothing held back, waiting to be sent or in flight)."""
+        return bool(self.sent) and self.target == self.sent and not self.busy and self._consumer is not None
 
     @property
     def busy(self) -> bool:

@@ -25,7 +25,7 @@ def sse_texts(lines: list[str]) -> list[str]:
 
 
 async def _sse(http: httpx.AsyncClient) -> None:
-    body = {**CHAT, "stream": True, "max_tokens": 8, "stream_options": {"include_usage": True}}
+    body = {**CHAT, "stream": True, "max_tokens": 8, "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.status_code
         lines = [line async for line in r.aiter_lines() if line]

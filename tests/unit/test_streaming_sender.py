@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prefill.rewrite_depth import MIN_REWRITES, RETOKENIZED_TOKENS, RewriteDepth
+from prefill.rewrite_depth import MAX_AGE_S, MIN_REWRITES, RETOKENIZED_TOKENS, RewriteDepth
 from prefill.streaming import StreamingPrefill
 
 
@@ -233,21 +233,31 @@ def test_a_replica_holds_nothing_until_its_sessions_have_rewritten_and_appends_a
     assert depth.hold_fraction() == 0.1  # what all but the deepest tenth kept
 
 
+def test_a_replica_stops_holding_once_its_rewrites_are_old() -> None:
+    now = [0.0]
+    depth = RewriteDepth(clock=lambda: now[0])
+    for _ in range(MIN_REWRITES):
+        depth.record(1000, 300)
+    assert depth.hold_fraction() == 0.3
+    now[0] += MAX_AGE_S + 1
+    assert depth.hold_fraction() == 1.0 and not depth.kept
+
+
 async def test_a_fresh_version_streams_only_the_share_rewrites_keep_until_it_stands(engine: Engine) -> None:
     """On a replica whose sessions rewrite from half-way on, a first version's tail is not prefilled only to be
     rewritten: half streams at once, the rest once the version stood for rewrite_quiet_s; a rewrite inside the
     held tail then costs nothing."""
     engine.instant = True
     depth = rewriting_replica(0.5)
-    streaming = StreamingPrefill(engine, "sess_r_j", timeout=2, settle_s=0, rewrite_quiet_s=0.3, depth=depth)
+    streaming = StreamingPrefill(engine, "sess_r_j", timeout=2, settle_s=0, rewrite_quiet_s=1.0, depth=depth)
     first = list(range(100))
     await streaming.sync(first)
     await asyncio.sleep(0.1)
     assert [t for _, c in engine.chunks for t in c] == first[:50]
     await streaming.sync([*first[:70], *[7] * 30])  # rewritten from 70% on: nothing computed is dropped
     await asyncio.sleep(0.1)
-    assert streaming.invalidated_tokens == 0 and len(depth.kept) == MIN_REWRITES + 1
-    await asyncio.sleep(0.4)  # the version stood: the rest follows
+    assert streaming.invalidated_tokens == 0 and len(depth.kept) == MIN_REWRITES + 1 and not streaming.prefilled
+    await asyncio.sleep(1.2)  # the version stood: the rest follows
     assert [t for _, c in engine.chunks for t in c] == [*first[:70], *[7] * 30]
     await streaming.close()
 
