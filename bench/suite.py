@@ -192,8 +192,7 @@ class Runner:
 
     def replay(self, system: systems.System, trace: workloads.Trace, label: str, mode: str) -> dict[str, Any]:
         desc = f"{trace.kind} q{trace.qps:g} {label}"
-        computed_before = prefill_computed() if system.name == "app" else None
-        counters_before = scheduler_counters() if computed_before is not None else None
+        before = prefill_stats() if system.name == "app" else None
         with tqdm(total=len(trace.queries), desc=desc, unit="q", leave=True, file=sys.stdout) as bar:
             result = asyncio.run(
                 replay.replay(
@@ -217,10 +216,11 @@ class Runner:
         for sample in result["error_samples"][:2]:
             print(f"    e.g. {sample}", flush=True)
         run = {"workload": trace.kind, "qps": trace.qps, "system": label, **result}
-        if computed_before is not None:
-            run["work"] = work(trace, result, computed_before)
+        if before is not None:
+            run["work"], after = work(trace, result, before)
             # where the work went (computed by kind, evictions, recompute, invalidated input, swaps)
-            run["scheduler_delta"] = pressure.counter_delta(counters_before, scheduler_counters())
+            counters = [pressure.scheduler_counters(stats) for stats in (before, after)]
+            run["scheduler_delta"] = pressure.counter_delta(*counters)
             print(f"  {desc}: work ratio {run['work']['work_ratio'] or 0:.3f} (computed / prompt tokens)", flush=True)
         self.runs.append(run)
         return run
@@ -234,37 +234,28 @@ class Runner:
                 self.notes.append(f"warm-up of {system.name} ({mode}) had errors: {result['error_samples']}")
 
 
-def scheduler_counters() -> dict[str, Any] | None:
-    """The app's prefill scheduler counters (None when the app is not running)."""
+def prefill_stats() -> dict[str, Any] | None:
+    """The app's prefill replica stats (prompt tokens computed of every kind: streamed input, recompute after
+    eviction, superseded versions, hand-offs; the scheduler's counters), or None when the app is not running."""
     try:
-        return pressure.scheduler_counters(pressure.prefill_call("stats"))
-    except Exception:  # noqa: BLE001 - not this app (the peer), or no engine
-        return None
-
-
-def prefill_computed() -> int | None:
-    """Prompt tokens the app's prefill engine has computed so far (every kind: streamed input, recompute after
-    eviction, superseded versions, hand-offs), or None when the app is not running."""
-    from pressure import prefill_call
-
-    try:
-        return int(prefill_call("stats")["prompt_tokens_computed_total"])
+        return pressure.prefill_call("stats")
     except Exception:  # noqa: BLE001 - not this app (the peer), or no engine: no work figure
         return None
 
 
-def work(trace: workloads.Trace, result: dict[str, Any], before: int) -> dict[str, Any]:
+def work(
+    trace: workloads.Trace, result: dict[str, Any], before: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """What a run cost the prefill engine against what not streaming costs: computed / prompt tokens of the
-    queries answered (1.0: each prompt token computed once, as `on_end_only` does)."""
-    from pressure import wait_idle
-
-    wait_idle(120)  # the run's last sessions end (their KV freed) before the count is read
-    after = prefill_computed()
+    queries answered (1.0: each prompt token computed once, as `on_end_only` does); and the stats after it."""
+    pressure.wait_idle(120)  # the run's last sessions end (their KV freed) before the count is read
+    after = prefill_stats()
     answered = [q for q, t in zip(trace.queries, result["ttft_ms"], strict=True) if t is not None]
     prompt = sum(q.prompt_tokens or 0 for q in answered)
-    computed = None if after is None else after - before
+    key = "prompt_tokens_computed_total"
+    computed = None if after is None else int(after[key]) - int(before[key])
     ratio = computed / prompt if computed is not None and prompt else None
-    return {"prompt_tokens": prompt, "computed_tokens": computed, "work_ratio": ratio}
+    return {"prompt_tokens": prompt, "computed_tokens": computed, "work_ratio": ratio}, after
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from typing import Any
 from ray import serve
 
 from prefill.errors import overloaded
-from prefill.rewrite_depth import RewriteDepth
 from prefill.scheduler.config import SchedulerSettings
 from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
@@ -69,7 +68,6 @@ class PrefillServer(SessionAPI):
         self.sessions: dict[str, Session] = {}
         self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
-        self.rewrite_depth = RewriteDepth()  # how deep this replica's sessions rewrite (their senders hold the rest)
         self._sweeper = asyncio.create_task(self._sweep())
 
     @property

@@ -9,6 +9,7 @@ named in the id, whichever router replica they come through.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -115,12 +116,14 @@ class SessionAPI(HandOff, Failover):
     engine: Any
     replica: str
     _export_scheduler_stats: Any
-    rewrite_depth: RewriteDepth
+
+    @functools.cached_property
+    def rewrite_depth(self) -> RewriteDepth:
+        """How deep this replica's sessions rewrite (prefill/rewrite_depth.py): their senders hold the rest."""
+        return RewriteDepth()
 
     def _streaming(self, session_id: str) -> StreamingPrefill:
         settings = self.settings
-        if getattr(self, "rewrite_depth", None) is None:  # (servers built without __init__, as unit tests do)
-            self.rewrite_depth = RewriteDepth()
         return StreamingPrefill(
             self.engine,
             session_id,

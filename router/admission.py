@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -284,9 +284,7 @@ class Admission:
     def state(self) -> dict[str, Any]:
         """What is in flight here, by kind, and how many of the sessions are REST sessions (held between calls)."""
         self._expire()
-        kinds: dict[str, int] = {}
-        for ticket in self._open:
-            kinds[ticket.kind] = kinds.get(ticket.kind, 0) + 1
+        kinds = dict(Counter(ticket.kind for ticket in self._open))
         return {"in_flight": self.in_flight, "limit": self.limit, "kinds": kinds, "rest_sessions": len(self._sessions)}
 
     def observe_first_token(self, seconds: float) -> None:

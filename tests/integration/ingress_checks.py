@@ -12,16 +12,13 @@ from typing import Any
 import httpx
 import websockets
 
+from serve_app.protocol import choice_text
+
 CHAT = {"messages": [{"role": "user", "content": "Say something about rivers."}], "temperature": 0}
 
 
 def sse_texts(lines: list[str]) -> list[str]:
-    texts = []
-    for line in lines:
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:]).get("choices") or []:
-                texts.append((choice.get("delta") or {}).get("content") or "")
-    return texts
+    return [choice_text(json.loads(line[6:]))[0] for line in lines if line.startswith("data: {")]
 
 
 async def _sse(http: httpx.AsyncClient) -> None:
