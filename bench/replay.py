@@ -41,6 +41,7 @@ class Result:
     error: str | None = None
     started_s: float = 0.0  # replay-relative: the query's first request
     ended_s: float = 0.0  # replay-relative: its answer's end (or failure)
+    server: dict[str, Any] | None = None  # a session's own record: work, scheduler counters, hand-off timing
 
 
 class QueryFailed(Exception):
@@ -97,8 +98,12 @@ def chunk_bodies(q: Query) -> list[dict[str, Any]]:
     return bodies
 
 
-async def _session(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float, lags: list[float]) -> float:
-    """Sends `q` through a streaming-input session; TTFT in seconds from when its input was whole.
+async def _session(
+    client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float, lags: list[float], res: Result
+) -> float:
+    """Sends `q` through a streaming-input session; TTFT in seconds from when its input was whole. The session's
+    record (`res.server`: what it cost the engine, by kind, and where its hand-off's time went) is read after
+    its answer, so that a slow query can be explained.
 
     Each chunk is sent at the moment it becomes available, whatever became of the previous ones (the server
     orders chunks by `sequence_id`): a chunk call that is slow to return (a rewrite waiting on the engine)
@@ -126,13 +131,25 @@ async def _session(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0
         for chunk, body_ in zip(q.chunks, chunk_bodies(q), strict=True):
             tasks.append(asyncio.create_task(send(t0 + q.arrival_s + chunk.at_s, body_)))
         await asyncio.gather(*tasks[1:])  # a refused chunk fails the query
-        return await answer - (t0 + q.ready_s)
+        ttft = await answer - (t0 + q.ready_s)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            r = await client.get(f"{SESSIONS}/{sid}")
+            if r.status_code == 200:
+                res.server = _server_record(r.json())
+        return ttft
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(httpx.HTTPError):
             await client.delete(f"{SESSIONS}/{sid}", timeout=30)
+
+
+def _server_record(info: dict[str, Any]) -> dict[str, Any]:
+    """What of a session's record explains its TTFT: its work, its own scheduler counters, its hand-off's timing."""
+    scheduler = {k: v for k, v in (info.get("scheduler") or {}).items() if k != "replica"}
+    answers = info.get("answers") or [{}]
+    return {"work": info.get("work"), "scheduler": scheduler, "timing": answers[-1].get("timing")}
 
 
 async def _whole(client: httpx.AsyncClient, q: Query, body: dict[str, Any], t0: float, lags: list[float]) -> float:
@@ -176,7 +193,7 @@ async def replay(
                     policy = "on_first_chunk" if mode == "streaming" else "on_end_only"
                     # One turn per query: the session closes with its answer (no re-prefill for a next turn).
                     body = {**common, "messages": [], "start_policy": policy, "close_after_answer": True}
-                    call = _session(client, q, body, t0, lags)
+                    call = _session(client, q, body, t0, lags, res)
                 res.ttft_s = await asyncio.wait_for(call, timeout_s + q.ready_s - q.arrival_s)
             except QueryFailed as e:
                 res.error = str(e)
@@ -200,5 +217,6 @@ async def replay(
         "completion_s": completion,
         "queries": len(results),
         "spans_s": [[round(r.started_s, 3), round(r.ended_s, 3)] for r in results],
+        "server": [r.server for r in results],
         "send_lag_ms": {"max": round(max(lags, default=0.0) * 1000, 1), "p99": _p99_ms(lags)},
     }

@@ -44,11 +44,22 @@ class Answer:
     # The response's `id`, `created` and `model`, as decode wrote them (for replays and /result).
     response: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
+    preparing_at: float | None = None  # monotonic: its hand-off began (at end of input, or again for a stale one)
+    input_done_at: float | None = None  # monotonic: the session's streamed input settled, the hand-off request sent
+    timing: dict[str, float] = field(default_factory=dict)  # where its preparation went (ms), see `mark_handed_off`
     handoffs: int = 0  # hand-offs made (a stale one is made again)
     task: asyncio.Task[None] | None = field(default=None, repr=False)  # the hand-off in progress
     # Where its reader streams it from: {"consumer", "stream_id", "replica"} (what decode's `stop` takes).
     decode: dict[str, Any] | None = None
     cancel_requested: bool = False
+
+    def mark_handed_off(self) -> None:
+        """The KV is ready for decode: record how long the streamed input's last chunk took to settle (a chunk in
+        flight waited for) and how long the hand-off request's prefill took, behind what else the engine ran."""
+        self.handed_off_at = now = time.monotonic()
+        began = self.preparing_at or self.created_at
+        settled = self.input_done_at or began
+        self.timing = {"input_settle_ms": (settled - began) * 1e3, "handoff_ms": (now - settled) * 1e3}
 
     @property
     def done(self) -> bool:
@@ -70,6 +81,7 @@ class Answer:
             "error": self.error,
             "response": self.response,
             "tool_calls": self.tool_calls,
+            "timing": {k: round(v, 1) for k, v in self.timing.items()},
         }
 
     @classmethod

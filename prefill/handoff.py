@@ -62,12 +62,13 @@ class HandOff:
 
     async def _hand_off(self, session: Session, answer: Answer) -> None:
         """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
-        answer.status = "preparing"
+        answer.status, answer.preparing_at = "preparing", time.monotonic()
         try:
             if session.streaming.active:
                 # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight
                 # is waited for, ranked complete meanwhile, so that the hand-off finds its blocks cached.
                 await session.streaming.finish_input()
+            answer.input_done_at = time.monotonic()
             overrides = dict(answer.overrides)
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
             answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
@@ -80,7 +81,8 @@ class HandOff:
                 answer.finish("failed", handoff["error"])
             else:
                 request["kv_transfer_params"] = handoff["kv_transfer_params"]
-                answer.request, answer.status, answer.handed_off_at = request, "ready", time.monotonic()
+                answer.request, answer.status = request, "ready"
+                answer.mark_handed_off()
         except asyncio.CancelledError:
             answer.finish("cancelled")
         except TimeoutError:  # the session's input could not be prefilled in time

@@ -169,6 +169,11 @@ class StreamingScheduler(AccountingScheduler):
         live = [r for r in self.requests.values() if not r.is_finished() and r.request_id in views]
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
 
+        # A hand-off not started yet takes its session's host copy, swapped out since the hand-off came.
+        for r in active:
+            if not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted:
+                self._take_swapped_prefix(r)
+
         # Phase 1: what fits the token budget and the blocks this scheduler can reassign.
         holders = [r for r in live if r.status in ACTIVE or r.status == IDLE]
         held = {b for r in holders for b in self._block_ids(r)}
@@ -491,13 +496,16 @@ class StreamingScheduler(AccountingScheduler):
         if not existing:
             self._track(self.requests[request.request_id], chunk=False)
             self.counters["admissions"] += 1
-            if not request.resumable:
-                self._take_swapped_prefix(self.requests[request.request_id])
+            if not request.resumable and (track := self.sessions.get(self.req_session[request.request_id])):
+                # A hand-off: its session's input is whole, and its session's blocks are the hand-off's prefix
+                # (not an idle session's to give first: the hand-off may wait behind other complete work).
+                track.input_ended = True
 
     def _take_swapped_prefix(self, handoff: Request) -> None:
-        """A session's hand-off (a complete request over its whole input) takes the host copy of its session's
-        KV, swapped out while the session was idle: it is swapped in for the hand-off instead of recomputed (the
-        session's own request then gets it back from the prefix cache). Only the common prefix is taken."""
+        """A session's hand-off (a complete request over its whole input, not started yet) takes the host copy of
+        its session's KV, swapped out while the session was idle: it is swapped in for the hand-off instead of
+        recomputed (the session's own request then gets it back from the prefix cache). Only the common prefix
+        is taken."""
         key = self.req_session.get(handoff.request_id)
         session = next(
             (

@@ -523,3 +523,16 @@ async def test_the_sweep_outlives_a_close_that_raises_cancelled(tokenizer: Any) 
     sweep.cancel()
     with pytest.raises(asyncio.CancelledError):
         await sweep
+
+
+async def test_an_answer_records_where_its_hand_off_time_went(server: Server) -> None:
+    server.gate = asyncio.Event()  # the hand-off's prefill takes as long as the test says
+    session = server.open_session()
+    await server.end_input(session, "Hello")
+    await asyncio.sleep(0.05)
+    server.gate.set()
+    claim = await server.session_claim(session_id=session.id)
+    assert "request" in claim
+    timing = session.answers[0].summary()["timing"]
+    assert set(timing) == {"input_settle_ms", "handoff_ms"}
+    assert timing["handoff_ms"] >= 50 and 0 <= timing["input_settle_ms"] < timing["handoff_ms"]

@@ -5,6 +5,7 @@ partial input, its idle blocks given up last) until its hand-off ends; idle vict
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.unit.scheduler.harness import IDLE, Harness
 
@@ -101,3 +102,50 @@ def test_partial_input_sits_out_a_step_with_complete_work(make) -> None:
     h.add("p", 64)
     h.add("n2", 32, resumable=False, arrival=6.0)
     assert h.step().num_scheduled_tokens == {"n2": 32, "p": 64}
+
+
+def test_a_session_whose_hand_off_waits_keeps_its_blocks_under_lcas(make) -> None:
+    """LCAS gives the blocks of the idle session with the latest chunk first. A hand-off is its session's latest
+    input, but its session's blocks are the hand-off's prefix: evicting them while the hand-off waits behind other
+    complete work made the hand-off compute the whole input again (seen in the pressure bench: one query's
+    hand-off computed 3,244 of its 3,372 tokens, all of them streamed before)."""
+    h: Harness = make(policy="lcas")
+    names = ("s1", "s2", "s3")
+    for name in names:
+        h.add(name, 48)
+    h.run()
+    h.add("n", 64, resumable=False)  # complete, and ahead of the hand-off: it takes the step's whole budget
+    s1 = h.sched.requests["s1"].prompt_token_ids
+    h.add("s1-h1", [*s1, *h.tokens(16)], resumable=False, session="s1")
+    out = h.step()
+    assert out.num_scheduled_tokens == {"n": 64}  # 4 blocks, 3 free: one idle session gives its blocks
+    assert h.blocks("s1") and h.blocks("s2") and h.blocks("s3") == []  # s3 had the latest chunk, s1 aside
+    steps = h.run()
+    assert sum(step.get("s1-h1", 0) for step in steps) == 16  # only what the session never computed
+
+
+def test_a_hand_off_takes_the_kv_its_session_had_swapped_out_after_it_came(make) -> None:
+    """The session was swapped out while its hand-off waited (it was the only holder left to give blocks): the
+    hand-off takes the host copy when it is planned, not only when it arrives. (LCAS: n, whose input came first,
+    is served before the hand-off.)"""
+    h: Harness = make(policy="lcas", eviction="swap", swap_slots=8)
+    h.add("s", 48)
+    h.run()
+    snapshot = h.block_contents(h.blocks("s"))
+    h.add("n", 160, resumable=False)  # 10 blocks of the 12: s gives its 3 (swapped out), the hand-off waits
+    s = h.sched.requests["s"].prompt_token_ids
+    h.add("s-t0-h1", [*s, *h.tokens(16)], resumable=False, session="s")
+    out = h.step()
+    assert "s-t0-h1" not in out.num_scheduled_tokens and h.sched.evicted["s"].kind == "swap"
+    h.scribble(h.blocks("n"))  # those of s's old blocks n took are overwritten
+    for _ in range(20):
+        out = h.step()
+        if "s-t0-h1" in out.num_scheduled_tokens:
+            break
+    assert out.num_scheduled_tokens["s-t0-h1"] == 16  # only what the session never computed
+    new = next(r for r in out.scheduled_new_reqs if r.req_id == "s-t0-h1")
+    got = h.block_contents(list(new.block_ids[0][:3]))
+    assert all(torch.equal(a, b) for a, b in zip(got, snapshot, strict=True))
+    c = h.counters()
+    assert c["swap_taken_by_handoff"] == 1 and c["swapped_in_blocks"] >= 1
+    assert c["swapped_in_blocks"] + c.get("tokens_back_from_prefix_cache", 0) // 16 == 3
