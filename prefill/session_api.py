@@ -395,6 +395,30 @@ class SessionAPI(HandOff, Failover):
             metrics.inc(metrics.SESSIONS_BUFFERED, 1, "sessions whose input waited for KV room to stream")
         return False
 
+    async def _promote_buffered(self) -> None:
+        """Residency control's other half: a session whose input waited for room starts streaming once room frees
+        (another session ended or went quiet), without waiting for its next chunk, which may be its last. Oldest
+        first; the first that still does not fit waits for the next tick, and so do those behind it."""
+        waiting = sorted(
+            (
+                s
+                for s in self.sessions.values()
+                if s.buffered and s.state == SessionState.OPEN and not s.streaming.active and not s.lock.locked()
+            ),
+            key=lambda s: s.created_at,
+        )
+        for session in waiting:
+            try:
+                async with session.lock:
+                    if session.state != SessionState.OPEN or session.streaming.active:
+                        continue
+                    await self._prefill_stable(session)
+                    if not session.streaming.active:
+                        return  # no room yet (or nothing to stream): it keeps its place
+                metrics.inc(metrics.SESSIONS_PROMOTED, 1, "buffered sessions that streamed once room freed")
+            except Exception:
+                logger.exception("promoting session %s failed", session.id)
+
     async def _close(self, session: Session, reason: str) -> None:
         if session.state == SessionState.CLOSED:
             return
@@ -423,6 +447,7 @@ class SessionAPI(HandOff, Failover):
             for state in SessionState:
                 count = sum(s.state == state for s in self.sessions.values())
                 metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
+            await self._promote_buffered()
             for session in list(self.sessions.values()):
                 if session.lock.locked():
                     continue  # a call is applying input to it: next tick

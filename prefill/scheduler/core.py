@@ -168,19 +168,55 @@ class StreamingScheduler(AccountingScheduler):
         key = rank_key(policy)
         live = [r for r in self.requests.values() if not r.is_finished() and r.request_id in views]
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
-
         # A hand-off not started yet takes its session's host copy, swapped out since the hand-off came.
         for r in active:
             if not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted:
                 self._take_swapped_prefix(r)
 
-        # Phase 1: what fits the token budget and the blocks this scheduler can reassign.
+        # Partial input left without room (it may not preempt a running prefill) sits the step out and the step is
+        # planned again without it: vLLM would otherwise preempt a running request for it (or, for a waiting one,
+        # stop admitting at it), losing the prefill's progress.
+        excluded: set[str] = set()
+        while True:
+            planned = self._plan(active, live, views, excluded)
+            starved = self._evict_for(planned, active, live, views)
+            if starved is None or policy == "vllm" or views[starved.request_id].complete:
+                break
+            excluded.add(starved.request_id)
+            self.counters["partial_without_room"] += 1
+        self._planned_now = len(planned)
+        for r, _ in planned:
+            if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
+                self._swap_in(r)
+            elif policy != "vllm" and not r.resumable and r.status == RequestStatus.WAITING:
+                self._share_partial_block(r)
+        if self._yielding:
+            self.counters["partial_yields"] += 1
+        if policy == "vllm":
+            return []
+        self._yielding |= excluded
+        planned_ids = {r.request_id for r, _ in planned}
+        rest = [q for q in active if q.request_id not in planned_ids]
+        self._order_queues({r.request_id: i for i, r in enumerate([*(r for r, _ in planned), *rest])})
+        held_back = [r for r in self.running if r.request_id not in planned_ids]
+        if held_back:
+            self.running = [r for r in self.running if r.request_id in planned_ids]
+        return held_back
+
+    def _plan(
+        self, active: list[Request], live: list[Request], views: dict[str, RankView], excluded: set[str]
+    ) -> list[tuple[Request, int]]:
+        """Phase 1: what fits the token budget and the blocks this scheduler can reassign, in rank order, with
+        the new blocks each needs. Sets `_yielding` (partial input sitting this step out for complete work)."""
+        policy = self.settings.policy
         holders = [r for r in live if r.status in ACTIVE or r.status == IDLE]
         held = {b for r in holders for b in self._block_ids(r)}
         capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() + len(held)
         budget, used = self.max_num_scheduled_tokens, 0
-        planned: list[tuple[Request, int]] = []  # with the new blocks each needs
+        planned: list[tuple[Request, int]] = []
         for r in active:
+            if r.request_id in excluded:
+                continue
             computed = r.num_computed_tokens or self._swapped_tokens(r)
             todo = min(r.num_tokens_with_spec - computed, budget)
             if todo <= 0:
@@ -210,30 +246,12 @@ class StreamingScheduler(AccountingScheduler):
             and not self._stalled_last  # (liveness: a step that ran nothing is never followed by a yield)
             and any(views[r.request_id].complete for r, _ in planned)
         )
+        self._yielding = set()
         if yielding:
             # Complete work this step: partial input waits (its tokens would only make the step longer).
             self._yielding = {r.request_id for r in active if not views[r.request_id].complete}
             planned = [(r, n) for r, n in planned if r.request_id not in self._yielding]
-        self._planned_now = len(planned)
-
-        # Phase 2: free the planned requests' new blocks, in rank order, each from holders ranked below it.
-        self._evict_for(planned, active, live, views)
-        for r, _ in planned:
-            if r.request_id in self.evicted and self.evicted[r.request_id].kind == "swap":
-                self._swap_in(r)
-            elif policy != "vllm" and not r.resumable and r.status == RequestStatus.WAITING:
-                self._share_partial_block(r)
-        if self._yielding:
-            self.counters["partial_yields"] += 1
-        if policy == "vllm":
-            return []
-        planned_ids = {r.request_id for r, _ in planned}
-        rest = [q for q in active if q.request_id not in planned_ids]
-        self._order_queues({r.request_id: i for i, r in enumerate([*(r for r, _ in planned), *rest])})
-        held_back = [r for r in self.running if r.request_id not in planned_ids]
-        if held_back:
-            self.running = [r for r in self.running if r.request_id in planned_ids]
-        return held_back
+        return planned
 
     def _evict_for(
         self,
@@ -241,15 +259,15 @@ class StreamingScheduler(AccountingScheduler):
         active: list[Request],
         live: list[Request],
         views: dict[str, RankView],
-    ) -> None:
+    ) -> Request | None:
         """Evict until each planned request's new blocks are free, walking the plan in rank order: a victim
         is unplanned and ranked below the request it makes room for. Idle sessions rank below everyone with
         work, except that an idle session whose own hand-off is planned ranks with that hand-off (its blocks
-        are the hand-off's prefix)."""
+        are the hand-off's prefix). Returns the first planned request left without room (None: all have it)."""
         pool = self.kv_cache_manager.block_pool
         need = sum(n for _, n in planned)
         if need <= pool.get_num_free_blocks():
-            return
+            return None
         policy = self.settings.policy
         position = {r.request_id: i for i, r in enumerate(active)}
         planned_ids = {r.request_id for r, _ in planned}
@@ -280,9 +298,10 @@ class StreamingScheduler(AccountingScheduler):
                     None,
                 )
                 if victim is None:
-                    return  # nothing ranked below this request holds blocks: it and what follows wait
+                    return r  # nothing ranked below this request holds blocks: it and what follows wait
                 candidates.remove(victim)
                 self._evict(victim[2])
+        return None
 
     # --- eviction and its undoing -------------------------------------------------------------------
     def _evict(self, r: Request) -> None:

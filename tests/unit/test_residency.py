@@ -1,7 +1,8 @@
 """Residency control (prefill/session_api.py `_room_to_stream`): a session streams its input to the engine only
 while the KV of every streaming session fits `streaming_kv_fraction` of the cache; one that does not fit buffers
-its input (as `on_end_only` does) and starts streaming at a later chunk once room frees. Real sessions and session
-API; the engine is faked at its client (what was sent, and the cache's size)."""
+its input (as `on_end_only` does) and starts streaming once room frees (at its next chunk, or when the replica's
+sweep finds room, whichever comes first). Real sessions and session API; the engine is faked at its client (what
+was sent, and the cache's size)."""
 
 from __future__ import annotations
 
@@ -91,4 +92,30 @@ async def test_the_vllm_baseline_streams_every_session(tokenizer) -> None:  # no
     assert sorted(r.rsplit("-stream", 1)[0] for r in client.started) == sorted([big.id, small.id])
     assert not small.buffered
     for s in (big, small):
+        await server.session_delete(session_id=s.id)
+
+
+async def test_a_buffered_session_streams_once_room_frees_without_another_chunk(tokenizer) -> None:  # noqa: F811
+    """Its next chunk may be its last (then all of its input would be the hand-off's): the replica's sweep starts
+    it as soon as room frees, oldest first, and one that still does not fit keeps the ones behind it waiting."""
+    server = Server(tokenizer)
+    server.engine.client = client = Client(blocks=12)  # 9 blocks for streaming sessions
+    big, older, newer = server.open_session(), server.open_session(), server.open_session()
+    for s in (big, older, newer):
+        s.policy = StartPolicy(type="on_first_chunk")
+    await server.session_chunk(session_id=big.id, sequence_id=0, payload=words(50))
+    await server.session_chunk(session_id=older.id, sequence_id=0, payload=words(50))
+    await server.session_chunk(session_id=newer.id, sequence_id=0, payload=words(20))
+    await asyncio.sleep(0.01)
+    assert older.buffered and newer.buffered and not older.streaming.active
+    await server._promote_buffered()  # no room yet: the oldest does not fit, and the newer waits behind it
+    assert [r.rsplit("-stream", 1)[0] for r in client.started] == [big.id]
+
+    await server.session_delete(session_id=big.id)
+    await server._promote_buffered()
+    await asyncio.sleep(0.01)
+    started = [r.rsplit("-stream", 1)[0] for r in client.started]
+    assert started[1] == older.id and older.streaming.target == older.stable_tokens(tokenizer)
+    assert newer.id not in started  # the older one took the room: 7 of the 9 blocks
+    for s in (older, newer):
         await server.session_delete(session_id=s.id)

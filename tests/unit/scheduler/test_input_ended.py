@@ -149,3 +149,21 @@ def test_a_hand_off_takes_the_kv_its_session_had_swapped_out_after_it_came(make)
     c = h.counters()
     assert c["swap_taken_by_handoff"] == 1 and c["swapped_in_blocks"] >= 1
     assert c["swapped_in_blocks"] + c.get("tokens_back_from_prefix_cache", 0) // 16 == 3
+
+
+def test_partial_input_without_room_sits_out_instead_of_preempting_a_prefill(make) -> None:
+    """MCPS ranks a session with more computed above a hand-off in progress. The session's chunk needs blocks only
+    the running hand-off holds, and partial input never preempts a running prefill: it sits the step out and the
+    hand-off runs. (Left planned, vLLM's own loop preempted a running request for it, losing its progress: seen
+    in the pressure bench as a hand-off computing 2,048 of its tokens twice.)"""
+    h: Harness = make(policy="mcps", num_blocks=13, budget=64)
+    h.add("x", 96)
+    h.run()  # x idle with 6 blocks, 96 computed
+    h.add("hand-off", 96, resumable=False)
+    assert h.step().num_scheduled_tokens == {"hand-off": 64}  # its 6 blocks: the cache is full
+    h.add("x", 64)  # x (96 computed) ranks above the hand-off (64): its chunk needs 4 blocks, none is free
+    steps = h.run()
+    assert steps[0] == {"hand-off": 32}, steps
+    assert sum(step.get("x", 0) for step in steps) == 64  # x computed only its new chunk, after the hand-off
+    c = h.counters()
+    assert "preemptions_engine" not in c and c["partial_without_room"] >= 1
