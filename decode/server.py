@@ -8,6 +8,7 @@ ready at that moment. Non-streaming requests are answered by `start` itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ class DecodeServer:
         await self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
+        self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
@@ -69,13 +71,31 @@ class DecodeServer:
             return payload
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
-        outbox = self.outboxes.setdefault(consumer, Outbox())
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, outbox, stream_id, ids))
+        outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids))
         return {"replica": self.replica}
 
-    async def _pump(
-        self, stream: AsyncGenerator[str, None], outbox: Outbox, stream_id: str, ids: IdsMode | None = None
-    ) -> None:
+    async def adopt(
+        self, *, consumer: str, stream_id: str, parked: str, request_id: str, replica: str | None = None
+    ) -> dict[str, Any]:
+        """Take over a stream started for another consumer (a preemptive answer its owner parked under
+        `parked`, prefill/preemptive.py): what it produced so far and everything after go to `consumer`'s
+        feed, and its engine request (`request_id`, as its body named it) is raised to an ordinary answer's
+        priority. `{"replica": ...}`, or an
+        error (404) when the stream is gone (cancelled, or reaped unadopted)."""
+        source = self.outboxes.get(parked)
+        target = self.outboxes.setdefault(consumer, Outbox())
+        if source is None or not source.hand_over(stream_id, target):
+            return error_body(404, f"no parked stream {stream_id}")
+        if stream_id in self.routes:
+            self.routes[stream_id] = target
+        if source.idle and self.outboxes.get(parked) is source:
+            del self.outboxes[parked]
+        with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
+            await self.engine.utility("rtpd_set_priority", request_id, 0)
+        return {"replica": self.replica}
+
+    async def _pump(self, stream: AsyncGenerator[str, None], stream_id: str, ids: IdsMode | None = None) -> None:
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
         try:
@@ -87,10 +107,10 @@ class DecodeServer:
                     error = failed
                     break
                 if shown is None:
-                    outbox.put(stream_id, text)
+                    self.routes[stream_id].put(stream_id, text)
                 else:
                     text, prompt, tokens = shown.take(text)
-                    outbox.put(stream_id, text, prompt, tokens)
+                    self.routes[stream_id].put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]
         except Exception as e:
@@ -100,7 +120,7 @@ class DecodeServer:
             try:
                 await stream.aclose()  # closing vLLM's generator aborts the engine request
             finally:
-                outbox.end(stream_id, error)  # whatever happens, the router learns the stream ended
+                self.routes.pop(stream_id).end(stream_id, error)  # whatever happens, the router learns it ended
 
     async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
         """`consumer`'s frames from every one of its streams on this replica, for as long as it listens and

@@ -167,10 +167,14 @@ class Harness:
         resumable: bool = True,
         session: str | None = None,
         arrival: float | None = None,
+        preemptive: bool = False,
     ) -> Request:
         ids = self.tokens(tokens) if isinstance(tokens, int) else list(tokens)
         arrival = self.clock.now if arrival is None else arrival
-        params = SamplingParams(max_tokens=1, extra_args={"rtpd_session": session or rid, "rtpd_arrival": arrival})
+        args: dict[str, Any] = {"rtpd_session": session or rid, "rtpd_arrival": arrival}
+        if preemptive:
+            args["rtpd_preemptive"] = True
+        params = SamplingParams(max_tokens=1, extra_args=args)
         return Request(
             rid,
             ids,
