@@ -23,7 +23,7 @@ from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
 from serve_app.engine import Endpoint, Engine
-from serve_app.protocol import error_body, error_payload, error_status
+from serve_app.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
@@ -58,11 +58,15 @@ class DecodeServer:
         body: dict[str, Any],
         ids: IdsMode | None = None,
         avoid: list[str] | None = None,
+        prefer: str | None = None,
+        park_tokens: int | None = None,
     ) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
         and this engine prefills it). A stream's frames go to `consumer`'s feed: `{"replica": <this one>}`.
         Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`. `avoid` is for the request
-        router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids."""
+        router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids.
+        `park_tokens`: a preemptive answer, parked under `consumer` (prefill/preemptive.py), stops after this many
+        tokens unless a router adopts it first (then that router goes on from its ids, router/resume.py)."""
         result = await self.engine.openai(endpoint, body)
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
             payload = error_payload(result)
@@ -72,7 +76,8 @@ class DecodeServer:
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
         outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids))
+        cap = (outbox, park_tokens) if park_tokens is not None else None
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, cap))
         return {"replica": self.replica}
 
     async def adopt(
@@ -95,11 +100,23 @@ class DecodeServer:
             await self.engine.utility("rtpd_set_priority", request_id, 0)
         return {"replica": self.replica}
 
-    async def _pump(self, stream: AsyncGenerator[str, None], stream_id: str, ids: IdsMode | None = None) -> None:
+    async def _pump(
+        self,
+        stream: AsyncGenerator[str, None],
+        stream_id: str,
+        ids: IdsMode | None = None,
+        cap: tuple[Outbox, int] | None = None,
+    ) -> None:
+        """Engine output into the stream's outbox; `cap`: (its parking outbox, tokens), see `start`."""
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
+        made = 0
         try:
             async for text in stream:
+                if cap is not None and made >= cap[1] and self.routes.get(stream_id) is cap[0]:
+                    error = error_body(503, f"the preemptive answer stopped at {cap[1]} tokens", type_=PREEMPTIVE_CAP)
+                    error = error["error"]
+                    break
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
                     # vLLM writes an engine failure (its engine died) into the stream: end the stream with it
                     # instead, so that the router resumes the answer on another replica.
@@ -110,6 +127,7 @@ class DecodeServer:
                     self.routes[stream_id].put(stream_id, text)
                 else:
                     text, prompt, tokens = shown.take(text)
+                    made += len(tokens)
                     self.routes[stream_id].put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]

@@ -62,16 +62,27 @@ class HandOff:
 
     async def _hand_off(self, session: Session, answer: Answer) -> None:
         """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
-        answer.status, answer.preparing_at = "preparing", time.monotonic()
+        answer.status, answer.preparing_at, answer.adopt = "preparing", time.monotonic(), None
         try:
+            overrides = dict(answer.overrides)
+            request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
+            answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+            # A preemptive answer made from exactly this input is the answer (prefill/preemptive.py).
+            live = await self._preempt_take(session, request) if session.preempt is not None else None
+            if live is not None:
+                session.streaming.stop_input()
+                answer.input_done_at = time.monotonic()
+                request.update(stream=True, stream_options={"include_usage": True}, request_id=live.stream_id)
+                request["kv_transfer_params"] = live.request["kv_transfer_params"]
+                answer.adopt = {"replica": live.replica, "parked": live.parked, "stream_id": live.stream_id}
+                answer.request, answer.status = request, "ready"
+                answer.mark_handed_off()
+                return
             if session.streaming.active:
                 # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight
                 # is waited for, ranked complete meanwhile, so that the hand-off finds its blocks cached.
                 await session.streaming.finish_input()
             answer.input_done_at = time.monotonic()
-            overrides = dict(answer.overrides)
-            request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
-            answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
             # The owner learns the usage from the router's report, whatever the client asked for.
             request.update(stream=True, stream_options={"include_usage": True})
             answer.handoffs += 1
@@ -133,6 +144,8 @@ class HandOff:
         if answer.status == "ready" and answer.handed_off_at is not None:
             lease = self.config.kv_transfer.lease_s
             if fresh or time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
+                if answer.adopt is not None:  # a preemptive answer nobody adopted: its decode stream goes
+                    self._preempt_release(answer.adopt)
                 # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
                 # close reaches it; shielded, so that this claim's caller leaving does not stop it).
                 answer.status = "preparing"
@@ -140,6 +153,8 @@ class HandOff:
                 await asyncio.shield(answer.task)
         reply: dict[str, Any] = {"turn": answer.turn, "endpoint": session.endpoint}
         reply["include_usage"] = answer.include_usage
+        if answer.adopt is not None and answer.status == "ready":
+            reply["adopt"] = answer.adopt  # a preemptive answer: the router takes its decode stream over
         if answer.status != "ready":
             return {**reply, "answer": answer.summary()}
         answer.status, answer.claimed_at = "streaming", time.monotonic()

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app import metrics
+from serve_app.protocol import continuation_refusal
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
@@ -85,6 +86,7 @@ class Preemptive:
 
     sessions: dict[str, Any]
     settings: Any
+    engine: Any
     decode: Any
     replica: str
     prefill: Any
@@ -112,7 +114,7 @@ class Preemptive:
         state.timer = None
         if (why := self._preempt_refusal(session)) is not None:
             logger.debug("session %s: no preemptive answer (%s)", session.id, why)
-            metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome=f"skipped: {why}")
+            metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="skipped")
             return
         state.attempts += 1
         turn = len(session.answers)
@@ -137,7 +139,7 @@ class Preemptive:
         if state.attempts >= state.options.max_attempts:
             return "max_attempts"
         limit = state.options.max_input_tokens
-        if limit is not None and len(session.streaming.target) > limit:
+        if limit is not None and len(session.stable_tokens(self.engine.tokenizer)) > limit:
             return "max_input_tokens"
         in_flight = sum(s.preempt.live is not None for s in self.sessions.values() if getattr(s, "preempt", None))
         if in_flight >= self.settings.max_preemptive_in_flight:
@@ -155,17 +157,19 @@ class Preemptive:
             handoff = await self.prefill(session.endpoint, request, session.streaming, preemptive=True)
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
-            answer_max = request.get("max_completion_tokens") or request.get("max_tokens")
-            body = {
-                **request,
-                "kv_transfer_params": handoff["kv_transfer_params"],
-                "priority": PREEMPTIVE_PRIORITY,
-                "max_tokens": min(state.options.max_tokens, answer_max or state.options.max_tokens),
-            }
-            body.pop("max_completion_tokens", None)
+            body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
+            body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
             live.request = body
+            # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
+            # exactly (tools, stop strings: `continuation_refusal`) is made whole instead, still at the lowest priority.
+            cap = None if continuation_refusal(session.endpoint, body) else state.options.max_tokens
             started = await self.decode.start.remote(
-                consumer=live.parked, stream_id=live.stream_id, endpoint=session.endpoint, body=body, ids="strip"
+                consumer=live.parked,
+                stream_id=live.stream_id,
+                endpoint=session.endpoint,
+                body=body,
+                ids="strip",
+                park_tokens=cap,
             )
             if "replica" not in started:
                 raise RuntimeError((started.get("error") or {}).get("message", "decode refused it"))
@@ -191,6 +195,13 @@ class Preemptive:
             live.task.cancel()
         asyncio.create_task(self._preempt_stop(live))
 
+    def _preempt_release(self, adopt: dict[str, Any]) -> None:
+        """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
+        stale): its parked decode stream is stopped."""
+        live = Preemption(turn=-1, attempt=-1, fingerprint="", parked=adopt["parked"], stream_id=adopt["stream_id"])
+        live.replica = adopt["replica"]
+        asyncio.create_task(self._preempt_stop(live))
+
     async def _preempt_stop(self, live: Preemption) -> None:
         if live.task is not None:
             await asyncio.gather(live.task, return_exceptions=True)  # (a decode start in flight lands first)
@@ -199,10 +210,19 @@ class Preemptive:
         with contextlib.suppress(Exception):
             await self.decode.stop.remote(consumer=live.parked, stream_id=live.stream_id, replica=live.replica)
 
+    def _preempt_close(self, session: Any) -> None:
+        """The session closed: its timer and any preemptive answer go."""
+        state: PreemptState = session.preempt
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.live is not None:
+            self._preempt_discard(session, "the session closed")
+
     # --- the turn ends -----------------------------------------------------------------------------
-    async def _preempt_take(self, session: Any) -> Preemption | None:
-        """At end of input: the live preemptive answer if it was made from exactly this input (it becomes the
-        answer), else None (it is given up, and the ordinary hand-off runs)."""
+    async def _preempt_take(self, session: Any, final: dict[str, Any]) -> Preemption | None:
+        """At end of input: the live preemptive answer if it was made from exactly the answer's request `final`
+        (it becomes the answer), else None (it is given up, and the ordinary hand-off runs)."""
         state: PreemptState | None = getattr(session, "preempt", None)
         if state is None:
             return None
@@ -212,7 +232,7 @@ class Preemptive:
         live = state.live
         if live is None:
             return None
-        if live.fingerprint != fingerprint(session.full_request()):
+        if live.fingerprint != fingerprint(final):
             self._preempt_discard(session, "the turn ended with other input")
             return None
         if live.task is not None:

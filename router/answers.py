@@ -162,7 +162,16 @@ class AnswerReader:
             request.pop("stream_options", None)
         first: Any
         try:
-            opened = await self.ingress.feeds.open(self.endpoint, request)
+            if "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
+                opened = await self.ingress.feeds.adopt(claim["adopt"], self.endpoint, request) if stream else {}
+                if isinstance(opened, dict):
+                    # Gone (cancelled, reaped, its replica died), or a reader of the whole answer: an ordinary
+                    # hand-off (its owner stops the parked stream).
+                    await asyncio.shield(self.report("released"))
+                    self._reported = None
+                    return await self.open(stream, retried=True)
+            else:
+                opened = await self.ingress.feeds.open(self.endpoint, request)
             if isinstance(opened, dict):  # not a stream: the whole response, or an error
                 first = opened if "error" in opened else opened["response"]
             else:
