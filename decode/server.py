@@ -169,11 +169,23 @@ class DecodeServer:
                 if self.outboxes.get(consumer) is outbox and (outbox.idle or not idle_end):
                     del self.outboxes[consumer]
 
-    async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> None:
-        """The client left: abort its request."""
+    async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> dict[str, Any]:
+        """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a
+        stream nobody read (a parked one) had made, for its owner's accounting."""
         outbox = self.outboxes.get(consumer)
-        if outbox is not None and (task := outbox.tasks.get(stream_id)) is not None:
+        if outbox is None:
+            return {"tokens": 0}
+        if (task := outbox.tasks.get(stream_id)) is not None:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        tokens = len(outbox.ids.get(stream_id, (None, []))[1])
+        if not outbox.attached:  # parked: nobody will take what it made
+            outbox.frames.pop(stream_id, None)
+            outbox.ids.pop(stream_id, None)
+            outbox.ended.pop(stream_id, None)
+            if outbox.idle and self.outboxes.get(consumer) is outbox:
+                del self.outboxes[consumer]
+        return {"tokens": tokens}
 
     async def _reap(self) -> None:
         while True:

@@ -56,6 +56,8 @@ class Preemption:
     replica: str | None = None  # the decode replica, once started
     task: asyncio.Task[None] | None = None  # the hand-off and decode start in progress
     started_at: float = field(default_factory=time.monotonic)
+    state: PreemptState | None = None  # its session's (where discarded tokens are counted)
+    discarded_tokens: int = 0
 
 
 @dataclass
@@ -66,6 +68,7 @@ class PreemptState:
     live: Preemption | None = None
     delivered: int = 0  # preemptive answers that became the answer
     discarded: int = 0  # preemptive answers given up (new input came, or the turn ended changed)
+    discarded_tokens: int = 0  # tokens those had made on decode
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -73,6 +76,7 @@ class PreemptState:
             "attempts": self.attempts,
             "delivered": self.delivered,
             "discarded": self.discarded,
+            "discarded_tokens": self.discarded_tokens,
             "live": self.live is not None,
         }
 
@@ -124,6 +128,7 @@ class Preemptive:
             fingerprint=fingerprint(session.full_request()),
             parked=f"preempt:{session.id}:{turn}:{state.attempts}",
             stream_id=f"{session.id}-t{turn}-p{state.attempts}",
+            state=state,
         )
         state.live = live
         live.task = asyncio.create_task(self._preempt_start(session, live))
@@ -208,7 +213,14 @@ class Preemptive:
         if live.replica is None:
             return
         with contextlib.suppress(Exception):
-            await self.decode.stop.remote(consumer=live.parked, stream_id=live.stream_id, replica=live.replica)
+            stopped = await self.decode.stop.remote(
+                consumer=live.parked, stream_id=live.stream_id, replica=live.replica
+            )
+            tokens = int((stopped or {}).get("tokens", 0))
+            live.discarded_tokens = tokens
+            if live.state is not None:
+                live.state.discarded_tokens += tokens
+            metrics.inc(metrics.PREEMPTIVE_DISCARDED_TOKENS, tokens, "tokens preemptive answers made and discarded")
 
     def _preempt_close(self, session: Any) -> None:
         """The session closed: its timer and any preemptive answer go."""

@@ -73,6 +73,7 @@ ROUTER_PREFILLS = "rtpd_router_prefills_total"  # by where (prefill | decode) an
 SESSIONS_ADOPTED = "rtpd_sessions_adopted_total"  # sessions taken over from another replica, by why
 SESSIONS_BUFFERED = "rtpd_sessions_buffered_total"  # sessions whose input waited for KV room to stream
 PREEMPTIVE = "rtpd_preemptive_answers_total"  # preemptive answers, by outcome (started, delivered, discarded, ...)
+PREEMPTIVE_DISCARDED_TOKENS = "rtpd_preemptive_discarded_tokens_total"  # tokens preemptive answers made, discarded
 SESSIONS_PROMOTED = "rtpd_sessions_promoted_total"  # buffered sessions that started streaming once room freed
 SESSION_CALL_RETRIES = "rtpd_session_call_retries_total"  # router: session calls retried, by why
 ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason

@@ -35,8 +35,9 @@ class FakeDecode:
         outer = self
 
         class Method:
-            async def remote(self, **kwargs: Any) -> None:
+            async def remote(self, **kwargs: Any) -> dict[str, Any]:
                 outer.stopped.append(kwargs)
+                return {"tokens": 5}
 
         return Method()
 
@@ -107,6 +108,7 @@ async def test_new_input_discards_the_preemptive_answer_and_the_turn_is_handed_o
     (stopped,) = server.decode.stopped  # stopped on decode
     assert stopped["stream_id"] == server.decode.started[0]["stream_id"]
     assert session.describe()["preemptive"]["discarded"] == 1
+    assert session.describe()["preemptive"]["discarded_tokens"] == 5  # what it had made on decode
 
 
 async def test_no_preemptive_answer_while_the_engine_is_busy_or_past_max_attempts(server: PreemptiveServer) -> None:
