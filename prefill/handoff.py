@@ -76,7 +76,8 @@ class HandOff:
                 request["kv_transfer_params"] = live.request["kv_transfer_params"]
                 answer.adopt = {"replica": live.replica, "parked": live.parked, "stream_id": live.stream_id}
                 answer.request, answer.status = request, "ready"
-                answer.mark_handed_off()
+                answer.mark_handed_off()  # (no prefill and no hand-off after the end of input: handoff_ms ~ 0)
+                answer.timing["preempted_ms"] = (time.monotonic() - live.started_at) * 1e3  # started that early
                 return
             if session.streaming.active:
                 # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight

@@ -163,6 +163,7 @@ class Preemptive:
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
             body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
+            ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
             body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
             live.request = body
             # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
@@ -173,7 +174,7 @@ class Preemptive:
                 stream_id=live.stream_id,
                 endpoint=session.endpoint,
                 body=body,
-                ids="strip",
+                ids=ids,
                 park_tokens=cap,
             )
             if "replica" not in started:

@@ -62,6 +62,8 @@ def test_an_unchanged_turn_gets_its_preemptive_answer(server):
     after = info(server, sid)
     assert after["preemptive"]["delivered"] == 1 and after["preemptive"]["discarded"] == 0
     assert after["work"].get("handoff_tokens", 0) == 0  # no hand-off after the end of input
+    timing = after["answers"][-1]["timing"]
+    assert timing["handoff_ms"] < 50 and timing["preempted_ms"] > 0, timing
     assert after["answers"][-1]["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("prefill")

@@ -93,6 +93,8 @@ async def test_an_unchanged_turn_is_answered_by_its_preemptive_answer(server: Pr
     assert claim["adopt"] == {"replica": "d1", "parked": started["consumer"], "stream_id": started["stream_id"]}
     assert claim["request"]["kv_transfer_params"]["handoff"] == 1
     assert session.describe()["preemptive"]["delivered"] == 1 and not server.decode.stopped
+    timing = session.answers[0].summary()["timing"]
+    assert timing["handoff_ms"] < 5 and timing["preempted_ms"] >= 2 * IDLE_MS  # started before the turn ended
 
 
 async def test_new_input_discards_the_preemptive_answer_and_the_turn_is_handed_off_as_usual(
