@@ -168,6 +168,7 @@ class Harness:
         session: str | None = None,
         arrival: float | None = None,
         preemptive: bool = False,
+        priority: int = 0,
     ) -> Request:
         ids = self.tokens(tokens) if isinstance(tokens, int) else list(tokens)
         arrival = self.clock.now if arrival is None else arrival
@@ -183,6 +184,7 @@ class Harness:
             block_hasher=self.hasher,
             resumable=resumable,
             arrival_time=arrival,
+            priority=priority,
         )
 
     def add(self, rid: str, tokens: list[int] | int, **kwargs: Any) -> Request:
