@@ -58,6 +58,7 @@ class Preemption:
     started_at: float = field(default_factory=time.monotonic)
     state: PreemptState | None = None  # its session's (where discarded tokens are counted)
     discarded_tokens: int = 0
+    start_call: asyncio.Future[Any] | None = None  # decode's `start`, once called
 
 
 @dataclass
@@ -169,14 +170,18 @@ class Preemptive:
             # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
             # exactly (tools, stop strings: `continuation_refusal`) is made whole instead, still at the lowest priority.
             cap = None if continuation_refusal(session.endpoint, body) else state.options.max_tokens
-            started = await self.decode.start.remote(
-                consumer=live.parked,
-                stream_id=live.stream_id,
-                endpoint=session.endpoint,
-                body=body,
-                ids=ids,
-                park_tokens=cap,
+            call = asyncio.ensure_future(
+                self.decode.start.remote(
+                    consumer=live.parked,
+                    stream_id=live.stream_id,
+                    endpoint=session.endpoint,
+                    body=body,
+                    ids=ids,
+                    park_tokens=cap,
+                )
             )
+            live.start_call = call  # (given up meanwhile: the stop waits for it, so that it stops what started)
+            started = await asyncio.shield(call)
             if "replica" not in started:
                 raise RuntimeError((started.get("error") or {}).get("message", "decode refused it"))
             live.replica = started["replica"]
@@ -210,7 +215,10 @@ class Preemptive:
 
     async def _preempt_stop(self, live: Preemption) -> None:
         if live.task is not None:
-            await asyncio.gather(live.task, return_exceptions=True)  # (a decode start in flight lands first)
+            await asyncio.gather(live.task, return_exceptions=True)
+        if live.replica is None and live.start_call is not None:  # a decode start in flight when it was given up
+            with contextlib.suppress(Exception):
+                live.replica = (await live.start_call).get("replica")
         if live.replica is None:
             return
         with contextlib.suppress(Exception):
@@ -248,7 +256,12 @@ class Preemptive:
         if live.fingerprint != fingerprint(final):
             self._preempt_discard(session, "the turn ended with other input")
             return None
-        if live.task is not None:
+        if not live.request:
+            # Its hand-off is still being prefilled, ranked below all other work: the ordinary hand-off, ranked as
+            # complete work, goes on from what it computed (the prefix cache keeps its full blocks).
+            self._preempt_discard(session, "its hand-off was not made yet")
+            return None
+        if live.task is not None:  # (its decode start is in flight)
             await asyncio.gather(live.task, return_exceptions=True)
         state.live = None
         if live.replica is None:  # its hand-off or decode start failed

@@ -127,3 +127,21 @@ async def test_no_preemptive_answer_while_the_engine_is_busy_or_past_max_attempt
     await server._close(session, "test")
     await asyncio.sleep(0.01)
     assert len(server.decode.stopped) == 2  # both given up: the last when the session closed
+
+
+async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_as_complete_work(
+    server: PreemptiveServer,
+) -> None:
+    """The preemptive hand-off ranks below all other work: a turn that ends before it was made does not wait
+    for it (the ordinary hand-off, ranked complete, goes on from what it computed)."""
+    session = server.open_preemptive()
+    server.gate = asyncio.Event()  # the preemptive hand-off's prefill does not finish
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1"]
+    await server.chunk(session, "", end=True)
+    server.gate.set()  # (now: the ordinary hand-off goes through; the preemptive one was cancelled waiting)
+    claim = await server.session_claim(session_id=session.id)
+    assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
+    assert server.decode.started == []  # decode never started it
+    assert session.describe()["preemptive"]["discarded"] == 1
