@@ -41,6 +41,8 @@ class HandOff:
     _get: Any
     _prefill_stable: Any
     _check_max_tokens: Any
+    _preempt_take: Any
+    _preempt_release: Any
 
     # --- starting ----------------------------------------------------------------------------------
     def _check_overrides(self, overrides: dict[str, Any]) -> None:
@@ -132,7 +134,15 @@ class HandOff:
 
     # --- the router's side -------------------------------------------------------------------------
     @session_api
-    async def session_claim(self, *, session_id: str, turn: int | None = None, fresh: bool = False) -> dict[str, Any]:
+    async def session_claim(
+        self,
+        *,
+        session_id: str,
+        turn: int | None = None,
+        fresh: bool = False,
+        adopts: bool = True,
+        reclaim: bool = False,
+    ) -> dict[str, Any]:
         """Take the answer to stream it: `{"request": <decode request>, ...}` for its one reader, or
         `{"answer": summary}` when it is over, failed, or already being read by another. `fresh`: hand the KV
         off anew (a reader whose decode stream ended before its first frame may have spent the last one)."""
@@ -140,12 +150,16 @@ class HandOff:
         answer = await self._wait_answer(session, turn)
         if answer is None:
             return {"pending": True}  # no answer yet: the router asks again (its client's wait is its own)
+        if reclaim and answer.status == "streaming" and answer.adopt is not None:
+            # Its reader could not adopt the preemptive answer's stream (gone): it takes an ordinary hand-off.
+            answer.status, answer.claimed_at, fresh = "ready", None, True
         wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
         if answer.status == "ready" and answer.handed_off_at is not None:
             lease = self.config.kv_transfer.lease_s
-            if fresh or time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
-                if answer.adopt is not None:  # a preemptive answer nobody adopted: its decode stream goes
+            stale = time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
+            if fresh or stale or (answer.adopt is not None and not adopts):
+                if answer.adopt is not None:  # a preemptive answer nobody adopts: its decode stream goes
                     self._preempt_release(answer.adopt)
                 # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
                 # close reaches it; shielded, so that this claim's caller leaving does not stop it).
@@ -237,6 +251,8 @@ class HandOff:
             answer.task.cancel()
             await asyncio.gather(answer.task, return_exceptions=True)
         if answer.status in ("ready", "preparing"):  # not claimed (or cancelled before its task ever ran)
+            if answer.adopt is not None and answer.status == "ready":
+                self._preempt_release(answer.adopt)  # a preemptive answer's decode stream, parked: it goes
             answer.finish("cancelled")  # NIXL frees a hand-off nobody reads after the lease
             await self._answer_ended(session, answer)
             await _notify(session)

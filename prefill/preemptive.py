@@ -66,6 +66,7 @@ class PreemptState:
     options: PreemptiveOptions
     attempts: int = 0  # this turn's
     timer: asyncio.TimerHandle | None = None
+    fingerprint: str = ""  # the request the session's input made when it last changed
     live: Preemption | None = None
     delivered: int = 0  # preemptive answers that became the answer
     discarded: int = 0  # preemptive answers given up (new input came, or the turn ended changed)
@@ -104,6 +105,10 @@ class Preemptive:
         state: PreemptState | None = getattr(session, "preempt", None)
         if state is None:
             return
+        now = fingerprint(session.full_request())
+        if now == state.fingerprint and (state.live is not None or state.timer is not None):
+            return  # nothing changed (a realtime commit turns the typed text into a message: the same request)
+        state.fingerprint = now
         if state.timer is not None:
             state.timer.cancel()
             state.timer = None
@@ -144,6 +149,8 @@ class Preemptive:
             return "one is in progress"
         if state.attempts >= state.options.max_attempts:
             return "max_attempts"
+        if session.pending:
+            return "chunks are missing"  # (its input is known to be incomplete)
         limit = state.options.max_input_tokens
         if limit is not None and len(session.stable_tokens(self.engine.tokenizer)) > limit:
             return "max_input_tokens"
@@ -250,6 +257,7 @@ class Preemptive:
         if state.timer is not None:
             state.timer.cancel()
             state.timer = None
+        state.attempts, state.fingerprint = 0, ""  # (the next turn has its own attempts)
         live = state.live
         if live is None:
             return None

@@ -288,7 +288,11 @@ class SessionAPI(HandOff, Failover, Preemptive):
         session = self._get(session_id)
         self._check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
-        options = _validated(PreemptiveOptions, "preemptive", {"preemptive": preemptive}) if preemptive else None
+        options = (
+            _validated(PreemptiveOptions, "preemptive", {"preemptive": preemptive or {}})
+            if preemptive is not None
+            else None
+        )
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
@@ -449,6 +453,8 @@ class SessionAPI(HandOff, Failover, Preemptive):
             task.cancel()  # a hand-off in progress; an answer a router streams ends on its own
         if session.preempt is not None:
             self._preempt_close(session)
+            if session.answers and (last := session.answers[-1]).adopt is not None and last.status == "ready":
+                self._preempt_release(last.adopt)  # adopted by its answer, never claimed: its decode stream goes
         await session.streaming.close()
         if session.journal is not None:  # nothing left to take over
             await session.journal.forget()

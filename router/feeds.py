@@ -126,16 +126,24 @@ class Feeds:
         consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
         from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off)."""
         stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
-        stream.ids = "keep" if body.get("return_token_ids") else "strip"
+        if resume.refusal(endpoint, body) is None:  # (else it is not resumed: a continuation would differ)
+            stream.ids = "keep" if body.get("return_token_ids") else "strip"
         self.streams[stream.stream_id] = stream  # before the call: the adopted frames may come before it returns
-        try:
-            reply = await self.decode.adopt.remote(
+        call = asyncio.ensure_future(
+            self.decode.adopt.remote(
                 consumer=self.consumer,
                 stream_id=stream.stream_id,
                 parked=adopt["parked"],
                 request_id=stream.stream_id,
                 replica=adopt["replica"],
             )
+        )
+        try:
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client left: once adopted, it is stopped
+            self.streams.pop(stream.stream_id, None)
+            call.add_done_callback(lambda done: self._stop_started(stream, done))
+            raise
         except Exception as e:  # (its replica died: the owner hands the KV off anew)
             reply = error_body(404, f"the preemptive answer's decode replica is gone: {e}")
         if "replica" not in reply:
@@ -241,6 +249,9 @@ class Feeds:
         return self._resumed(stream, dead, outcome, error)
 
     def _resumed(self, stream: DecodeStream, dead: str | None, outcome: str, error: dict[str, Any]) -> bool:
+        if error.get("type") == PREEMPTIVE_CAP:  # not a failure: an adopted preemptive answer goes on
+            metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome="preemptive_continued")
+            return True
         logger.warning(
             "decode stream %s %s on replica %s after %d tokens (replica %s failed: %s)",
             stream.stream_id,

@@ -120,16 +120,18 @@ def _rtpd_set_priority(self: EngineCore, request_key: str, priority: int) -> int
     priority (lower is served first; the engine runs `scheduling_policy: priority`): a preemptive answer a
     router adopted ranks as an ordinary one from then on. Returns how many were changed."""
     scheduler = self.scheduler
+    mine = re.compile(rf"(^|-){re.escape(request_key)}(-|$)")  # (`-p1` is not `-p10`)
     changed = 0
     for rid, request in scheduler.requests.items():
-        if request_key not in rid or request.priority == priority:
+        if not mine.search(rid) or request.priority == priority:
             continue
-        waiting = request in scheduler.waiting
-        if waiting:  # (a heap under the priority policy: taken out and put back at its new place)
-            scheduler.waiting.remove_request(request)
+        # Waiting queues are heaps under the priority policy: taken out and put back at its new place.
+        queues = [q for q in (scheduler.waiting, scheduler.kv_holding_waiting) if request in q]
+        for queue in queues:
+            queue.remove_request(request)
         request.priority = priority
-        if waiting:
-            scheduler.waiting.add_request(request)
+        for queue in queues:
+            queue.add_request(request)
         changed += 1
     return changed
 

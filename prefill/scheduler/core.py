@@ -172,7 +172,8 @@ class StreamingScheduler(AccountingScheduler):
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
         # A hand-off not started yet takes its session's host copy, swapped out since the hand-off came.
         for r in active:
-            if not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted:
+            fresh = not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted
+            if fresh and r.request_id not in self.preemptive:  # (a preemptive one may be discarded: not its KV)
                 self._take_swapped_prefix(r)
 
         # Partial input left without room (it may not preempt a running prefill) sits the step out and the step is
@@ -575,7 +576,7 @@ class StreamingScheduler(AccountingScheduler):
             if len(self.sessions) > MAX_TRACKED_SESSIONS:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(key)
-        if chunk or not r.resumable:
+        if chunk or (not r.resumable and r.request_id not in self.preemptive):  # (no new input: its LCAS rank stays)
             track.last_chunk = now
 
     def _forget_gone(self) -> None:

@@ -145,3 +145,39 @@ async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_a
     assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
     assert server.decode.started == []  # decode never started it
     assert session.describe()["preemptive"]["discarded"] == 1
+
+
+async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server: PreemptiveServer) -> None:
+    """Realtime: `input_text_buffer.commit` turns the typed text into a message, the same request."""
+    session = server.open_preemptive()
+    await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
+    await idle()
+    assert len(server.decode.started) == 1
+    await server.session_buffer(session_id=session.id, op="commit")
+    await server.session_finish(session_id=session.id)
+    claim = await server.session_claim(session_id=session.id)
+    assert claim["adopt"]["stream_id"] == server.decode.started[0]["stream_id"] and not server.decode.stopped
+
+
+async def test_a_reader_of_the_whole_answer_gets_an_ordinary_hand_off(server: PreemptiveServer) -> None:
+    session = server.open_preemptive()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    await server.chunk(session, "", end=True)
+    claim = await server.session_claim(session_id=session.id, adopts=False)
+    await asyncio.sleep(0.01)
+    assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
+    assert len(server.decode.stopped) == 1  # the parked stream nobody will adopt was stopped
+
+
+async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
+    session = server.open_preemptive(max_attempts=1)
+    await server.chunk(session, "First question? ")
+    await idle()
+    await server.chunk(session, "", end=True)
+    claim = await server.session_claim(session_id=session.id)
+    await server.session_answer_done(session_id=session.id, turn=0, outcome={"status": "completed", "text": "A."})
+    assert "adopt" in claim
+    await server.chunk(session, "Second question? ")
+    await idle()
+    assert len(server.decode.started) == 2  # the second turn's own attempt
