@@ -150,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=300, limits=limits) as client:
         warm = make_turn(random.Random(-1), 20, 3)
         for system in SYSTEMS:  # warm-up, not counted
-            await one_turn(client, system, warm, None, args)
+            await one_turn(client, system, warm, None, _with_lag(args, args.eot_lag_ms[0]))
         for lag in args.eot_lag_ms:
             for c in args.concurrency:
                 label = f"lag {lag} ms, {c} users"
