@@ -15,6 +15,8 @@ Parts (`--parts`, default all):
   against the same app not streaming (`on_end_only`).
 - `tokens`: the token path (bench/token_path.py at 32 and 128 streams: this app, a plain vLLM server and Ray
   Serve LLM on the config's model), for the token-streaming ratios.
+- `preemptive`: end of turn -> first token with and without preemptive answers (bench/preemptive.py: spoken
+  turns, an end-of-turn detector's lag of 300 and 600 ms, at low and saturating load).
 
 Writes to `--out` (bench/results/): the workloads replayed (`workloads/*.json`), the raw results
 (`suite-<stamp>.json`), `suite.md`, the plots and `summary.json` (bench/suite_report.py).
@@ -52,7 +54,7 @@ from serve_app.config import AppConfig
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MODEL = "local:medium-llama"  # the larger local model: a 3,000-token prefill takes about 1 s on one core
-PARTS = ("append", "update", "pressure", "tokens")
+PARTS = ("append", "update", "pressure", "tokens", "preemptive")
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -324,6 +326,19 @@ def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
     return json.loads(made[-1].read_text())
 
 
+def preemptive_answers(args: argparse.Namespace) -> dict[str, Any] | None:
+    """bench/preemptive.py in its own process (it starts its own Ray); its results JSON."""
+    out = args.out / "preemptive"
+    argv = ["--config", str(args.config), "--out", str(out), *(["--quick"] if args.quick else [])]
+    before = set(out.glob("preemptive-*.json"))
+    print(f"== preemptive: bench/preemptive.py {' '.join(argv)}", flush=True)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "preemptive.py"), *argv], cwd=ROOT)
+    made = sorted(set(out.glob("preemptive-*.json")) - before)
+    if done.returncode != 0 or not made:
+        return None
+    return json.loads(made[-1].read_text())
+
+
 def provenance(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from token_path import machine
 
@@ -353,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         "workloads": {},
         "runs": runner.runs,
         "token_streaming": None,
+        "preemptive": None,
         "notes": runner.notes,
     }
     traces: dict[str, list[workloads.Trace]] = {}
@@ -410,6 +426,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             raw["token_streaming"] = token_streaming(args)
             if raw["token_streaming"] is None:
                 runner.notes.append("the token-path part failed: see its output above")
+        if "preemptive" in args.parts:
+            raw["preemptive"] = preemptive_answers(args)
+            if raw["preemptive"] is None:
+                runner.notes.append("the preemptive-answers part failed: see its output above")
     except BaseException as e:  # whatever ran is written: a failure late in a 35-minute run keeps the rest
         runner.notes.append(f"the suite stopped early: {type(e).__name__}: {e}"[:300])
         raise

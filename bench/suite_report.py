@@ -136,6 +136,27 @@ def token_streaming_summary(ts: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def preemptive_summary(record: dict[str, Any] | None) -> dict[str, Any]:
+    """Per (end-of-turn lag, users): end of turn -> first token with preemptive answers against without, the
+    share of turns answered preemptively and the tokens discarded per turn."""
+    out: dict[str, Any] = {}
+    for key, run in ((record or {}).get("runs") or {}).items():
+        s = run["summary"]
+        on, off = s["preemptive"], s["off"]
+        out[key] = {
+            "eot_lag_ms": run["eot_lag_ms"],
+            "concurrency": run["concurrency"],
+            **{f"p{q}_ms": on[f"p{q}_ms"] for q in PERCENTILES},
+            **{f"p{q}_ms_off": off[f"p{q}_ms"] for q in PERCENTILES},
+            **{f"p{q}_speedup": s["speedup"].get(f"p{q}") for q in PERCENTILES},
+            "delivered_share": on["delivered_share"],
+            "discarded_tokens_per_turn": on["discarded_tokens_per_turn"],
+            "work_ratio": on["work_ratio"],
+            "work_ratio_off": off["work_ratio"],
+        }
+    return out
+
+
 def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
     """The headline ratios (higher is better, 1.0 parity, None where not measured), the QPS they were taken at,
     the percentiles behind them, provenance and the goals."""
@@ -171,6 +192,7 @@ def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
     mine, peer = _find(rows, "append", qps, "streaming"), _find(rows, "append", qps, "peer")
     out["completion_time_ratio_vs_peer"] = _ratio(peer and peer["completion_s"], mine and mine["completion_s"])
     out["token_streaming"] = token_streaming_summary(raw.get("token_streaming"))
+    out["preemptive"] = preemptive_summary(raw.get("preemptive"))
     prov = raw.get("provenance", {})
     out["provenance"] = {k: prov.get(k) for k in ("command", "commit", "machine", "date")} | {
         "quick": prov.get("quick")
@@ -201,6 +223,13 @@ def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_goal(goal, ">= 1.0x each", worst, 1.0, detail=detail))
     goal = "trace completion time within 2% of peer (peer / streaming, append headline QPS)"
     out.append(_goal(goal, ">= 0.98", summary.get("completion_time_ratio_vs_peer"), 0.98))
+    runs = summary.get("preemptive") or {}
+    if runs:
+        top = max(r["concurrency"] for r in runs.values())
+        saturated = [r for r in runs.values() if r["concurrency"] == top]
+        worst = min((r[f"p{q}_speedup"] or 0.0) for r in saturated for q in PERCENTILES)
+        goal = "preemptive answers at saturating load: no percentile worse than without (worst shown)"
+        out.append(_goal(goal, ">= 1.0x each", worst, 1.0))
     return out
 
 
@@ -333,6 +362,25 @@ def _token_streaming(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     return text
 
 
+def _preemptive(summary: dict[str, Any]) -> str:
+    head = ["EOT lag", "users", "P50/P95/P99 ms, preemptive", "off", "speedup", "delivered", "discarded tok/turn"]
+    rows = [
+        [
+            f"{r['eot_lag_ms']:.0f} ms",
+            r["concurrency"],
+            "/".join(_fmt(r[f"p{q}_ms"], 0) for q in PERCENTILES),
+            "/".join(_fmt(r[f"p{q}_ms_off"], 0) for q in PERCENTILES),
+            " / ".join(_x(r[f"p{q}_speedup"]) for q in PERCENTILES),
+            f"{r['delivered_share']:.0%}",
+            _fmt(r["discarded_tokens_per_turn"]),
+        ]
+        for r in summary["preemptive"].values()
+    ]
+    return "End of turn (the client's `/finish`, after the end-of-turn detector's lag) -> first token.\n\n" + _table(
+        head, rows
+    )
+
+
 def _goals(summary: dict[str, Any]) -> str:
     rows = []
     for g in summary.get("goals") or goals(summary):
@@ -367,6 +415,8 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any], plots: dict[str, Path
     ratio = summary.get("completion_time_ratio_vs_peer")
     sections.append(f"Trace completion ratio, peer / streaming at the append headline QPS: {_x(ratio)}")
     sections.append(f"## Token streaming\n\n{_token_streaming(raw, summary)}")
+    if summary.get("preemptive"):
+        sections.append(f"## Preemptive answers\n\n{_preemptive(summary)}")
     sections.append(f"## Goals\n\n{_goals(summary)}")
     if plots:
         figs = "\n\n".join(f"![{name.replace('_', ' ')}]({Path(p).name})" for name, p in plots.items())

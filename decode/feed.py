@@ -137,6 +137,23 @@ class Outbox:
         if frames or ended:
             self.ready.set()
 
+    def hand_over(self, stream_id: str, to: Outbox) -> bool:
+        """Move one stream, what it produced and its pump, to another consumer's outbox (a preemptive answer a
+        router adopts); False if this outbox never had it or it was taken already."""
+        if stream_id not in self.tasks and stream_id not in self.frames and stream_id not in self.ended:
+            return False
+        if (frames := self.frames.pop(stream_id, None)) is not None:
+            to.frames.setdefault(stream_id, []).extend(frames)
+        if stream_id in self.ids:
+            to.ids[stream_id] = self.ids.pop(stream_id)
+        if stream_id in self.ended:
+            to.ended[stream_id] = self.ended.pop(stream_id)
+        if (task := self.tasks.pop(stream_id, None)) is not None:
+            to.tasks[stream_id] = task
+        if frames or stream_id in to.ended:
+            to.ready.set()
+        return True
+
     def cancel_all(self) -> None:
         for task in list(self.tasks.values()):
             task.cancel()

@@ -8,6 +8,7 @@ ready at that moment. Non-streaming requests are answered by `start` itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
 from serve_app.engine import Endpoint, Engine
-from serve_app.protocol import error_body, error_payload, error_status
+from serve_app.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
@@ -43,6 +44,7 @@ class DecodeServer:
         await self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
+        self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
@@ -56,11 +58,15 @@ class DecodeServer:
         body: dict[str, Any],
         ids: IdsMode | None = None,
         avoid: list[str] | None = None,
+        prefer: str | None = None,
+        park_tokens: int | None = None,
     ) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
         and this engine prefills it). A stream's frames go to `consumer`'s feed: `{"replica": <this one>}`.
         Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`. `avoid` is for the request
-        router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids."""
+        router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids.
+        `park_tokens`: a preemptive answer, parked under `consumer` (prefill/preemptive.py), stops after this many
+        tokens unless a router adopts it first (then that router goes on from its ids, router/resume.py)."""
         result = await self.engine.openai(endpoint, body)
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
             payload = error_payload(result)
@@ -69,17 +75,48 @@ class DecodeServer:
             return payload
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
-        outbox = self.outboxes.setdefault(consumer, Outbox())
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, outbox, stream_id, ids))
+        outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
+        cap = (outbox, park_tokens) if park_tokens is not None else None
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, cap))
+        return {"replica": self.replica}
+
+    async def adopt(
+        self, *, consumer: str, stream_id: str, parked: str, request_id: str, replica: str | None = None
+    ) -> dict[str, Any]:
+        """Take over a stream started for another consumer (a preemptive answer its owner parked under
+        `parked`, prefill/preemptive.py): what it produced so far and everything after go to `consumer`'s
+        feed, and its engine request (`request_id`, as its body named it) is raised to an ordinary answer's
+        priority. `{"replica": ...}`, or an
+        error (404) when the stream is gone (cancelled, or reaped unadopted)."""
+        source = self.outboxes.get(parked)
+        target = self.outboxes.setdefault(consumer, Outbox())
+        if source is None or not source.hand_over(stream_id, target):
+            return error_body(404, f"no parked stream {stream_id}")
+        if stream_id in self.routes:
+            self.routes[stream_id] = target
+        if source.idle and self.outboxes.get(parked) is source:
+            del self.outboxes[parked]
+        with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
+            await self.engine.utility("rtpd_set_priority", request_id, 0)
         return {"replica": self.replica}
 
     async def _pump(
-        self, stream: AsyncGenerator[str, None], outbox: Outbox, stream_id: str, ids: IdsMode | None = None
+        self,
+        stream: AsyncGenerator[str, None],
+        stream_id: str,
+        ids: IdsMode | None = None,
+        cap: tuple[Outbox, int] | None = None,
     ) -> None:
+        """Engine output into the stream's outbox; `cap`: (its parking outbox, tokens), see `start`."""
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
+        made = 0
         try:
             async for text in stream:
+                if cap is not None and made >= cap[1] and self.routes.get(stream_id) is cap[0]:
+                    error = error_body(503, f"the preemptive answer stopped at {cap[1]} tokens", type_=PREEMPTIVE_CAP)
+                    error = error["error"]
+                    break
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
                     # vLLM writes an engine failure (its engine died) into the stream: end the stream with it
                     # instead, so that the router resumes the answer on another replica.
@@ -87,10 +124,11 @@ class DecodeServer:
                     error = failed
                     break
                 if shown is None:
-                    outbox.put(stream_id, text)
+                    self.routes[stream_id].put(stream_id, text)
                 else:
                     text, prompt, tokens = shown.take(text)
-                    outbox.put(stream_id, text, prompt, tokens)
+                    made += len(tokens)
+                    self.routes[stream_id].put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]
         except Exception as e:
@@ -100,7 +138,7 @@ class DecodeServer:
             try:
                 await stream.aclose()  # closing vLLM's generator aborts the engine request
             finally:
-                outbox.end(stream_id, error)  # whatever happens, the router learns the stream ended
+                self.routes.pop(stream_id).end(stream_id, error)  # whatever happens, the router learns it ended
 
     async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
         """`consumer`'s frames from every one of its streams on this replica, for as long as it listens and
@@ -131,11 +169,23 @@ class DecodeServer:
                 if self.outboxes.get(consumer) is outbox and (outbox.idle or not idle_end):
                     del self.outboxes[consumer]
 
-    async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> None:
-        """The client left: abort its request."""
+    async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> dict[str, Any]:
+        """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a
+        stream nobody read (a parked one) had made, for its owner's accounting."""
         outbox = self.outboxes.get(consumer)
-        if outbox is not None and (task := outbox.tasks.get(stream_id)) is not None:
+        if outbox is None:
+            return {"tokens": 0}
+        if (task := outbox.tasks.get(stream_id)) is not None:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        tokens = len(outbox.ids.get(stream_id, (None, []))[1])
+        if not outbox.attached:  # parked: nobody will take what it made
+            outbox.frames.pop(stream_id, None)
+            outbox.ids.pop(stream_id, None)
+            outbox.ended.pop(stream_id, None)
+            if outbox.idle and self.outboxes.get(consumer) is outbox:
+                del self.outboxes[consumer]
+        return {"tokens": tokens}
 
     async def _reap(self) -> None:
         while True:

@@ -52,6 +52,9 @@ class Answer:
     # Where its reader streams it from: {"consumer", "stream_id", "replica"} (what decode's `stop` takes).
     decode: dict[str, Any] | None = None
     cancel_requested: bool = False
+    # A preemptive answer that became this one (prefill/preemptive.py): the decode stream a router adopts,
+    # {"replica", "parked", "stream_id", "request_id"}; `request` is then that stream's request.
+    adopt: dict[str, Any] | None = None
 
     def mark_handed_off(self) -> None:
         """The KV is ready for decode: record how long the streamed input's last chunk took to settle (a chunk in

@@ -59,6 +59,7 @@ class Failover:
     _streaming: Any
     _hand_off: Any
     _prefill_stable: Any
+    _preempt_close: Any
 
     # --- a call for a session held elsewhere -------------------------------------------------------
     async def _locate(self, session_id: str) -> None:
@@ -170,6 +171,9 @@ class Failover:
             s.answers and s.answers[-1].status == "preparing" for s in self.sessions.values()
         ):
             await asyncio.sleep(0.1)
+        for session in self.sessions.values():  # its adopter makes its preemptive answers from now on
+            if session.preempt is not None:
+                self._preempt_close(session)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED and s.journal is not None]
         if not open_sessions or self.store is None:
             return

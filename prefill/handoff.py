@@ -41,6 +41,8 @@ class HandOff:
     _get: Any
     _prefill_stable: Any
     _check_max_tokens: Any
+    _preempt_take: Any
+    _preempt_release: Any
 
     # --- starting ----------------------------------------------------------------------------------
     def _check_overrides(self, overrides: dict[str, Any]) -> None:
@@ -62,16 +64,28 @@ class HandOff:
 
     async def _hand_off(self, session: Session, answer: Answer) -> None:
         """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
-        answer.status, answer.preparing_at = "preparing", time.monotonic()
+        answer.status, answer.preparing_at, answer.adopt = "preparing", time.monotonic(), None
         try:
+            overrides = dict(answer.overrides)
+            request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
+            answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+            # A preemptive answer made from exactly this input is the answer (prefill/preemptive.py).
+            live = await self._preempt_take(session, request) if session.preempt is not None else None
+            if live is not None:
+                session.streaming.stop_input()
+                answer.input_done_at = time.monotonic()
+                request.update(stream=True, stream_options={"include_usage": True}, request_id=live.stream_id)
+                request["kv_transfer_params"] = live.request["kv_transfer_params"]
+                answer.adopt = {"replica": live.replica, "parked": live.parked, "stream_id": live.stream_id}
+                answer.request, answer.status = request, "ready"
+                answer.mark_handed_off()  # (no prefill and no hand-off after the end of input: handoff_ms ~ 0)
+                answer.timing["preempted_ms"] = (time.monotonic() - live.started_at) * 1e3  # started that early
+                return
             if session.streaming.active:
                 # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight
                 # is waited for, ranked complete meanwhile, so that the hand-off finds its blocks cached.
                 await session.streaming.finish_input()
             answer.input_done_at = time.monotonic()
-            overrides = dict(answer.overrides)
-            request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
-            answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
             # The owner learns the usage from the router's report, whatever the client asked for.
             request.update(stream=True, stream_options={"include_usage": True})
             answer.handoffs += 1
@@ -120,7 +134,15 @@ class HandOff:
 
     # --- the router's side -------------------------------------------------------------------------
     @session_api
-    async def session_claim(self, *, session_id: str, turn: int | None = None, fresh: bool = False) -> dict[str, Any]:
+    async def session_claim(
+        self,
+        *,
+        session_id: str,
+        turn: int | None = None,
+        fresh: bool = False,
+        adopts: bool = True,
+        reclaim: bool = False,
+    ) -> dict[str, Any]:
         """Take the answer to stream it: `{"request": <decode request>, ...}` for its one reader, or
         `{"answer": summary}` when it is over, failed, or already being read by another. `fresh`: hand the KV
         off anew (a reader whose decode stream ended before its first frame may have spent the last one)."""
@@ -128,11 +150,17 @@ class HandOff:
         answer = await self._wait_answer(session, turn)
         if answer is None:
             return {"pending": True}  # no answer yet: the router asks again (its client's wait is its own)
+        if reclaim and answer.status == "streaming" and answer.adopt is not None:
+            # Its reader could not adopt the preemptive answer's stream (gone): it takes an ordinary hand-off.
+            answer.status, answer.claimed_at, fresh = "ready", None, True
         wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
         if answer.status == "ready" and answer.handed_off_at is not None:
             lease = self.config.kv_transfer.lease_s
-            if fresh or time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10):
+            stale = time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
+            if fresh or stale or (answer.adopt is not None and not adopts):
+                if answer.adopt is not None:  # a preemptive answer nobody adopts: its decode stream goes
+                    self._preempt_release(answer.adopt)
                 # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
                 # close reaches it; shielded, so that this claim's caller leaving does not stop it).
                 answer.status = "preparing"
@@ -140,6 +168,8 @@ class HandOff:
                 await asyncio.shield(answer.task)
         reply: dict[str, Any] = {"turn": answer.turn, "endpoint": session.endpoint}
         reply["include_usage"] = answer.include_usage
+        if answer.adopt is not None and answer.status == "ready":
+            reply["adopt"] = answer.adopt  # a preemptive answer: the router takes its decode stream over
         if answer.status != "ready":
             return {**reply, "answer": answer.summary()}
         answer.status, answer.claimed_at = "streaming", time.monotonic()
@@ -221,6 +251,8 @@ class HandOff:
             answer.task.cancel()
             await asyncio.gather(answer.task, return_exceptions=True)
         if answer.status in ("ready", "preparing"):  # not claimed (or cancelled before its task ever ran)
+            if answer.adopt is not None and answer.status == "ready":
+                self._preempt_release(answer.adopt)  # a preemptive answer's decode stream, parked: it goes
             answer.finish("cancelled")  # NIXL frees a hand-off nobody reads after the lease
             await self._answer_ended(session, answer)
             await _notify(session)

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from prefill.answer import Answer
+from prefill.preemptive import PreemptiveOptions, PreemptState
 from prefill.session import Session, SessionLimits, SessionState, StartPolicy
 from prefill.store import SessionStore
 from prefill.streaming import StreamingPrefill
@@ -88,6 +89,7 @@ def create_record(session: Session) -> dict[str, Any]:
         "tenant": session.tenant,
         "ephemeral": session.ephemeral,
         "close_after_answer": session.close_after_answer,
+        "preemptive": session.preempt.options.model_dump() if session.preempt is not None else None,
     }
 
 
@@ -105,6 +107,8 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
     )
     session.instructions, session.tenant, session.ephemeral = spec["instructions"], spec["tenant"], spec["ephemeral"]
     session.close_after_answer = spec.get("close_after_answer", False)
+    if spec.get("preemptive") is not None:
+        session.preempt = PreemptState(PreemptiveOptions.model_validate(spec["preemptive"]))
     for record in records[1:]:
         _apply(session, record)
         if (call := record.get("call")) is not None:
@@ -137,6 +141,8 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
         if record["instructions"] is not None:
             session.instructions = record["instructions"] or None
         session.request.update(record["params"] or {})
+        if record.get("preemptive") is not None:
+            session.preempt = PreemptState(PreemptiveOptions.model_validate(record["preemptive"]))
     elif op == "answer":
         session.input_ended = True
         session.commit_buffer()

@@ -57,9 +57,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 @serve.deployment(name="prefill", max_ongoing_requests=1024, health_check_period_s=10)
 class PrefillServer(SessionAPI):
-    async def __init__(self, app_config: dict[str, Any]) -> None:
+    async def __init__(self, app_config: dict[str, Any], decode: Any = None) -> None:
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
+        # Preemptive answers start decode themselves (prefill/preemptive.py); their tokens never come here.
+        self.decode = decode.options(stream=False) if decode is not None else None
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()
         context = serve.get_replica_context()
@@ -76,7 +78,11 @@ class PrefillServer(SessionAPI):
 
     # --- whole prompts -----------------------------------------------------------------------------
     async def prefill(
-        self, endpoint: Endpoint, body: dict[str, Any], session: StreamingPrefill | None = None
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        session: StreamingPrefill | None = None,
+        preemptive: bool = False,
     ) -> dict[str, Any]:
         """Returns `{"kv_transfer_params", "prompt_tokens"}` or `{"error": ...}` (OpenAI error JSON).
 
@@ -92,6 +98,8 @@ class PrefillServer(SessionAPI):
         request = prefill_body(body)
         if session is not None:  # a session's hand-off ranks with its session (prefill/scheduler/policy.py)
             request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), **session.extra_args}
+        if preemptive:  # a preemptive answer's hand-off: below all other work (prefill/preemptive.py)
+            request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), "rtpd_preemptive": True}
         task = asyncio.ensure_future(self.engine.openai(endpoint, request))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.settings.admission_timeout_s)

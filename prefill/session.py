@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefill.answer import Answer
 from prefill.conversation import Conversation, SessionError
+from prefill.preemptive import PreemptState
 from prefill.streaming import StreamingPrefill
 
 MAX_REMEMBERED_CALLS = 64
@@ -117,6 +118,7 @@ class Session(Conversation):
         self.ephemeral = False  # one request's session (an NDJSON body): its one reader leaving cancels the answer
         self.buffered = False  # its input waited for room to stream (residency control), at least once
         self.close_after_answer = False  # one turn only: closed when its answer ends, no re-prefill for a next turn
+        self.preempt: PreemptState | None = None  # its preemptive answers (prefill/preemptive.py), if it asked
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
         # Where its changes are recorded so that it outlives this replica (prefill/journal.py); None in unit tests.
@@ -348,5 +350,6 @@ class Session(Conversation):
             "streaming": self.streaming.active,  # its input is prefilled as it arrives (resident)
             "prefilled": self.streaming.prefilled,  # the engine holds the KV of all its stable input sent so far
             "buffered": self.buffered,  # its input waited for room to stream (residency control) at least once
+            **({"preemptive": self.preempt.summary()} if self.preempt is not None else {}),
             "expires_in": max(0.0, self.limits.idle_timeout_s - (time.monotonic() - self.last_active)),
         }

@@ -20,6 +20,7 @@ from prefill.errors import caller, overloaded, serialized, session_api
 from prefill.failover import Failover
 from prefill.handoff import HandOff
 from prefill.journal import Journal, create_record
+from prefill.preemptive import Preemptive, PreemptiveOptions, PreemptState
 from prefill.rewrite_depth import RewriteDepth
 from prefill.session import (
     Session,
@@ -109,7 +110,7 @@ def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
 
 
-class SessionAPI(HandOff, Failover):
+class SessionAPI(HandOff, Failover, Preemptive):
     """Mixin of `PrefillServer`: the session calls a router makes on a session's owner replica. Each change is
     journaled (prefill/journal.py) before the call returns, so that the session outlives this replica."""
 
@@ -141,6 +142,7 @@ class SessionAPI(HandOff, Failover):
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
         policy = _validated(StartPolicy, "start_policy", spec)
+        preemptive = _validated(PreemptiveOptions, "preemptive", spec)
         limits = self._session_limits(spec.get("limits"))
         open_sessions = sum(s.state != SessionState.CLOSED for s in self.sessions.values())
         if open_sessions >= self.settings.session_capacity(self.engine.max_num_seqs):
@@ -156,6 +158,8 @@ class SessionAPI(HandOff, Failover):
         session.instructions = spec.get("instructions")
         session.ephemeral = bool(spec.get("ephemeral"))
         session.close_after_answer = bool(spec.get("close_after_answer"))
+        if spec.get("preemptive") is not None:
+            session.preempt = PreemptState(preemptive)
         session.tenant = tenant
         self.sessions[session_id] = session
         try:
@@ -220,6 +224,7 @@ class SessionAPI(HandOff, Failover):
                 await self._start_answer(session, {})
             else:
                 await self._prefill_stable(session)
+                self._preempt_rearm(session)
         if recorded is not None:
             await recorded
         return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
@@ -243,6 +248,7 @@ class SessionAPI(HandOff, Failover):
         await session.record("message", role=role, content=content, **extra)
         _count_input(1, len(content.encode()))
         await self._prefill_stable(session)
+        self._preempt_rearm(session)
         return session.describe()
 
     @session_api
@@ -266,21 +272,38 @@ class SessionAPI(HandOff, Failover):
             raise SessionError(400, f"unknown buffer operation {op!r}")
         await session.record("buffer", kind=op, text=text, offset=offset)
         await self._prefill_stable(session)
+        self._preempt_rearm(session)
         return session.describe()
 
     @session_api
     @serialized
     async def session_update(
-        self, *, session_id: str, instructions: str | None = None, params: dict[str, Any] | None = None
+        self,
+        *,
+        session_id: str,
+        instructions: str | None = None,
+        params: dict[str, Any] | None = None,
+        preemptive: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         session = self._get(session_id)
         self._check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
+        options = (
+            _validated(PreemptiveOptions, "preemptive", {"preemptive": preemptive or {}})
+            if preemptive is not None
+            else None
+        )
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
-        await session.record("update", instructions=instructions, params=params)
+        if options is not None:
+            if session.preempt is not None:
+                self._preempt_close(session)
+            session.preempt = PreemptState(options)
+        extra = {"preemptive": options.model_dump()} if options is not None else {}
+        await session.record("update", instructions=instructions, params=params, **extra)
         await self._prefill_stable(session)
+        self._preempt_rearm(session)
         return session.describe()
 
     @session_api
@@ -428,6 +451,10 @@ class SessionAPI(HandOff, Failover):
         session.closed_at = time.monotonic()
         if session.answering and (task := session.answers[-1].task) is not None and not task.done():
             task.cancel()  # a hand-off in progress; an answer a router streams ends on its own
+        if session.preempt is not None:
+            self._preempt_close(session)
+            if session.answers and (last := session.answers[-1]).adopt is not None and last.status == "ready":
+                self._preempt_release(last.adopt)  # adopted by its answer, never claimed: its decode stream goes
         await session.streaming.close()
         if session.journal is not None:  # nothing left to take over
             await session.journal.forget()

@@ -277,6 +277,12 @@ class StreamingPrefill:
             with contextlib.suppress(Exception):  # (an engine without the streaming scheduler ranks nothing)
                 await self.engine.utility("rtpd_input_ended", self.base_id)
 
+    def stop_input(self) -> None:
+        """The turn's input ended and its answer needs nothing more from this engine (a preemptive answer made from
+        it): nothing more is streamed, and nothing is waited for."""
+        self.input_done = True
+        self._wake.set()
+
     async def finish_input(self, timeout: float | None = None) -> None:
         """The turn's input ended: nothing more is streamed (what was not sent, the hand-off computes as
         complete work). A chunk in flight whose tokens are still the input's is waited for, ranked as complete

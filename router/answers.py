@@ -108,7 +108,7 @@ class AnswerReader:
     def endpoint(self) -> str:
         return self.claim.get("endpoint", "chat")
 
-    async def open(self, stream: bool = True, retried: bool = False) -> dict[str, Any] | None:
+    async def open(self, stream: bool = True, retried: bool = False, reclaim: bool = False) -> dict[str, Any] | None:
         """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
@@ -120,7 +120,9 @@ class AnswerReader:
                     "session_claim",
                     session_id=self.session_id,
                     turn=self.turn,
+                    adopts=stream,  # (a reader of the whole answer takes an ordinary hand-off, not a preemptive one)
                     **({"fresh": True} if retried else {}),
+                    **({"reclaim": True} if reclaim else {}),
                 )
             )
             try:
@@ -162,7 +164,14 @@ class AnswerReader:
             request.pop("stream_options", None)
         first: Any
         try:
-            opened = await self.ingress.feeds.open(self.endpoint, request)
+            if "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
+                opened = await self.ingress.feeds.adopt(claim["adopt"], self.endpoint, request)
+                if isinstance(opened, dict):  # gone (reaped, its replica died): this reader takes an ordinary hand-off
+                    if reclaim:
+                        return opened
+                    return await self.open(stream, retried=True, reclaim=True)
+            else:
+                opened = await self.ingress.feeds.open(self.endpoint, request)
             if isinstance(opened, dict):  # not a stream: the whole response, or an error
                 first = opened if "error" in opened else opened["response"]
             else:

@@ -25,7 +25,7 @@ from decode.feed import TokenIds
 from router import resume
 from router.tasks import detached
 from serve_app import metrics
-from serve_app.protocol import Endpoint, error_body, error_status
+from serve_app.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
 
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times
@@ -59,6 +59,7 @@ class DecodeStream:
         self.failed: list[str] = []  # replicas it left: avoided, and their late frames dropped
         self.rewrite: resume.Rewriter | None = None  # a continuation's frames into this stream's shape
         self.cancelled = False
+        self.prefer: str | None = None  # where a continuation goes if it can (the replica whose cache has it)
 
     def __aiter__(self) -> DecodeStream:
         return self
@@ -118,6 +119,40 @@ class Feeds:
         self._read(stream.replica)
         return stream
 
+    async def adopt(
+        self, adopt: dict[str, Any], endpoint: Endpoint, body: dict[str, Any]
+    ) -> DecodeStream | dict[str, Any]:
+        """Take over a preemptive answer's decode stream (prefill/preemptive.py): `adopt` names its replica, the
+        consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
+        from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off)."""
+        stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
+        if resume.refusal(endpoint, body) is None:  # (else it is not resumed: a continuation would differ)
+            stream.ids = "keep" if body.get("return_token_ids") else "strip"
+        self.streams[stream.stream_id] = stream  # before the call: the adopted frames may come before it returns
+        call = asyncio.ensure_future(
+            self.decode.adopt.remote(
+                consumer=self.consumer,
+                stream_id=stream.stream_id,
+                parked=adopt["parked"],
+                request_id=stream.stream_id,
+                replica=adopt["replica"],
+            )
+        )
+        try:
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client left: once adopted, it is stopped
+            self.streams.pop(stream.stream_id, None)
+            call.add_done_callback(lambda done: self._stop_started(stream, done))
+            raise
+        except Exception as e:  # (its replica died: the owner hands the KV off anew)
+            reply = error_body(404, f"the preemptive answer's decode replica is gone: {e}")
+        if "replica" not in reply:
+            self.streams.pop(stream.stream_id, None)
+            return reply
+        stream.replica = reply["replica"]
+        self._read(stream.replica)
+        return stream
+
     async def _start(self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         """`start` on a replica Serve picks, none of those the stream failed on; if that one turns out dead (or
         its engine does), the request again, elsewhere, without its KV."""
@@ -131,6 +166,7 @@ class Feeds:
                     body=body,
                     ids=stream.ids,
                     avoid=list(stream.failed),
+                    prefer=stream.prefer,
                 )
             )
             try:
@@ -176,7 +212,11 @@ class Feeds:
         # No stop to the failed replica: a call for a replica that is gone goes to another one, which may be
         # where this stream id is about to go on.
         dead, stream.replica = stream.replica, None
-        if dead is not None:
+        if error.get("type") == PREEMPTIVE_CAP:
+            # Not a failure: an adopted preemptive answer stopped at its cap (decode/server.py). It goes on where
+            # its KV is cached, from its ids.
+            stream.prefer, dead = dead, None
+        elif dead is not None:
             stream.failed.append(dead)
         attempt = len(stream.failed)
         if progress.finished:  # every token went out: only the end is missing
@@ -209,6 +249,9 @@ class Feeds:
         return self._resumed(stream, dead, outcome, error)
 
     def _resumed(self, stream: DecodeStream, dead: str | None, outcome: str, error: dict[str, Any]) -> bool:
+        if error.get("type") == PREEMPTIVE_CAP:  # not a failure: an adopted preemptive answer goes on
+            metrics.inc(metrics.DECODE_RESUMES, 1, "decode answers resumed elsewhere", outcome="preemptive_continued")
+            return True
         logger.warning(
             "decode stream %s %s on replica %s after %d tokens (replica %s failed: %s)",
             stream.stream_id,

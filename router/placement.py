@@ -8,8 +8,9 @@ answered), or, when that replica is gone, the replica the session's id hashes to
 choices.
 
 The decode pool has a router of its own (`DecodeRouter`): a call naming a `replica` (a router's feed, a stop)
-goes to it; a new request goes to the replica with the fewest active streams, never to one in `avoid` (the
-replica an answer is being resumed from).
+goes to it; a new request goes to the replica it `prefer`s if it can (a continuation where its KV is cached),
+else to the replica with the fewest active streams, never to one in `avoid` (the replica an answer is being
+resumed from).
 
 Each router registers itself in `POOLS` (serve_app/placement.py) by deployment name, so that the ingress can
 read the replicas' last routing stats (their load) for admission control (router/admission.py) without a call
@@ -68,6 +69,9 @@ class DecodeRouter(_Registered):
             return [candidate_replicas[:1]]
         avoid = set(kwargs.get("avoid") or ())
         candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
+        preferred = [r for r in candidates if r.replica_id.unique_id == kwargs.get("prefer")]
+        if preferred:  # (a continuation where its KV is cached)
+            return [preferred, [r for r in candidates if r not in preferred]]
         if len(candidates) > 1 and all(r.routing_stats for r in candidates):
             ranked = sorted(candidates, key=lambda r: r.routing_stats.get("active_streams", 0))
             return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]

@@ -376,6 +376,8 @@ class RealtimeConnection:
         settings = {**self.settings, **session.given()}
         if modalities is not None:
             settings[self.modalities_key] = modalities
+        if session.preemptive is not None:
+            settings["preemptive"] = session.preemptive
         if session.tools == [] and session.tool_choice is None:  # no tools left to force
             settings["tool_choice"] = "auto"
         self.check_tools(settings, "session")
@@ -383,7 +385,8 @@ class RealtimeConnection:
         params = self.sampling(settings, self.settings)
         # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
         # are not the session's).
-        if await self.call("session_update", instructions=session.instructions, params=params):
+        preemptive = {"preemptive": session.preemptive} if session.preemptive is not None else {}
+        if await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             await self.send("session.updated", session=self.session_object())
 
@@ -463,6 +466,11 @@ class RealtimeConnection:
             await self.error("a response is already in progress", "conversation_already_has_active_response")
             return
         response = event.response or Sampling()
+        if response.preemptive is not None:
+            await self.error(
+                "preemptive answers are a session setting (session.update)", "invalid_value", "response.preemptive"
+            )
+            return
         self.text_only(response, "response")
         budgets = getattr(self.ingress, "budgets", None)
         if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:

@@ -71,10 +71,14 @@ class Sampling(_Model):
     )
     temperature: float | None = Field(None, ge=0, le=2)
     output_modalities: list[str] | None = Field(None, validation_alias=AliasChoices("output_modalities", "modalities"))
+    # This server's extension (sessions only): start the answer while the user may still be typing
+    # (prefill/preemptive.py), checked in full by the session's owner.
+    preemptive: dict[str, Any] | None = None
 
     def given(self) -> dict[str, Any]:
-        """The settings this event sets, by their GA names (modalities apart)."""
-        return {k: v for k, v in self.model_dump(exclude={"output_modalities"}).items() if v is not None}
+        """The settings this event sets, by their GA names (modalities and preemptive answers apart)."""
+        exclude = {"output_modalities", "preemptive"}
+        return {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
 
 
 class ContentPart(_Model):

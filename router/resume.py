@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.protocol import SSE_DONE, Endpoint, sse
+from serve_app.protocol import continuation_refusal as refusal  # noqa: F401  (its home: what decode may continue)
 
 MAX_RESUMES = 2  # per stream: a request that kills replicas must not take the whole pool down with it
 
@@ -47,27 +48,6 @@ _COPIED = (
     "stream_options",
     "return_tokens_as_token_ids",
 )
-
-
-def refusal(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
-    """Why a continuation could not give exactly the answer the request would have had (None: it can)."""
-    if (body.get("n") or 1) > 1 or body.get("use_beam_search"):
-        return "n > 1"
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        return "tools"
-    if any(body.get(k) for k in ("response_format", "structured_outputs", "guided_json", "guided_regex")):
-        return "structured outputs"
-    if (body.get("logprobs") if endpoint == "chat" else body.get("logprobs") is not None) or body.get(
-        "prompt_logprobs"
-    ) is not None:
-        return "logprobs"
-    if body.get("echo"):
-        return "echo"
-    if body.get("stop"):  # the engine holds back text that may start a stop string: it would be lost
-        return "stop strings"
-    if body.get("presence_penalty") or body.get("frequency_penalty"):  # they count output tokens only
-        return "presence/frequency penalties"
-    return None
 
 
 @dataclass

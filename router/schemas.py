@@ -55,6 +55,9 @@ class CreateSessionBody(_Open):
     # One turn only: the session closes when its answer ends, and its conversation is not prefilled again for a
     # next turn that will never come (the KV goes at once, not at the DELETE or the idle timeout).
     close_after_answer: bool = False
+    # Start the answer while the user may still be talking (prefill/preemptive.py): `{after_idle_ms, max_tokens,
+    # max_input_tokens, max_attempts, stream}`, checked in full by the prefill replica.
+    preemptive: dict[str, Any] | None = None
 
 
 class ChunkBody(BaseModel):

@@ -34,7 +34,7 @@ from serve_app.protocol import error_response, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
-SESSION_FIELDS = ("start_policy", "limits", "instructions", "close_after_answer")
+SESSION_FIELDS = ("start_policy", "limits", "instructions", "close_after_answer", "preemptive")
 
 
 def _ingress(request: Request) -> Any:
@@ -54,7 +54,7 @@ def session_spec(body: dict[str, Any]) -> dict[str, Any]:
         policy = {"type": policy, **({"min_tokens": body["min_tokens"]} if "min_tokens" in body else {})}
     request = {k: v for k, v in body.items() if k not in (*SESSION_FIELDS, "min_tokens", "stream")}
     spec = {"request": request, "start_policy": policy, "limits": body.get("limits"), "instructions": None}
-    return {**spec, "close_after_answer": bool(body.get("close_after_answer"))}
+    return {**spec, "close_after_answer": bool(body.get("close_after_answer")), "preemptive": body.get("preemptive")}
 
 
 @api.post("", status_code=201, openapi_extra=openapi_body(CreateSessionBody))

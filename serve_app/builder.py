@@ -33,5 +33,5 @@ def build_app(args: dict[str, Any]) -> Application:
     # must not kill it before: its graceful shutdown allows the drain and a margin, unless the config says more.
     drain_budget = {"graceful_shutdown_timeout_s": config.prefill.drain_timeout_s + 30}
     prefill_options = {"request_router_config": router_config, **drain_budget, **config.prefill.deployment}
-    prefill = PrefillServer.options(**prefill_options).bind(payload)
+    prefill = PrefillServer.options(**prefill_options).bind(payload, decode)
     return Router.options(**config.router.deployment).bind(prefill, decode, payload)

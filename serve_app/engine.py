@@ -190,6 +190,11 @@ def build_engine_args(app: AppConfig, role: Role) -> Any:
         # cost eviction really swap; `engine_kwargs: {async_scheduling: true}` overrides (eviction then
         # recomputes, and the scheduler says so at start-up).
         args.async_scheduling = False
+    if role == "decode":
+        # Ordered by (priority, arrival): every answer has priority 0 (first come, first served, as vLLM's default
+        # policy) but a preemptive one (prefill/preemptive.py), made before the user is done, which runs at
+        # priority 1 (behind every answer, and the first preempted) until a router adopts it.
+        args.scheduling_policy = "priority"
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     args.kv_transfer_config = app.kv_transfer.to_vllm(current_platform.device_type)
     simple = {

@@ -6,6 +6,7 @@ import json
 from typing import Any, Literal
 
 Endpoint = Literal["chat", "completion"]
+PREEMPTIVE_CAP = "PreemptiveCap"  # the error type a parked preemptive answer ends with at its cap (decode/server.py)
 
 # vLLM's error `type` names per HTTP status (vllm.entrypoints.utils.create_error_response).
 _TYPES = {
@@ -136,3 +137,25 @@ def streaming_response(body: Any, on_close: Any, headers: dict[str, str] | None 
                 on_close()
 
     return _Closing(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
+
+
+def continuation_refusal(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """Why a continuation (router/resume.py: the prompt's ids plus those generated, as a new completion) could not
+    give exactly the answer the request would have had (None: it can)."""
+    if (body.get("n") or 1) > 1 or body.get("use_beam_search"):
+        return "n > 1"
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        return "tools"
+    if any(body.get(k) for k in ("response_format", "structured_outputs", "guided_json", "guided_regex")):
+        return "structured outputs"
+    if (body.get("logprobs") if endpoint == "chat" else body.get("logprobs") is not None) or body.get(
+        "prompt_logprobs"
+    ) is not None:
+        return "logprobs"
+    if body.get("echo"):
+        return "echo"
+    if body.get("stop"):  # the engine holds back text that may start a stop string: it would be lost
+        return "stop strings"
+    if body.get("presence_penalty") or body.get("frequency_penalty"):  # they count output tokens only
+        return "presence/frequency penalties"
+    return None

@@ -26,14 +26,18 @@ from vllm.v1.request import Request, RequestStatus
 
 MAX_TRACKED_REQUESTS = 20_000
 _HANDOFF = re.compile(r"-t\d+-h\d+")  # a session's hand-off (prefill/handoff.py names it <session>-t<turn>-h<n>)
+_PREEMPTIVE = re.compile(r"-t\d+-p\d+")  # a preemptive answer's hand-off (prefill/preemptive.py: -t<turn>-p<n>)
 
 
 def work_kind(request_id: str) -> str:
     """What a request's computed tokens are for: a session's input streamed as it arrives (prefill/streaming.py
-    names those requests <session>-stream<n>), a session's hand-off at end of input, or a whole prompt."""
+    names those requests <session>-stream<n>), a session's hand-off at end of input, a preemptive answer's
+    hand-off before it, or a whole prompt."""
     if "-stream" in request_id:
         return "streamed"
-    return "handoff" if _HANDOFF.search(request_id) else "whole"
+    if _HANDOFF.search(request_id):
+        return "handoff"
+    return "preemptive" if _PREEMPTIVE.search(request_id) else "whole"
 
 
 class AccountingScheduler(Scheduler):
@@ -111,6 +115,27 @@ class AccountingScheduler(Scheduler):
         return stats
 
 
+def _rtpd_set_priority(self: EngineCore, request_key: str, priority: int) -> int:
+    """Give the requests whose id contains `request_key` (vLLM's serving layer wraps the caller's id) a new
+    priority (lower is served first; the engine runs `scheduling_policy: priority`): a preemptive answer a
+    router adopted ranks as an ordinary one from then on. Returns how many were changed."""
+    scheduler = self.scheduler
+    mine = re.compile(rf"(^|-){re.escape(request_key)}(-|$)")  # (`-p1` is not `-p10`)
+    changed = 0
+    for rid, request in scheduler.requests.items():
+        if not mine.search(rid) or request.priority == priority:
+            continue
+        # Waiting queues are heaps under the priority policy: taken out and put back at its new place.
+        queues = [q for q in (scheduler.waiting, scheduler.kv_holding_waiting) if request in q]
+        for queue in queues:
+            queue.remove_request(request)
+        request.priority = priority
+        for queue in queues:
+            queue.add_request(request)
+        changed += 1
+    return changed
+
+
 def _rtpd_compute_stats(self: EngineCore, request_id_prefix: str | None = None) -> dict[str, Any]:
     scheduler = self.scheduler
     if not isinstance(scheduler, AccountingScheduler):
@@ -121,3 +146,4 @@ def _rtpd_compute_stats(self: EngineCore, request_id_prefix: str | None = None) 
 # EngineCore dispatches utility calls by attribute name; this module is imported in the engine-core
 # process when vLLM resolves `scheduler_cls`, so the method exists exactly where it is called.
 EngineCore.rtpd_compute_stats = _rtpd_compute_stats  # type: ignore[attr-defined]
+EngineCore.rtpd_set_priority = _rtpd_set_priority  # type: ignore[attr-defined]

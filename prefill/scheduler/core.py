@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
 ACTIVE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
-SESSION_ARG, ARRIVAL_ARG = "rtpd_session", "rtpd_arrival"  # SamplingParams.extra_args set by the prefill server
+# SamplingParams.extra_args set by the prefill server: the session, its arrival, and a preemptive answer's mark.
+SESSION_ARG, ARRIVAL_ARG, PREEMPTIVE_ARG = "rtpd_session", "rtpd_arrival", "rtpd_preemptive"
 MAX_TRACKED_SESSIONS = 20_000
 
 
@@ -88,6 +89,7 @@ class StreamingScheduler(AccountingScheduler):
         self._stalled_last = False  # the last step had planned work and ran nothing
         self.sessions: OrderedDict[str, SessionTrack] = OrderedDict()
         self.req_session: dict[str, str] = {}
+        self.preemptive: set[str] = set()  # preemptive answers' hand-offs: ranked below all other work
         self.counters: Counter[str] = Counter()
         config = self.kv_cache_config
         self.block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)
@@ -170,7 +172,8 @@ class StreamingScheduler(AccountingScheduler):
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
         # A hand-off not started yet takes its session's host copy, swapped out since the hand-off came.
         for r in active:
-            if not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted:
+            fresh = not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted
+            if fresh and r.request_id not in self.preemptive:  # (a preemptive one may be discarded: not its KV)
                 self._take_swapped_prefix(r)
 
         # Partial input left without room (it may not preempt a running prefill) sits the step out and the step is
@@ -399,7 +402,12 @@ class StreamingScheduler(AccountingScheduler):
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         if (ev := self.evicted.pop(request.request_id, None)) is not None:
             self.host.free(ev.slots)  # a request that ends while swapped out gives its host slots back
-        if not request.resumable and (track := self.sessions.get(self.req_session.get(request.request_id, ""))):
+        preemptive = request.request_id in self.preemptive
+        if (
+            not request.resumable
+            and not preemptive
+            and (track := self.sessions.get(self.req_session.get(request.request_id, "")))
+        ):
             track.input_ended = False  # its hand-off is made: what the session streams next is a new turn's input
         return super()._free_request(request, delay_free_blocks)
 
@@ -510,12 +518,14 @@ class StreamingScheduler(AccountingScheduler):
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        existing = request.request_id in self.requests
+        rid = request.request_id
+        existing = rid in self.requests
         super().add_request(request)
         if not existing:
             self._track(self.requests[request.request_id], chunk=False)
             self.counters["admissions"] += 1
-            if not request.resumable and (track := self.sessions.get(self.req_session[request.request_id])):
+            preemptive = request.request_id in self.preemptive
+            if not request.resumable and not preemptive and (track := self.sessions.get(self.req_session[rid])):
                 # A hand-off: its session's input is whole, and its session's blocks are the hand-off's prefix
                 # (not an idle session's to give first: the hand-off may wait behind other complete work).
                 track.input_ended = True
@@ -553,6 +563,8 @@ class StreamingScheduler(AccountingScheduler):
         args = (r.sampling_params.extra_args if r.sampling_params else None) or {}
         key = str(args.get(SESSION_ARG) or r.request_id)
         self.req_session[r.request_id] = key
+        if args.get(PREEMPTIVE_ARG):
+            self.preemptive.add(r.request_id)
         now = time.time()
         track = self.sessions.get(key)
         if track is None:
@@ -564,7 +576,7 @@ class StreamingScheduler(AccountingScheduler):
             if len(self.sessions) > MAX_TRACKED_SESSIONS:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(key)
-        if chunk or not r.resumable:
+        if chunk or (not r.resumable and r.request_id not in self.preemptive):  # (no new input: its LCAS rank stays)
             track.last_chunk = now
 
     def _forget_gone(self) -> None:
@@ -572,6 +584,8 @@ class StreamingScheduler(AccountingScheduler):
             self.host.free(self.evicted.pop(req_id).slots)
         if len(self.req_session) > len(self.requests) + 1024:
             self.req_session = {rid: k for rid, k in self.req_session.items() if rid in self.requests}
+        if self.preemptive:
+            self.preemptive &= self.requests.keys()
 
     def _count(self, r: Request, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -590,13 +604,15 @@ class StreamingScheduler(AccountingScheduler):
         for rid, r in self.requests.items():
             key = self.req_session.get(rid, rid)
             track = self.sessions.get(key)
+            preemptive = rid in self.preemptive
             views[rid] = RankView(
-                complete=not r.resumable or bool(track and track.input_ended),
+                complete=not preemptive and (not r.resumable or bool(track and track.input_ended)),
                 arrival=track.arrival if track else r.arrival_time,
                 last_chunk=track.last_chunk if track else r.arrival_time,
                 computed=computed[key],
                 has_work=r.status in ACTIVE and r.num_tokens_with_spec > r.num_computed_tokens,
                 order=order.get(rid, len(order)),
+                preemptive=preemptive,
             )
         return views
 

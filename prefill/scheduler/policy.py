@@ -24,6 +24,7 @@ class RankView:
     computed: int  # tokens whose KV its session holds
     has_work: bool  # tokens left to prefill now
     order: int  # its position in the engine's own queues (the `vllm` policy)
+    preemptive: bool = False  # a preemptive answer's hand-off (prefill/preemptive.py): below all other work
 
 
 RankKey = tuple[float, ...]
@@ -49,14 +50,18 @@ RANKERS: dict[str, Callable[[RankView], RankKey]] = {"fcfs": _fcfs, "lcas": _lca
 
 
 def rank_key(policy: Policy) -> Callable[[RankView], RankKey]:
-    return RANKERS[policy]
+    """The policy's key, below all of it a preemptive answer's hand-off (work the user may never need)."""
+    ranker = RANKERS[policy]
+    return lambda v: (1 if v.preemptive else 0, *ranker(v))
 
 
 def victim_key(policy: Policy, idle: bool, view: RankView) -> tuple[object, ...]:
     """Sort key for eviction (lower = evicted first)."""
+    if view.preemptive:
+        return (-1, -view.arrival)  # a preemptive answer's hand-off gives its blocks before anyone
     if policy == "vllm":
         return (-view.arrival,)  # the engine's own choice: the latest arrival goes first (LIFO)
     # An idle session is ranked as if its next chunk had come (not all alike): the one the policy would serve
     # last gives its blocks first (FCFS: the newest session; MCPS: the least computed).
-    inverted = tuple(-x for x in rank_key(policy)(replace(view, has_work=True)))
+    inverted = tuple(-x for x in RANKERS[policy](replace(view, has_work=True)))
     return (0 if idle else 1, *inverted)

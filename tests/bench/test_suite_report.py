@@ -221,3 +221,30 @@ def test_token_streaming_level_missing() -> None:
     ts = suite_report.token_streaming_summary(token_path(levels=("1", "32")))
     assert ts["tokps_ratio_vs_vllm_at_128"] is None and ts["tokps_ratio_vs_rayllm_at_128"] is None
     assert ts["itl_p50_ratio_vs_vllm_at_32"] == pytest.approx(0.8)
+
+
+def test_preemptive_answers_summary_and_goal(tmp_path: Path) -> None:
+    def side(p50: float, delivered: float = 0.0, discarded: float = 0.0) -> dict[str, Any]:
+        return {
+            "p50_ms": p50,
+            "p95_ms": 2 * p50,
+            "p99_ms": 3 * p50,
+            "delivered_share": delivered,
+            "discarded_tokens_per_turn": discarded,
+            "work_ratio": 1.0,
+        }
+
+    def run(lag: int, users: int, on: float, off: float) -> dict[str, Any]:
+        speedup = {f"p{q}": off / on for q in (50, 95, 99)}
+        summary = {"preemptive": side(on, 0.7, 3.5), "off": side(off), "speedup": speedup}
+        return {"eot_lag_ms": lag, "concurrency": users, "summary": summary, "turns": []}
+
+    raw = synthetic(token_path())
+    raw["preemptive"] = {"runs": {"lag300_c1": run(300, 1, 20.0, 200.0), "lag300_c12": run(300, 12, 900.0, 800.0)}}
+    suite_report.write(raw, tmp_path, "20261121T000000Z")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    low = summary["preemptive"]["lag300_c1"]
+    assert low["p50_speedup"] == pytest.approx(10.0) and low["delivered_share"] == 0.7
+    goal = next(g for g in summary["goals"] if g["goal"].startswith("preemptive"))
+    assert goal["measured"] == pytest.approx(800 / 900) and goal["met"] is False  # saturating load: worse
+    assert "## Preemptive answers" in (tmp_path / "suite.md").read_text()

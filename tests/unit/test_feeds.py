@@ -196,7 +196,7 @@ def _decode_server() -> Any:
     from decode.server import DecodeServer
 
     server = object.__new__(DecodeServer.func_or_class)
-    server.replica, server.outboxes = "d1", {}
+    server.replica, server.outboxes, server.routes = "d1", {}, {}
     return server
 
 
@@ -240,3 +240,48 @@ def test_a_feed_for_another_replica_fails() -> None:
 
     with pytest.raises(RuntimeError, match="gone"):
         asyncio.run(run())
+
+
+def test_an_adopted_stream_moves_with_what_it_made_and_what_it_makes_next() -> None:
+    """A preemptive answer (prefill/preemptive.py) runs on decode for a consumer no router reads; the router that
+    serves the answer adopts it: the frames it made so far come first on that router's feed, then the rest."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.priorities: list[tuple[str, int]] = []
+
+        async def utility(self, method: str, *args: Any) -> int:
+            assert method == "rtpd_set_priority"
+            self.priorities.append(args)
+            return 1
+
+    async def run() -> tuple[Any, Any, Any, Any]:
+        server = _decode_server()
+        server.engine = Engine()
+        go_on = asyncio.Event()
+
+        async def answer() -> AsyncIterator[str]:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+            await go_on.wait()
+            yield "data: 3\n\n"
+
+        parked = server.outboxes.setdefault("preempt:s", Outbox())
+        server.routes["x"] = parked
+        parked.tasks["x"] = asyncio.ensure_future(server._pump(answer(), "x"))
+        await asyncio.sleep(0.01)
+        missing = await server.adopt(consumer="r", stream_id="nope", parked="preempt:s", request_id="s-t0")
+        adopted = await server.adopt(consumer="r", stream_id="x", parked="preempt:s", request_id="s-t0")
+        first = await server.outboxes["r"].take()
+        go_on.set()
+        await asyncio.sleep(0.01)
+        rest = await server.outboxes["r"].take()
+        return missing, adopted, (first, rest, "preempt:s" in server.outboxes), server.engine.priorities
+
+    missing, adopted, (first, rest, parked_left), priorities = asyncio.run(run())
+    assert missing["error"]["code"] == 404
+    assert adopted == {"replica": "d1"}
+    assert first == ({"x": "data: 1\n\ndata: 2\n\n"}, {}, {})
+    assert rest == ({"x": "data: 3\n\n"}, {"x": None}, {})
+    assert not parked_left  # nothing else was parked there: its outbox is gone
+    assert priorities == [("s-t0", 0)]  # an ordinary answer's rank on the engine from now on

@@ -104,7 +104,9 @@ def test_ids_whose_text_is_held_back_are_reported_only_with_the_text_that_shows_
             yield frame
 
     box = Box()
-    asyncio.run(DecodeServer.func_or_class._pump(None, engine(), box, "s", "strip"))
+    server = object.__new__(DecodeServer.func_or_class)
+    server.routes = {"s": box}
+    asyncio.run(server._pump(engine(), "s", "strip"))
     assert seen == [([1, 2], [10]), (None, []), (None, []), (None, [11, 12, 13]), (None, [14])]
 
 

@@ -167,10 +167,15 @@ class Harness:
         resumable: bool = True,
         session: str | None = None,
         arrival: float | None = None,
+        preemptive: bool = False,
+        priority: int = 0,
     ) -> Request:
         ids = self.tokens(tokens) if isinstance(tokens, int) else list(tokens)
         arrival = self.clock.now if arrival is None else arrival
-        params = SamplingParams(max_tokens=1, extra_args={"rtpd_session": session or rid, "rtpd_arrival": arrival})
+        args: dict[str, Any] = {"rtpd_session": session or rid, "rtpd_arrival": arrival}
+        if preemptive:
+            args["rtpd_preemptive"] = True
+        params = SamplingParams(max_tokens=1, extra_args=args)
         return Request(
             rid,
             ids,
@@ -179,6 +184,7 @@ class Harness:
             block_hasher=self.hasher,
             resumable=resumable,
             arrival_time=arrival,
+            priority=priority,
         )
 
     def add(self, rid: str, tokens: list[int] | int, **kwargs: Any) -> Request:

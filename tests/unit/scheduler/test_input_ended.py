@@ -167,3 +167,19 @@ def test_partial_input_without_room_sits_out_instead_of_preempting_a_prefill(mak
     assert sum(step.get("x", 0) for step in steps) == 64  # x computed only its new chunk, after the hand-off
     c = h.counters()
     assert "preemptions_engine" not in c and c["partial_without_room"] >= 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lcas", "mcps"])
+def test_a_preemptive_hand_off_runs_below_all_other_work_and_gives_its_blocks_first(make, policy: str) -> None:
+    """A preemptive answer (prefill/preemptive.py) is work the user may never need: partial input goes before it,
+    it never makes partial input yield, its blocks are the first taken, and its session's input has not ended."""
+    h: Harness = make(policy=policy, num_blocks=13, budget=64)
+    h.add("s", 32)
+    h.run()
+    s = h.sched.requests["s"].prompt_token_ids
+    h.add("s-t0-p1", [*s, *h.tokens(32)], resumable=False, session="s", preemptive=True)
+    h.add("other", 48)  # another session's partial input, newer
+    steps = h.run()
+    assert steps[0]["other"] == 48 and steps[0].get("s-t0-p1", 0) <= 16, steps  # the hand-off takes what is left
+    assert not h.sched._views()["s"].complete  # the session's input is not over
+    assert h.counters()["computed_preemptive"] == 32

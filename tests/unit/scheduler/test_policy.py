@@ -92,7 +92,7 @@ def test_requests_with_work_rank_before_those_without(policy: str) -> None:
 
 
 def test_fcfs_key_without_work_is_infinite_arrival() -> None:
-    assert rank_key("fcfs")(view(arrival=1.0, has_work=False, order=3)) == (1, math.inf, 3)
+    assert rank_key("fcfs")(view(arrival=1.0, has_work=False, order=3)) == (0, 1, math.inf, 3)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lcas", "mcps"])

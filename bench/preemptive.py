@@ -1,0 +1,243 @@
+"""End of turn → first token, with and without preemptive answers (prefill/preemptive.py).
+
+Voice-assistant-like turns over REST streaming-input sessions: a user's turn arrives in chunks at speech pace
+(a transcript growing word group by word group), sometimes with a pause mid-turn, and the end of turn is known
+only `--eot-lag-ms` after the last chunk (a voice-activity or end-of-turn detector's silence), when the client
+calls `/finish`. The figure is the time from that call to the first token. Without `preemptive` the answer starts
+at `/finish`; with it, the server starts it once the input has been idle for `after_idle_ms`, and a turn that
+ends unchanged is delivered from it. Mid-turn pauses longer than `after_idle_ms` make preemptive answers that new
+input discards: their tokens are the cost, reported per turn.
+
+Both systems run in the same process on the same app, alternating turn by turn, each turn with fresh text (no
+prefix-cache help across turns); at `--concurrency 1` (low load) and at a saturating concurrency.
+
+    .venv/bin/python bench/preemptive.py [--quick] [--eot-lag-ms 300 600] [--concurrency 1 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from tqdm import tqdm
+
+from serve_app.protocol import choice_text
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PORT = 8793
+SESSIONS = "/v1/streaming_input/sessions"
+WORDS = ["pipeline", "crawler", "vector", "search", "document", "token", "prefill", "decode", "cache", "stream"]
+SYSTEMS = ("preemptive", "off")
+
+
+def make_turn(rng: random.Random, words: int, chunks: int) -> list[str]:
+    text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 999)}" for _ in range(words)) + "?"
+    cuts = sorted(rng.sample(range(1, len(text) - 1), chunks - 1))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def one_turn(
+    client: httpx.AsyncClient, system: str, pieces: list[str], pause_at: int | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [], "max_tokens": args.max_tokens, "temperature": 0}
+    body["close_after_answer"] = True
+    if system == "preemptive":
+        body["preemptive"] = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.preemptive_tokens}
+    r = await client.post(SESSIONS, json=body)
+    r.raise_for_status()
+    sid = r.json()["session_id"]
+    first_token: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+    async def watch() -> None:
+        async with client.stream("GET", f"{SESSIONS}/{sid}/events") as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {") and choice_text(json.loads(line[6:]))[0] and not first_token.done():
+                    first_token.set_result(time.perf_counter())
+
+    watcher = asyncio.create_task(watch())
+    try:
+        for seq, piece in enumerate(pieces):
+            if seq:
+                gap = args.pause_ms if seq == pause_at else args.gap_ms
+                await asyncio.sleep(gap / 1000)
+            r = await client.post(f"{SESSIONS}/{sid}/chunks", json={"sequence_id": seq, "payload": piece})
+            r.raise_for_status()
+        await asyncio.sleep(args.eot_lag_ms / 1000)  # the end-of-turn detector's silence
+        end_of_turn = time.perf_counter()
+        r = await client.post(f"{SESSIONS}/{sid}/finish")
+        r.raise_for_status()
+        first = await asyncio.wait_for(first_token, 120)
+        await asyncio.wait_for(watcher, 120)
+        info = (await client.get(f"{SESSIONS}/{sid}")).json()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await client.delete(f"{SESSIONS}/{sid}")
+    preemptive = info.get("preemptive") or {}
+    work = info.get("work") or {}
+    return {
+        "system": system,
+        "eot_to_first_token_s": first - end_of_turn,
+        "paused": pause_at is not None,
+        "delivered": preemptive.get("delivered", 0),
+        "discarded": preemptive.get("discarded", 0),
+        "discarded_tokens": preemptive.get("discarded_tokens", 0),
+        "prompt_tokens": work.get("prompt_tokens"),
+        "computed_tokens": work.get("computed_tokens"),
+    }
+
+
+async def level(
+    client: httpx.AsyncClient, concurrency: int, args: argparse.Namespace, seed: int, bar: tqdm
+) -> list[dict[str, Any]]:
+    """`concurrency` users at once, each alternating the two systems turn by turn."""
+
+    async def user(u: int) -> list[dict[str, Any]]:
+        rng = random.Random(seed * 1000 + u)
+        out = []
+        for t in range(args.turns):
+            for system in SYSTEMS if (t + u) % 2 == 0 else reversed(SYSTEMS):
+                pieces = make_turn(rng, args.words, args.chunks)
+                pause_at = rng.randrange(1, len(pieces)) if rng.random() < args.pause_share else None
+                out.append(await one_turn(client, system, pieces, pause_at, args))
+                bar.update(1)
+        return out
+
+    results = await asyncio.gather(*(user(u) for u in range(concurrency)))
+    return [r for rs in results for r in rs]
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in SYSTEMS:
+        mine = [r for r in results if r["system"] == system]
+        ttft = [r["eot_to_first_token_s"] * 1000 for r in mine]
+        prompt = sum(r["prompt_tokens"] or 0 for r in mine)
+        out[system] = {
+            **{f"p{q}_ms": pct(ttft, q) for q in (50, 95, 99)},
+            "turns": len(mine),
+            "delivered_share": sum(r["delivered"] for r in mine) / max(len(mine), 1),
+            "discarded_tokens_per_turn": sum(r["discarded_tokens"] for r in mine) / max(len(mine), 1),
+            "work_ratio": sum(r["computed_tokens"] or 0 for r in mine) / prompt if prompt else None,
+        }
+    on, off = out["preemptive"], out["off"]
+    out["speedup"] = {f"p{q}": off[f"p{q}_ms"] / on[f"p{q}_ms"] for q in (50, 95, 99) if on[f"p{q}_ms"]}
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    limits = httpx.Limits(max_connections=4 * max(args.concurrency) + 16)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=300, limits=limits) as client:
+        warm = make_turn(random.Random(-1), 20, 3)
+        for system in SYSTEMS:  # warm-up, not counted
+            await one_turn(client, system, warm, None, _with_lag(args, args.eot_lag_ms[0]))
+        for lag in args.eot_lag_ms:
+            for c in args.concurrency:
+                label = f"lag {lag} ms, {c} users"
+                with tqdm(total=c * args.turns * len(SYSTEMS), desc=label, unit="turn") as bar:
+                    results = await level(client, c, _with_lag(args, lag), seed=lag * 100 + c, bar=bar)
+                summary = summarise(results)
+                runs[f"lag{lag}_c{c}"] = {"eot_lag_ms": lag, "concurrency": c, "summary": summary, "turns": results}
+                on, off, speed = summary["preemptive"], summary["off"], summary["speedup"]
+                print(
+                    f"  {label}: end of turn -> first token P50/P95/P99 {_ms(on)} with preemptive, {_ms(off)} "
+                    f"without ({speed.get('p50', 0):.2f}x / {speed.get('p95', 0):.2f}x / {speed.get('p99', 0):.2f}x); "
+                    f"delivered {on['delivered_share']:.0%}, discarded {on['discarded_tokens_per_turn']:.1f} "
+                    f"tokens/turn; work {on['work_ratio']:.3f} vs {off['work_ratio']:.3f}",
+                    flush=True,
+                )
+    return runs
+
+
+def _ms(s: dict[str, Any]) -> str:
+    return "/".join(f"{s[f'p{q}_ms']:.0f}" for q in (50, 95, 99)) + " ms"
+
+
+def _with_lag(args: argparse.Namespace, lag: float) -> argparse.Namespace:
+    copy = argparse.Namespace(**vars(args))
+    copy.eot_lag_ms = lag
+    return copy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: one lag, fewer turns")
+    parser.add_argument("--eot-lag-ms", type=float, nargs="+", default=[300.0, 600.0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 12], help="low and saturating load")
+    parser.add_argument("--turns", type=int, default=6, help="turns per user and system")
+    parser.add_argument("--words", type=int, default=60, help="a spoken turn's length")
+    parser.add_argument("--chunks", type=int, default=12, help="transcript updates per turn")
+    parser.add_argument("--gap-ms", type=float, default=150.0, help="between transcript updates (speech pace)")
+    parser.add_argument("--pause-share", type=float, default=0.3, help="turns with a pause mid-turn")
+    parser.add_argument("--pause-ms", type=float, default=700.0, help="a mid-turn pause (past after_idle_ms)")
+    parser.add_argument("--after-idle-ms", type=int, default=200)
+    parser.add_argument("--preemptive-tokens", type=int, default=16, help="preemptive `max_tokens`")
+    parser.add_argument("--max-tokens", type=int, default=24, help="the answer's")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "config.yaml"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.eot_lag_ms, args.turns, args.concurrency = [300.0], 2, [1, 6]
+
+    import ray
+    from ray import serve
+
+    from serve_app.builder import build_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.run(build_app(app_args), name="realtime-pd", route_prefix="/")
+        runs = asyncio.run(run(args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
+    (args.out / f"preemptive-{stamp}.json").write_text(json.dumps(record, indent=2))
+    lines = [
+        "# End of turn → first token, with and without preemptive answers",
+        "",
+        f"`python bench/preemptive.py{' --quick' if args.quick else ''}` ({stamp}); P50 / P95 / P99 in ms",
+        "",
+        "| EOT lag | users | preemptive | off | speedup | delivered | discarded tokens/turn | work on / off |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run_ in runs.values():
+        s = run_["summary"]
+        on, off, speed = s["preemptive"], s["off"], s["speedup"]
+        lines.append(
+            f"| {run_['eot_lag_ms']:.0f} ms | {run_['concurrency']} | {_ms(on)} | {_ms(off)} | "
+            f"{'/'.join(f'{speed.get(k, 0):.2f}x' for k in ('p50', 'p95', 'p99'))} | {on['delivered_share']:.0%} | "
+            f"{on['discarded_tokens_per_turn']:.1f} | {on['work_ratio']:.3f} / {off['work_ratio']:.3f} |"
+        )
+    (args.out / "preemptive.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Preemptive answers: the answer starts while the user may still be talking, and is delivered at once when the
+turn ends unchanged.
+
+An end-of-turn detector says "done" late (300-800 ms of silence, or a model's verdict), and only then is the
+answer asked for. A session created with `preemptive` options does not wait for it: once its input has been idle
+for `after_idle_ms`, its owner hands the current input off as it would at end of input, ranked below all other
+work of the prefill engine (prefill/scheduler/policy.py), and starts decode on it, parked: decode generates at
+its lowest priority and keeps the frames for whoever adopts them (decode/server.py `adopt`). New input cancels it
+on both engines. When the turn ends and the input is what the preemptive answer was made from, that answer
+becomes the answer: the router that claims it adopts the parked stream, so what it made is delivered at once and
+the rest streams on. Otherwise the ordinary hand-off runs.
+
+No token passes through this replica: decode keeps them until a router adopts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app import metrics
+from serve_app.protocol import continuation_refusal
+
+logger = logging.getLogger(__name__)
+PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
+
+
+class PreemptiveOptions(BaseModel):
+    """`preemptive` on a session (REST create, NDJSON first line, realtime `session.update`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    after_idle_ms: int = Field(default=400, ge=0, le=600_000)  # input idle this long: the answer starts
+    max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
+    max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
+    max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
+    stream: bool = False  # provisional tokens go to the client as they are made, marked provisional
+
+
+@dataclass
+class Preemption:
+    """One preemptive answer: its hand-off and its parked decode stream."""
+
+    turn: int
+    attempt: int
+    fingerprint: str  # the ordinary request it answers (the session's whole input then)
+    parked: str  # the decode consumer it streams to (nobody reads it until a router adopts it)
+    stream_id: str
+    request: dict[str, Any] = field(default_factory=dict)  # the decode request, once the hand-off is made
+    replica: str | None = None  # the decode replica, once started
+    task: asyncio.Task[None] | None = None  # the hand-off and decode start in progress
+    started_at: float = field(default_factory=time.monotonic)
+    state: PreemptState | None = None  # its session's (where discarded tokens are counted)
+    discarded_tokens: int = 0
+    start_call: asyncio.Future[Any] | None = None  # decode's `start`, once called
+
+
+@dataclass
+class PreemptState:
+    options: PreemptiveOptions
+    attempts: int = 0  # this turn's
+    timer: asyncio.TimerHandle | None = None
+    fingerprint: str = ""  # the request the session's input made when it last changed
+    live: Preemption | None = None
+    delivered: int = 0  # preemptive answers that became the answer
+    discarded: int = 0  # preemptive answers given up (new input came, or the turn ended changed)
+    discarded_tokens: int = 0  # tokens those had made on decode
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **self.options.model_dump(),
+            "attempts": self.attempts,
+            "delivered": self.delivered,
+            "discarded": self.discarded,
+            "discarded_tokens": self.discarded_tokens,
+            "live": self.live is not None,
+        }
+
+
+def fingerprint(request: dict[str, Any]) -> str:
+    return json.dumps(request, sort_keys=True, separators=(",", ":"))
+
+
+class Preemptive:
+    """Mixin of `PrefillServer`: a session's preemptive answers, started, cancelled and handed to its answer."""
+
+    sessions: dict[str, Any]
+    settings: Any
+    engine: Any
+    decode: Any
+    replica: str
+    prefill: Any
+    _scheduler_stats: dict[str, Any]
+
+    # --- input changes -----------------------------------------------------------------------------
+    def _preempt_rearm(self, session: Any) -> None:
+        """The session's input changed: a preemptive answer made from the old input is given up, and the idle
+        timer starts again."""
+        state: PreemptState | None = getattr(session, "preempt", None)
+        if state is None:
+            return
+        now = fingerprint(session.full_request())
+        if now == state.fingerprint and (state.live is not None or state.timer is not None):
+            return  # nothing changed (a realtime commit turns the typed text into a message: the same request)
+        state.fingerprint = now
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.live is not None:
+            self._preempt_discard(session, "new input")
+        if session.input_ended or session.answering:
+            return
+        loop = asyncio.get_running_loop()
+        state.timer = loop.call_later(state.options.after_idle_ms / 1000, self._preempt_due, session)
+
+    def _preempt_due(self, session: Any) -> None:
+        state: PreemptState = session.preempt
+        state.timer = None
+        if (why := self._preempt_refusal(session)) is not None:
+            logger.debug("session %s: no preemptive answer (%s)", session.id, why)
+            metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="skipped")
+            return
+        state.attempts += 1
+        turn = len(session.answers)
+        live = Preemption(
+            turn=turn,
+            attempt=state.attempts,
+            fingerprint=fingerprint(session.full_request()),
+            parked=f"preempt:{session.id}:{turn}:{state.attempts}",
+            stream_id=f"{session.id}-t{turn}-p{state.attempts}",
+            state=state,
+        )
+        state.live = live
+        live.task = asyncio.create_task(self._preempt_start(session, live))
+        metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="started")
+
+    def _preempt_refusal(self, session: Any) -> str | None:
+        """Why no preemptive answer starts now (None: it may)."""
+        state: PreemptState = session.preempt
+        if session.input_ended or session.answering or session.state.value == "closed":
+            return "the turn is over"
+        if state.live is not None:
+            return "one is in progress"
+        if state.attempts >= state.options.max_attempts:
+            return "max_attempts"
+        if session.pending:
+            return "chunks are missing"  # (its input is known to be incomplete)
+        limit = state.options.max_input_tokens
+        if limit is not None and len(session.stable_tokens(self.engine.tokenizer)) > limit:
+            return "max_input_tokens"
+        in_flight = sum(s.preempt.live is not None for s in self.sessions.values() if getattr(s, "preempt", None))
+        if in_flight >= self.settings.max_preemptive_in_flight:
+            return "the replica's preemptive work is at its cap"
+        if self._scheduler_stats.get("queue_waiting", 0) > 0:
+            return "the engine is busy"  # under load preemptive work is skipped, never queued
+        return None
+
+    async def _preempt_start(self, session: Any, live: Preemption) -> None:
+        """Hand the input off (below all other work) and start decode on it, parked."""
+        state: PreemptState = session.preempt
+        try:
+            request = dict(session.full_request())
+            request.update(stream=True, stream_options={"include_usage": True}, request_id=live.stream_id)
+            handoff = await self.prefill(session.endpoint, request, session.streaming, preemptive=True)
+            if "error" in handoff:
+                raise RuntimeError(handoff["error"].get("message"))
+            body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
+            ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
+            body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
+            live.request = body
+            # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
+            # exactly (tools, stop strings: `continuation_refusal`) is made whole instead, still at the lowest priority.
+            cap = None if continuation_refusal(session.endpoint, body) else state.options.max_tokens
+            call = asyncio.ensure_future(
+                self.decode.start.remote(
+                    consumer=live.parked,
+                    stream_id=live.stream_id,
+                    endpoint=session.endpoint,
+                    body=body,
+                    ids=ids,
+                    park_tokens=cap,
+                )
+            )
+            live.start_call = call  # (given up meanwhile: the stop waits for it, so that it stops what started)
+            started = await asyncio.shield(call)
+            if "replica" not in started:
+                raise RuntimeError((started.get("error") or {}).get("message", "decode refused it"))
+            live.replica = started["replica"]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.warning("session %s: preemptive answer %d failed: %s", session.id, live.attempt, e)
+            if state.live is live:
+                state.live = None
+            metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="failed")
+
+    def _preempt_discard(self, session: Any, why: str) -> None:
+        """Give the live preemptive answer up: its hand-off stops, and so does its decode request."""
+        state: PreemptState = session.preempt
+        live, state.live = state.live, None
+        if live is None:
+            return
+        state.discarded += 1
+        metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="discarded")
+        logger.debug("session %s: preemptive answer %d discarded (%s)", session.id, live.attempt, why)
+        if live.task is not None and not live.task.done():
+            live.task.cancel()
+        asyncio.create_task(self._preempt_stop(live))
+
+    def _preempt_release(self, adopt: dict[str, Any]) -> None:
+        """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
+        stale): its parked decode stream is stopped."""
+        live = Preemption(turn=-1, attempt=-1, fingerprint="", parked=adopt["parked"], stream_id=adopt["stream_id"])
+        live.replica = adopt["replica"]
+        asyncio.create_task(self._preempt_stop(live))
+
+    async def _preempt_stop(self, live: Preemption) -> None:
+        if live.task is not None:
+            await asyncio.gather(live.task, return_exceptions=True)
+        if live.replica is None and live.start_call is not None:  # a decode start in flight when it was given up
+            with contextlib.suppress(Exception):
+                live.replica = (await live.start_call).get("replica")
+        if live.replica is None:
+            return
+        with contextlib.suppress(Exception):
+            stopped = await self.decode.stop.remote(
+                consumer=live.parked, stream_id=live.stream_id, replica=live.replica
+            )
+            tokens = int((stopped or {}).get("tokens", 0))
+            live.discarded_tokens = tokens
+            if live.state is not None:
+                live.state.discarded_tokens += tokens
+            metrics.inc(metrics.PREEMPTIVE_DISCARDED_TOKENS, tokens, "tokens preemptive answers made and discarded")
+
+    def _preempt_close(self, session: Any) -> None:
+        """The session closed: its timer and any preemptive answer go."""
+        state: PreemptState = session.preempt
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.live is not None:
+            self._preempt_discard(session, "the session closed")
+
+    # --- the turn ends -----------------------------------------------------------------------------
+    async def _preempt_take(self, session: Any, final: dict[str, Any]) -> Preemption | None:
+        """At end of input: the live preemptive answer if it was made from exactly the answer's request `final`
+        (it becomes the answer), else None (it is given up, and the ordinary hand-off runs)."""
+        state: PreemptState | None = getattr(session, "preempt", None)
+        if state is None:
+            return None
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        state.attempts, state.fingerprint = 0, ""  # (the next turn has its own attempts)
+        live = state.live
+        if live is None:
+            return None
+        if live.fingerprint != fingerprint(final):
+            self._preempt_discard(session, "the turn ended with other input")
+            return None
+        if not live.request:
+            # Its hand-off is still being prefilled, ranked below all other work: the ordinary hand-off, ranked as
+            # complete work, goes on from what it computed (the prefix cache keeps its full blocks).
+            self._preempt_discard(session, "its hand-off was not made yet")
+            return None
+        if live.task is not None:  # (its decode start is in flight)
+            await asyncio.gather(live.task, return_exceptions=True)
+        state.live = None
+        if live.replica is None:  # its hand-off or decode start failed
+            return None
+        state.delivered += 1
+        metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="delivered")
+        return live

@@ -1,0 +1,114 @@
+"""Preemptive answers end to end (prefill/preemptive.py): Ray Serve, both vLLM engines and NIXL on the local model.
+A session whose input pauses gets its answer started; if the turn then ends unchanged, that answer is the answer
+(the same text as one request with the whole input, and no prefill or hand-off after the end of input); new
+input cancels it on decode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import websockets
+
+from tests.integration.conftest import engine_stats, wait_idle
+from tests.integration.test_streaming_input import (
+    SESSIONS,
+    TEXT,
+    Realtime,
+    create,
+    info,
+    read_events,
+    send_chunk,
+    split_inside_words,
+    whole_chat,
+    ws_url,
+)
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = {"role": "system", "content": "Answer from the context."}
+OPTIONS = {"after_idle_ms": 200, "max_tokens": 6}  # fewer than the answer: it goes on past the cap on adoption
+ANSWER_TOKENS = 16
+
+
+def wait_for(predicate, timeout: float = 30.0, every: float = 0.05):
+    deadline = time.time() + timeout
+    while not (got := predicate()) and time.time() < deadline:
+        time.sleep(every)
+    return got
+
+
+def text_of(frames: list[dict]) -> str:
+    return "".join((c.get("delta") or {}).get("content") or "" for f in frames for c in f.get("choices") or [])
+
+
+def test_an_unchanged_turn_gets_its_preemptive_answer(server):
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=OPTIONS)["session_id"]
+    chunks = split_inside_words(TEXT, 6)
+    for seq, piece in enumerate(chunks):
+        assert send_chunk(server, sid, seq, piece).status_code == 202
+    # The user pauses: past after_idle_ms the answer starts, below all other work, and stops at its cap.
+    assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
+    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # it reached its cap there and stopped
+    before = info(server, sid)["work"]
+    assert before.get("preemptive_tokens", 0) > 0 and before.get("handoff_tokens", 0) == 0, before
+
+    assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202  # the turn ends unchanged
+    frames, _ = read_events(server, sid)
+    assert text_of(frames) == expected["choices"][0]["message"]["content"]
+    after = info(server, sid)
+    assert after["preemptive"]["delivered"] == 1 and after["preemptive"]["discarded"] == 0
+    assert after["work"].get("handoff_tokens", 0) == 0  # no hand-off after the end of input
+    timing = after["answers"][-1]["timing"]
+    assert timing["handoff_ms"] < 50 and timing["preempted_ms"] > 0, timing
+    assert after["answers"][-1]["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("prefill")
+    wait_idle("decode")
+
+
+def test_input_after_the_pause_cancels_the_preemptive_answer(server):
+    more = " One more question: what follows the last chunk closely?"
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT + more}], ANSWER_TOKENS)
+    options = {**OPTIONS, "max_tokens": 4096}  # uncapped: it would generate its whole answer on decode
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=options)["session_id"]
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert wait_for(lambda: info(server, sid)["preemptive"]["live"])
+    assert send_chunk(server, sid, 1, more, end=True).status_code == 202
+    frames, _ = read_events(server, sid)
+    assert text_of(frames) == expected["choices"][0]["message"]["content"]
+    got = info(server, sid)["preemptive"]
+    assert got["discarded"] == 1 and got["delivered"] == 0
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("decode")  # the discarded answer was stopped there: nothing left running, no block held
+
+
+def test_realtime_typing_with_a_pause_then_commit(server, model_name):
+    async def run() -> tuple[str, str]:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
+            rt = Realtime(ws)
+            created, _ = await rt.until("session.created")
+            sid = created["session"]["id"]
+            update = {"instructions": SYSTEM["content"], "temperature": 0, "max_output_tokens": ANSWER_TOKENS}
+            update["preemptive"] = OPTIONS
+            await rt.send(type="session.update", session=update)
+            updated, _ = await rt.until("session.updated")
+            assert updated["session"]["preemptive"] == OPTIONS
+            for piece in split_inside_words(TEXT, 4):
+                await rt.send(type="input_text_buffer.append", delta=piece)
+            await asyncio.sleep(1.5)  # the user pauses: the answer starts
+            await rt.send(type="input_text_buffer.commit")
+            await rt.until("conversation.item.created")
+            await rt.send(type="response.create")  # (settings of its own would make it another answer)
+            _, seen = await rt.until("response.done")
+            return sid, "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+
+    sid, text = asyncio.run(run())
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
+    assert text == expected["choices"][0]["message"]["content"]
+    stats = engine_stats("prefill", sid)
+    assert stats["prompt_tokens_computed_by_kind"].get("preemptive", 0) > 0
+    assert stats["prompt_tokens_computed_by_kind"].get("handoff", 0) == 0  # the answer was the preemptive one

@@ -1,0 +1,183 @@
+"""Preemptive answers on a prefill replica's session API (prefill/preemptive.py), without engines: the hand-off
+is scripted (tests/unit/test_handoff.py's `Server`) and decode is a recording fake."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from prefill.session import Session
+from tests.unit.test_handoff import Server, tokenizer  # noqa: F401  (the fixture)
+
+IDLE_MS = 20
+
+
+class FakeDecode:
+    def __init__(self) -> None:
+        self.started: list[dict[str, Any]] = []
+        self.stopped: list[dict[str, Any]] = []
+
+    @property
+    def start(self) -> Any:
+        outer = self
+
+        class Method:
+            async def remote(self, **kwargs: Any) -> dict[str, Any]:
+                outer.started.append(kwargs)
+                return {"replica": "d1"}
+
+        return Method()
+
+    @property
+    def stop(self) -> Any:
+        outer = self
+
+        class Method:
+            async def remote(self, **kwargs: Any) -> dict[str, Any]:
+                outer.stopped.append(kwargs)
+                return {"tokens": 5}
+
+        return Method()
+
+
+class PreemptiveServer(Server):
+    def __init__(self, tokenizer: Any) -> None:  # noqa: F811
+        super().__init__(tokenizer)
+        self.decode = FakeDecode()
+        self._scheduler_stats: dict[str, Any] = {}
+
+    async def prefill(
+        self, endpoint: str, body: dict[str, Any], streaming: Any, preemptive: bool = False
+    ) -> dict[str, Any]:
+        return await super().prefill(endpoint, {**body, "preemptive": preemptive}, streaming)
+
+    def open_preemptive(self, **options: Any) -> Session:
+        from prefill.preemptive import PreemptiveOptions, PreemptState
+
+        session = self.open_session()
+        session.preempt = PreemptState(PreemptiveOptions(after_idle_ms=IDLE_MS, **options))
+        return session
+
+    async def chunk(self, session: Session, text: str, end: bool = False) -> dict[str, Any]:
+        reply = await self.session_chunk(
+            session_id=session.id, sequence_id=session.next_seq, payload=text, end_of_input=end
+        )
+        assert "error" not in reply, reply
+        return reply
+
+
+@pytest.fixture
+def server(tokenizer: Any) -> PreemptiveServer:  # noqa: F811
+    return PreemptiveServer(tokenizer)
+
+
+async def idle() -> None:
+    await asyncio.sleep(3 * IDLE_MS / 1000)
+
+
+async def test_an_unchanged_turn_is_answered_by_its_preemptive_answer(server: PreemptiveServer) -> None:
+    session = server.open_preemptive()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1"]
+    assert server.calls[0]["preemptive"] is True  # ranked below all other work by the prefill scheduler
+    (started,) = server.decode.started
+    assert started["consumer"].startswith("preempt:") and started["park_tokens"] == 64
+    assert started["body"]["priority"] == 1 and started["body"]["kv_transfer_params"]["handoff"] == 1
+
+    await server.chunk(session, "", end=True)  # the turn ends: nothing new
+    claim = await server.session_claim(session_id=session.id)
+    assert len(server.calls) == 1  # no hand-off after end of input
+    assert claim["adopt"] == {"replica": "d1", "parked": started["consumer"], "stream_id": started["stream_id"]}
+    assert claim["request"]["kv_transfer_params"]["handoff"] == 1
+    assert session.describe()["preemptive"]["delivered"] == 1 and not server.decode.stopped
+    timing = session.answers[0].summary()["timing"]
+    assert timing["handoff_ms"] < 5 and timing["preempted_ms"] >= 2 * IDLE_MS  # started before the turn ended
+
+
+async def test_new_input_discards_the_preemptive_answer_and_the_turn_is_handed_off_as_usual(
+    server: PreemptiveServer,
+) -> None:
+    session = server.open_preemptive()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    await server.chunk(session, "And a block table? ", end=True)
+    claim = await server.session_claim(session_id=session.id)
+    await asyncio.sleep(0.01)
+    assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
+    (stopped,) = server.decode.stopped  # stopped on decode
+    assert stopped["stream_id"] == server.decode.started[0]["stream_id"]
+    assert session.describe()["preemptive"]["discarded"] == 1
+    assert session.describe()["preemptive"]["discarded_tokens"] == 5  # what it had made on decode
+
+
+async def test_no_preemptive_answer_while_the_engine_is_busy_or_past_max_attempts(server: PreemptiveServer) -> None:
+    session = server.open_preemptive(max_attempts=2)
+    server._scheduler_stats["queue_waiting"] = 3
+    await server.chunk(session, "one ")
+    await idle()
+    assert server.calls == []  # skipped under load, never queued
+    server._scheduler_stats["queue_waiting"] = 0
+    for text in ("two ", "three ", "four "):
+        await server.chunk(session, text)
+        await idle()
+    assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls] == ["p1", "p2"]  # max_attempts
+    await server._close(session, "test")
+    await asyncio.sleep(0.01)
+    assert len(server.decode.stopped) == 2  # both given up: the last when the session closed
+
+
+async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_as_complete_work(
+    server: PreemptiveServer,
+) -> None:
+    """The preemptive hand-off ranks below all other work: a turn that ends before it was made does not wait
+    for it (the ordinary hand-off, ranked complete, goes on from what it computed)."""
+    session = server.open_preemptive()
+    server.gate = asyncio.Event()  # the preemptive hand-off's prefill does not finish
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1"]
+    await server.chunk(session, "", end=True)
+    server.gate.set()  # (now: the ordinary hand-off goes through; the preemptive one was cancelled waiting)
+    claim = await server.session_claim(session_id=session.id)
+    assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
+    assert server.decode.started == []  # decode never started it
+    assert session.describe()["preemptive"]["discarded"] == 1
+
+
+async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server: PreemptiveServer) -> None:
+    """Realtime: `input_text_buffer.commit` turns the typed text into a message, the same request."""
+    session = server.open_preemptive()
+    await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
+    await idle()
+    assert len(server.decode.started) == 1
+    await server.session_buffer(session_id=session.id, op="commit")
+    await server.session_finish(session_id=session.id)
+    claim = await server.session_claim(session_id=session.id)
+    assert claim["adopt"]["stream_id"] == server.decode.started[0]["stream_id"] and not server.decode.stopped
+
+
+async def test_a_reader_of_the_whole_answer_gets_an_ordinary_hand_off(server: PreemptiveServer) -> None:
+    session = server.open_preemptive()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    await server.chunk(session, "", end=True)
+    claim = await server.session_claim(session_id=session.id, adopts=False)
+    await asyncio.sleep(0.01)
+    assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
+    assert len(server.decode.stopped) == 1  # the parked stream nobody will adopt was stopped
+
+
+async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
+    session = server.open_preemptive(max_attempts=1)
+    await server.chunk(session, "First question? ")
+    await idle()
+    await server.chunk(session, "", end=True)
+    claim = await server.session_claim(session_id=session.id)
+    await server.session_answer_done(session_id=session.id, turn=0, outcome={"status": "completed", "text": "A."})
+    assert "adopt" in claim
+    await server.chunk(session, "Second question? ")
+    await idle()
+    assert len(server.decode.started) == 2  # the second turn's own attempt
