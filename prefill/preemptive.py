@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,7 +40,8 @@ class PreemptiveOptions(BaseModel):
     max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
     max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
     max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
-    stream: bool = False  # provisional tokens go to the client as they are made, marked provisional
+    # Provisional tokens to the client as they are made, marked provisional: not built yet, refused (400).
+    stream: Literal[False] = False
 
 
 @dataclass

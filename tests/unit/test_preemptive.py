@@ -181,3 +181,11 @@ async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
     await server.chunk(session, "Second question? ")
     await idle()
     assert len(server.decode.started) == 2  # the second turn's own attempt
+
+
+async def test_options_are_checked_in_full(server: PreemptiveServer) -> None:
+    for bad, param in (({"after_idle_ms": -1}, "preemptive.after_idle_ms"), ({"stream": True}, "preemptive.stream")):
+        spec = {"request": {"model": "local:tiny-llama", "messages": []}, "preemptive": bad}
+        result = await server.create_session(spec)
+        assert result["error"]["code"] == 400 and result["error"]["param"] == param, result
+    assert not server.sessions  # nothing was made
