@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import yaml
+from clients import pct_ms
 from tqdm import tqdm
 
 from serve_app.protocol import choice_text
@@ -44,15 +45,6 @@ def make_turn(rng: random.Random, words: int, chunks: int) -> list[str]:
     text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 999)}" for _ in range(words)) + "?"
     cuts = sorted(rng.sample(range(1, len(text) - 1), chunks - 1))
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 async def one_turn(
@@ -130,10 +122,10 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in SYSTEMS:
         mine = [r for r in results if r["system"] == system]
-        ttft = [r["eot_to_first_token_s"] * 1000 for r in mine]
+        ttft = [r["eot_to_first_token_s"] for r in mine]
         prompt = sum(r["prompt_tokens"] or 0 for r in mine)
         out[system] = {
-            **{f"p{q}_ms": pct(ttft, q) for q in (50, 95, 99)},
+            **{f"p{q}_ms": pct_ms(ttft, q) for q in (50, 95, 99)},
             "turns": len(mine),
             "delivered_share": sum(r["delivered"] for r in mine) / max(len(mine), 1),
             "discarded_tokens_per_turn": sum(r["discarded_tokens"] for r in mine) / max(len(mine), 1),

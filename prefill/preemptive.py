@@ -58,7 +58,6 @@ class Preemption:
     task: asyncio.Task[None] | None = None  # the hand-off and decode start in progress
     started_at: float = field(default_factory=time.monotonic)
     state: PreemptState | None = None  # its session's (where discarded tokens are counted)
-    discarded_tokens: int = 0
     start_call: asyncio.Future[Any] | None = None  # decode's `start`, once called
 
 
@@ -217,9 +216,7 @@ class Preemptive:
     def _preempt_release(self, adopt: dict[str, Any]) -> None:
         """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
         stale): its parked decode stream is stopped."""
-        live = Preemption(turn=-1, attempt=-1, fingerprint="", parked=adopt["parked"], stream_id=adopt["stream_id"])
-        live.replica = adopt["replica"]
-        asyncio.create_task(self._preempt_stop(live))
+        asyncio.create_task(self._stop_parked(adopt["parked"], adopt["stream_id"], adopt["replica"]))
 
     async def _preempt_stop(self, live: Preemption) -> None:
         if live.task is not None:
@@ -227,16 +224,16 @@ class Preemptive:
         if live.replica is None and live.start_call is not None:  # a decode start in flight when it was given up
             with contextlib.suppress(Exception):
                 live.replica = (await live.start_call).get("replica")
-        if live.replica is None:
-            return
+        if live.replica is not None:
+            await self._stop_parked(live.parked, live.stream_id, live.replica, live.state)
+
+    async def _stop_parked(self, parked: str, stream_id: str, replica: str, state: PreemptState | None = None) -> None:
+        """Stop a parked decode stream; what it had made counts as discarded (the session's, if `state`)."""
         with contextlib.suppress(Exception):
-            stopped = await self.decode.stop.remote(
-                consumer=live.parked, stream_id=live.stream_id, replica=live.replica
-            )
+            stopped = await self.decode.stop.remote(consumer=parked, stream_id=stream_id, replica=replica)
             tokens = int((stopped or {}).get("tokens", 0))
-            live.discarded_tokens = tokens
-            if live.state is not None:
-                live.state.discarded_tokens += tokens
+            if state is not None:
+                state.discarded_tokens += tokens
             metrics.inc(metrics.PREEMPTIVE_DISCARDED_TOKENS, tokens, "tokens preemptive answers made and discarded")
 
     def _preempt_close(self, session: Any) -> None:

@@ -171,7 +171,7 @@ class StreamingScheduler(AccountingScheduler):
         live = [r for r in self.requests.values() if not r.is_finished() and r.request_id in views]
         active = sorted((r for r in live if r.status in ACTIVE), key=lambda r: key(views[r.request_id]))
         # A hand-off not started yet takes its session's host copy, swapped out since the hand-off came.
-        for r in active:
+        for r in active if self.evicted else ():  # (nothing is swapped out: nothing to take, no scan per step)
             fresh = not r.resumable and not r.num_computed_tokens and r.request_id not in self.evicted
             if fresh and r.request_id not in self.preemptive:  # (a preemptive one may be discarded: not its KV)
                 self._take_swapped_prefix(r)

@@ -14,32 +14,23 @@ from tests.unit.test_handoff import Server, tokenizer  # noqa: F401  (the fixtur
 IDLE_MS = 20
 
 
+class Method:
+    """A deployment method: records each call's kwargs, answers `reply`."""
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.reply = reply
+
+    async def remote(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append(kwargs)
+        return self.reply
+
+
 class FakeDecode:
     def __init__(self) -> None:
-        self.started: list[dict[str, Any]] = []
-        self.stopped: list[dict[str, Any]] = []
-
-    @property
-    def start(self) -> Any:
-        outer = self
-
-        class Method:
-            async def remote(self, **kwargs: Any) -> dict[str, Any]:
-                outer.started.append(kwargs)
-                return {"replica": "d1"}
-
-        return Method()
-
-    @property
-    def stop(self) -> Any:
-        outer = self
-
-        class Method:
-            async def remote(self, **kwargs: Any) -> dict[str, Any]:
-                outer.stopped.append(kwargs)
-                return {"tokens": 5}
-
-        return Method()
+        self.start = Method({"replica": "d1"})
+        self.stop = Method({"tokens": 5})  # what a stopped parked stream had made
+        self.started, self.stopped = self.start.calls, self.stop.calls
 
 
 class PreemptiveServer(Server):
