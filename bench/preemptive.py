@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import systems
 import yaml
 from clients import pct_ms
 from tqdm import tqdm
@@ -35,7 +36,6 @@ from serve_app.protocol import choice_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PORT = 8793
 SESSIONS = "/v1/streaming_input/sessions"
 WORDS = ["pipeline", "crawler", "vector", "search", "document", "token", "prefill", "decode", "cache", "stream"]
 SYSTEMS = ("preemptive", "off")
@@ -136,10 +136,10 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=4 * max(args.concurrency) + 16)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
         warm = make_turn(random.Random(-1), 20, 3)
         for system in SYSTEMS:  # warm-up, not counted
             await one_turn(client, system, warm, None, _with_lag(args, args.eot_lag_ms[0]))
@@ -191,21 +191,10 @@ def main() -> None:
     if args.quick:
         args.eot_lag_ms, args.turns, args.concurrency = [300.0], 2, [1, 6]
 
-    import ray
-    from ray import serve
-
-    from serve_app.builder import build_app
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app(app_args), name="realtime-pd", route_prefix="/")
-        runs = asyncio.run(run(args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with systems.app(app_args) as app:  # behind the default ingress, as the other benches run it
+        runs = asyncio.run(run(args, app.base))
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
