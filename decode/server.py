@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ray import serve
@@ -33,6 +34,18 @@ STATS_EXPORT_S = 5.0  # how often the engine scheduler's counters (KV load failu
 # router added `return_token_ids`, the client did not ask) or "keep" them (the client asked); both send them
 # beside the frames, in the feed's batch.
 IdsMode = Literal["strip", "keep"]
+PARKED_KEPT_S = 3600.0  # a preemptive answer's record, if neither stopped nor confirmed (its owner died)
+
+
+@dataclass
+class ParkedStream:
+    """A preemptive answer's stream (prefill/preemptive.py): it stops at `cap` tokens until its turn is confirmed."""
+
+    cap: int | None  # (None: made whole, as a continuation could not reproduce it)
+    request_id: str  # its engine request (raised to an ordinary answer's priority when confirmed)
+    made: int = 0
+    confirmed: bool = False
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
@@ -45,6 +58,9 @@ class DecodeServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
+        # Preemptive answers' streams (`park_tokens`): tokens made so far (the owner counts what it discards), and
+        # whether the turn is confirmed yet (a tentatively adopted one still stops at its cap, at its rank).
+        self.parked: dict[str, ParkedStream] = {}
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
@@ -60,13 +76,15 @@ class DecodeServer:
         avoid: list[str] | None = None,
         prefer: str | None = None,
         park_tokens: int | None = None,
+        preemptive: bool = False,
     ) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
         and this engine prefills it). A stream's frames go to `consumer`'s feed: `{"replica": <this one>}`.
         Otherwise the answer itself: `{"response": ...}`, or `{"error": ...}`. `avoid` is for the request
         router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids.
-        `park_tokens`: a preemptive answer, parked under `consumer` (prefill/preemptive.py), stops after this many
-        tokens unless a router adopts it first (then that router goes on from its ids, router/resume.py)."""
+        `preemptive`: a preemptive answer, parked under `consumer` (prefill/preemptive.py); it stops after
+        `park_tokens` (if given) unless its turn is confirmed first (then its router goes on from its ids,
+        router/resume.py)."""
         result = await self.engine.openai(endpoint, body)
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
             payload = error_payload(result)
@@ -76,18 +94,28 @@ class DecodeServer:
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
         outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
-        cap = (outbox, park_tokens) if park_tokens is not None else None
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, cap))
+        parked = None
+        if preemptive or park_tokens is not None:
+            parked = self.parked[stream_id] = ParkedStream(park_tokens, body.get("request_id") or stream_id)
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
         return {"replica": self.replica}
 
     async def adopt(
-        self, *, consumer: str, stream_id: str, parked: str, request_id: str, replica: str | None = None
+        self,
+        *,
+        consumer: str,
+        stream_id: str,
+        parked: str,
+        request_id: str,
+        replica: str | None = None,
+        tentative: bool = False,
     ) -> dict[str, Any]:
         """Take over a stream started for another consumer (a preemptive answer its owner parked under
         `parked`, prefill/preemptive.py): what it produced so far and everything after go to `consumer`'s
-        feed, and its engine request (`request_id`, as its body named it) is raised to an ordinary answer's
-        priority. `{"replica": ...}`, or an
-        error (404) when the stream is gone (cancelled, or reaped unadopted)."""
+        feed. Unless `tentative`, the turn is confirmed (see `confirm`). A tentative adopter (a router whose
+        reader waits for the turn to end) holds the frames before the owner confirms the turn: the stream
+        keeps its cap and its rank until then. `{"replica": ...}`, or an error (404) when the stream is gone
+        (cancelled, or reaped unadopted)."""
         source = self.outboxes.get(parked)
         target = self.outboxes.setdefault(consumer, Outbox())
         if source is None or not source.hand_over(stream_id, target):
@@ -96,26 +124,34 @@ class DecodeServer:
             self.routes[stream_id] = target
         if source.idle and self.outboxes.get(parked) is source:
             del self.outboxes[parked]
+        if not tentative:
+            await self.confirm(stream_id=stream_id, request_id=request_id)
+        return {"replica": self.replica}
+
+    async def confirm(self, *, stream_id: str, request_id: str | None = None, replica: str | None = None) -> None:
+        """The preemptive answer became the answer: no cap any more, and an ordinary answer's priority."""
+        state = self.parked.pop(stream_id, None)
+        if state is not None:
+            state.confirmed = True
+        request_id = request_id or (state.request_id if state is not None else stream_id)
         with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
             await self.engine.utility("rtpd_set_priority", request_id, 0)
-        return {"replica": self.replica}
 
     async def _pump(
         self,
         stream: AsyncGenerator[str, None],
         stream_id: str,
         ids: IdsMode | None = None,
-        cap: tuple[Outbox, int] | None = None,
+        parked: ParkedStream | None = None,
     ) -> None:
-        """Engine output into the stream's outbox; `cap`: (its parking outbox, tokens), see `start`."""
+        """Engine output into the stream's outbox; `parked`: a preemptive answer's (see `start`)."""
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
-        made = 0
         try:
             async for text in stream:
-                if cap is not None and made >= cap[1] and self.routes.get(stream_id) is cap[0]:
-                    error = error_body(503, f"the preemptive answer stopped at {cap[1]} tokens", type_=PREEMPTIVE_CAP)
-                    error = error["error"]
+                if parked is not None and parked.cap is not None and not parked.confirmed and parked.made >= parked.cap:
+                    message = f"the preemptive answer stopped at {parked.cap} tokens"
+                    error = error_body(503, message, type_=PREEMPTIVE_CAP)["error"]
                     break
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
                     # vLLM writes an engine failure (its engine died) into the stream: end the stream with it
@@ -127,7 +163,8 @@ class DecodeServer:
                     self.routes[stream_id].put(stream_id, text)
                 else:
                     text, prompt, tokens = shown.take(text)
-                    made += len(tokens)
+                    if parked is not None:
+                        parked.made += len(tokens)
                     self.routes[stream_id].put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]
@@ -171,14 +208,18 @@ class DecodeServer:
 
     async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> dict[str, Any]:
         """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a
-        stream nobody read (a parked one) had made, for its owner's accounting."""
+        preemptive answer had made, for its owner's accounting. A preemptive answer is found by its stream id
+        also once a router adopted it tentatively (its frames go to that router now)."""
+        state = self.parked.pop(stream_id, None)
         outbox = self.outboxes.get(consumer)
+        if (outbox is None or stream_id not in outbox.tasks) and state is not None:
+            outbox = self.routes.get(stream_id, outbox)
         if outbox is None:
-            return {"tokens": 0}
+            return {"tokens": state.made if state is not None else 0}
         if (task := outbox.tasks.get(stream_id)) is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        tokens = len(outbox.ids.get(stream_id, (None, []))[1])
+        tokens = state.made if state is not None else 0
         if not outbox.attached:  # parked: nobody will take what it made
             outbox.frames.pop(stream_id, None)
             outbox.ids.pop(stream_id, None)
@@ -191,6 +232,9 @@ class DecodeServer:
         while True:
             await asyncio.sleep(5)
             now = time.monotonic()
+            for stream_id, state in list(self.parked.items()):  # (a stream nobody stopped or confirmed)
+                if now - state.started_at > PARKED_KEPT_S:
+                    del self.parked[stream_id]
             for consumer, outbox in list(self.outboxes.items()):
                 if not outbox.attached and now - outbox.drained_at > UNCLAIMED_OUTBOX_S:
                     logger.warning("router %s never read its %d streams: aborting them", consumer, len(outbox.tasks))

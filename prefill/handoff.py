@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefill.answer import DONE, Answer
@@ -43,6 +44,7 @@ class HandOff:
     _check_max_tokens: Any
     _preempt_take: Any
     _preempt_release: Any
+    _preempt_provisional: Any
 
     # --- starting ----------------------------------------------------------------------------------
     def _check_overrides(self, overrides: dict[str, Any]) -> None:
@@ -142,14 +144,25 @@ class HandOff:
         fresh: bool = False,
         adopts: bool = True,
         reclaim: bool = False,
+        holding: str | None = None,
     ) -> dict[str, Any]:
         """Take the answer to stream it: `{"request": <decode request>, ...}` for its one reader, or
         `{"answer": summary}` when it is over, failed, or already being read by another. `fresh`: hand the KV
-        off anew (a reader whose decode stream ended before its first frame may have spent the last one)."""
+        off anew (a reader whose decode stream ended before its first frame may have spent the last one).
+        `holding` (a streaming reader, waiting for the turn to end): the preemptive answer whose frames it holds
+        ("" for none); while there is no answer the reply says which one there is now (`provisional`), and
+        comes as soon as that changes."""
         session = self._get(session_id, allow_closed=True)
-        answer = await self._wait_answer(session, turn)
-        if answer is None:
-            return {"pending": True}  # no answer yet: the router asks again (its client's wait is its own)
+
+        def provisional_changed() -> bool:
+            live = self._preempt_provisional(session)
+            return holding is not None and (live["stream_id"] if live else "") != holding
+
+        answer = await self._wait_answer(session, turn, provisional_changed)
+        if answer is None:  # no answer yet: the router asks again (its client's wait is its own)
+            if holding is None:
+                return {"pending": True}
+            return {"pending": True, "provisional": self._preempt_provisional(session)}
         if reclaim and answer.status == "streaming" and answer.adopt is not None:
             # Its reader could not adopt the preemptive answer's stream (gone): it takes an ordinary hand-off.
             answer.status, answer.claimed_at, fresh = "ready", None, True
@@ -168,6 +181,7 @@ class HandOff:
                 await asyncio.shield(answer.task)
         reply: dict[str, Any] = {"turn": answer.turn, "endpoint": session.endpoint}
         reply["include_usage"] = answer.include_usage
+        reply["timing"] = answer.timing  # (the reader's Server-Timing: where the time after end of input went)
         if answer.adopt is not None and answer.status == "ready":
             reply["adopt"] = answer.adopt  # a preemptive answer: the router takes its decode stream over
         if answer.status != "ready":
@@ -274,9 +288,12 @@ class HandOff:
                 return {"pending": True}
         return {**session.describe(), "answer": answer.summary() if answer else None}
 
-    async def _wait_answer(self, session: Session, turn: int | None) -> Answer | None:
+    async def _wait_answer(
+        self, session: Session, turn: int | None, changed: Callable[[], bool] = lambda: False
+    ) -> Answer | None:
         """The answer `turn` (default: the next or current one), once it exists; None if it does not yet
-        after a short wait (the router asks again: a replica's request slots are not held for long)."""
+        after a short wait (the router asks again: a replica's request slots are not held for long), or as soon
+        as `changed()`."""
         if turn is not None and (not isinstance(turn, int) or turn < 0):
             raise SessionError(400, "turn: must be an answer's number, from 0", "turn")
         if turn is not None and turn > len(session.answers):  # only the next answer may be waited for
@@ -287,7 +304,7 @@ class HandOff:
                 return turn < len(session.answers)
             return bool(session.answers) and (session.input_ended or session.answering)
 
-        await self._waiting(session, lambda: exists() or session.state == SessionState.CLOSED)
+        await self._waiting(session, lambda: exists() or session.state == SessionState.CLOSED or changed())
         if not exists():
             if session.state == SessionState.CLOSED:
                 raise SessionError(409, f"session {session.id} has no answer ({session.close_reason})")

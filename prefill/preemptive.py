@@ -59,6 +59,7 @@ class Preemption:
     started_at: float = field(default_factory=time.monotonic)
     state: PreemptState | None = None  # its session's (where discarded tokens are counted)
     start_call: asyncio.Future[Any] | None = None  # decode's `start`, once called
+    ids: str = "strip"  # whether the client asked for token ids (decode's `ids` mode for its frames)
 
 
 @dataclass
@@ -81,6 +82,11 @@ class PreemptState:
             "discarded_tokens": self.discarded_tokens,
             "live": self.live is not None,
         }
+
+
+async def _notify(session: Any) -> None:
+    async with session.changed:
+        session.changed.notify_all()
 
 
 def fingerprint(request: dict[str, Any]) -> str:
@@ -171,7 +177,7 @@ class Preemptive:
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
             body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
-            ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
+            ids = live.ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
             body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
             live.request = body
             # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
@@ -185,6 +191,7 @@ class Preemptive:
                     body=body,
                     ids=ids,
                     park_tokens=cap,
+                    preemptive=True,
                 )
             )
             live.start_call = call  # (given up meanwhile: the stop waits for it, so that it stops what started)
@@ -192,6 +199,7 @@ class Preemptive:
             if "replica" not in started:
                 raise RuntimeError((started.get("error") or {}).get("message", "decode refused it"))
             live.replica = started["replica"]
+            await _notify(session)  # (a reader waiting for the turn to end holds its frames from now on)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -212,6 +220,28 @@ class Preemptive:
         if live.task is not None and not live.task.done():
             live.task.cancel()
         asyncio.create_task(self._preempt_stop(live))
+        asyncio.create_task(_notify(session))  # (a reader holding its frames lets them go)
+
+    def _preempt_provisional(self, session: Any) -> dict[str, Any] | None:
+        """The live preemptive answer of the session's next turn, once decode makes it: what a reader waiting for
+        the turn to end adopts tentatively (router/answers.py), so that its frames are at hand when it is
+        confirmed. None: there is none."""
+        state: PreemptState | None = getattr(session, "preempt", None)
+        live = state.live if state is not None else None
+        if live is None or live.replica is None or live.turn != len(session.answers):
+            return None
+        return {
+            "replica": live.replica,
+            "parked": live.parked,
+            "stream_id": live.stream_id,
+            "endpoint": session.endpoint,
+            "request": {**live.request, "return_token_ids": live.ids == "keep"},
+        }
+
+    async def _preempt_confirm(self, live: Preemption) -> None:
+        """It became the answer: decode lifts its cap and ranks it as an ordinary answer."""
+        with contextlib.suppress(Exception):
+            await self.decode.confirm.remote(stream_id=live.stream_id, request_id=live.stream_id, replica=live.replica)
 
     def _preempt_release(self, adopt: dict[str, Any]) -> None:
         """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
@@ -273,5 +303,6 @@ class Preemptive:
         if live.replica is None:  # its hand-off or decode start failed
             return None
         state.delivered += 1
+        asyncio.create_task(self._preempt_confirm(live))
         metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="delivered")
         return live

@@ -22,6 +22,7 @@ from typing import Any
 from router import tool_calls
 from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
+from router.provisional import Held
 from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, sse
@@ -103,6 +104,7 @@ class AnswerReader:
         self._streamed = False  # whether any of the answer reached the client
         self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
+        self.server_timing: dict[str, float] = {}  # ms, once open (a live answer's, not a replay's)
 
     @property
     def endpoint(self) -> str:
@@ -113,27 +115,38 @@ class AnswerReader:
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
         deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
-        while True:  # the owner holds each call a few seconds at most: the long wait is this router's
-            call = asyncio.ensure_future(
-                session_call(
-                    self.ingress,
-                    "session_claim",
-                    session_id=self.session_id,
-                    turn=self.turn,
-                    adopts=stream,  # (a reader of the whole answer takes an ordinary hand-off, not a preemptive one)
-                    **({"fresh": True} if retried else {}),
-                    **({"reclaim": True} if reclaim else {}),
+        feeds = getattr(self.ingress, "feeds", None)
+        held = Held(feeds) if stream and not retried and feeds is not None else None  # (a preemptive answer's)
+        try:
+            while True:  # the owner holds each call a few seconds at most: the long wait is this router's
+                call = asyncio.ensure_future(
+                    session_call(
+                        self.ingress,
+                        "session_claim",
+                        session_id=self.session_id,
+                        turn=self.turn,
+                        adopts=stream,  # (a reader of a whole answer takes an ordinary hand-off, not a preemptive one)
+                        **({"fresh": True} if retried else {}),
+                        **({"reclaim": True} if reclaim else {}),
+                        **({"holding": held.stream_id} if held is not None else {}),
+                    )
                 )
-            )
-            try:
-                claim = await asyncio.shield(call)
-            except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
-                call.add_done_callback(self._claimed_after_leaving)
-                raise
-            if not claim.get("pending"):
-                break
-            if time.monotonic() > deadline:
-                return error_body(408, f"session {self.session_id} has no answer yet (its input has not ended)")
+                try:
+                    claim = await asyncio.shield(call)
+                except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
+                    call.add_done_callback(self._claimed_after_leaving)
+                    raise
+                if not claim.get("pending"):
+                    break
+                if held is not None:
+                    await held.follow(claim.get("provisional"))
+                if time.monotonic() > deadline:
+                    return error_body(408, f"session {self.session_id} has no answer yet (its input has not ended)")
+            adopted = (claim.get("adopt") or {}).get("stream_id") if "request" in claim else None
+            kept = held.take(adopted) if held is not None else None
+        finally:
+            if held is not None:
+                held.drop()
         if "error" in claim:
             return claim
         self.claim, self.turn = claim, claim["turn"]
@@ -159,13 +172,21 @@ class AnswerReader:
                 return {"error": summary.get("error") or error_body(500, "the answer failed")["error"]}
             return None
         request = dict(claim["request"])
+        claimed_at = time.perf_counter()
         if not stream:
             request["stream"] = False
             request.pop("stream_options", None)
         first: Any
         try:
-            if "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
+            if kept is not None:  # a preemptive answer this reader held: what decode made of it is here already
+                kept.body = {**request, "return_token_ids": True}
+                if kept.ids is not None:
+                    kept.ids = "keep" if request.get("return_token_ids") else "strip"
+                opened = kept
+                metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how="held")
+            elif "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
                 opened = await self.ingress.feeds.adopt(claim["adopt"], self.endpoint, request)
+                metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how="adopted")
                 if isinstance(opened, dict):  # gone (reaped, its replica died): this reader takes an ordinary hand-off
                     if reclaim:
                         return opened
@@ -202,6 +223,13 @@ class AnswerReader:
             await self.settle("failed")
             return first
         self._first = first
+        # Where the time after end of input went (W3C Server-Timing): the owner's settling of the last chunk and
+        # hand-off (about 0 for a preemptive answer), and decode's first item after the claim (about 0 for a
+        # preemptive answer this reader held: its frames were here).
+        timing = {k.removesuffix("_ms"): v for k, v in (claim.get("timing") or {}).items()}
+        self.server_timing = {**timing, "decode": (time.perf_counter() - claimed_at) * 1e3}
+        if kept is not None:
+            self.server_timing["held"] = 0.0
         return None
 
     async def items(self) -> AsyncGenerator[tuple[str, list[str]], None]:

@@ -120,11 +120,12 @@ class Feeds:
         return stream
 
     async def adopt(
-        self, adopt: dict[str, Any], endpoint: Endpoint, body: dict[str, Any]
+        self, adopt: dict[str, Any], endpoint: Endpoint, body: dict[str, Any], tentative: bool = False
     ) -> DecodeStream | dict[str, Any]:
         """Take over a preemptive answer's decode stream (prefill/preemptive.py): `adopt` names its replica, the
         consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
-        from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off)."""
+        from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off).
+        `tentative`: its turn is not confirmed yet (router/provisional.py)."""
         stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
         if resume.refusal(endpoint, body) is None:  # (else it is not resumed: a continuation would differ)
             stream.ids = "keep" if body.get("return_token_ids") else "strip"
@@ -136,6 +137,7 @@ class Feeds:
                 parked=adopt["parked"],
                 request_id=stream.stream_id,
                 replica=adopt["replica"],
+                tentative=tentative,
             )
         )
         try:

@@ -164,6 +164,8 @@ async def events(session_id: str, request: Request, turn: Annotated[int | None, 
             reader.release()  # the client left before the end (a no-op once the outcome is reported)
 
     headers = {"X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
+    if reader.server_timing:
+        headers["Server-Timing"] = ", ".join(f"{k};dur={v:.2f}" for k, v in reader.server_timing.items())
 
     def close() -> None:  # however the response ends: answered (or left), no longer in flight for admission
         reader.release()

@@ -74,6 +74,9 @@ SESSIONS_ADOPTED = "rtpd_sessions_adopted_total"  # sessions taken over from ano
 SESSIONS_BUFFERED = "rtpd_sessions_buffered_total"  # sessions whose input waited for KV room to stream
 PREEMPTIVE = "rtpd_preemptive_answers_total"  # preemptive answers, by outcome (started, delivered, discarded, ...)
 PREEMPTIVE_DISCARDED_TOKENS = "rtpd_preemptive_discarded_tokens_total"  # tokens preemptive answers made, discarded
+# Preemptive answers a router read, by how: "held" (its reader held the frames before the turn ended) or
+# "adopted" (taken over from decode at claim time).
+PREEMPTIVE_READ = "rtpd_preemptive_read_total"
 SESSIONS_PROMOTED = "rtpd_sessions_promoted_total"  # buffered sessions that started streaming once room freed
 SESSION_CALL_RETRIES = "rtpd_session_call_retries_total"  # router: session calls retried, by why
 ADMISSIONS = "rtpd_admissions_total"  # router admission (router/admission.py): by kind, outcome, reason

@@ -6,6 +6,8 @@ input cancels it on decode."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 
 import httpx
@@ -84,6 +86,84 @@ def test_input_after_the_pause_cancels_the_preemptive_answer(server):
     assert got["discarded"] == 1 and got["delivered"] == 0
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("decode")  # the discarded answer was stopped there: nothing left running, no block held
+
+
+class EarlyReader:
+    """A client that opens `/events` before its turn ends (as a voice client does): its frames, the response's
+    headers, and when the first content arrived."""
+
+    def __init__(self, server: str, sid: str) -> None:
+        self.frames: list[dict] = []
+        self.headers: dict[str, str] = {}
+        self.first_at: float | None = None
+        self.thread = threading.Thread(target=self._read, args=(server, sid), daemon=True)
+        self.thread.start()
+
+    def _read(self, server: str, sid: str) -> None:
+        with httpx.stream("GET", f"{server}{SESSIONS}/{sid}/events", timeout=120) as r:
+            self.headers = dict(r.headers)
+            event = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: {") and event is None:
+                    frame = json.loads(line[6:])
+                    if self.first_at is None and text_of([frame]):
+                        self.first_at = time.perf_counter()
+                    self.frames.append(frame)
+
+    def result(self) -> tuple[str, dict[str, float]]:
+        """The answer's text, and its Server-Timing (ms by name)."""
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+        timing = {}
+        for part in self.headers.get("server-timing", "").split(","):
+            name, _, dur = part.strip().partition(";dur=")
+            timing[name] = float(dur)
+        return text_of(self.frames), timing
+
+
+def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server):
+    """The client reads `/events` from the start: its router holds the preemptive answer's frames before the turn
+    ends, so the answer's first token goes out with the owner's confirmation, with no hand-off and no call to
+    decode after the end of input (Server-Timing `held`, `handoff` ~ 0)."""
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=OPTIONS)["session_id"]
+    reader = EarlyReader(server, sid)
+    chunks = split_inside_words(TEXT, 4)
+    for seq, piece in enumerate(chunks):
+        assert send_chunk(server, sid, seq, piece).status_code == 202
+    assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
+    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # held, and stopped at its cap
+    assert reader.first_at is None  # nothing reaches the client before the turn is confirmed
+    assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202
+    text, timing = reader.result()
+    assert text == expected["choices"][0]["message"]["content"]  # (it went on past the cap)
+    assert "held" in timing and timing["handoff"] < 50, timing
+    after = info(server, sid)
+    assert after["preemptive"]["delivered"] == 1 and after["work"].get("handoff_tokens", 0) == 0, after
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("decode")
+
+
+def test_a_held_preemptive_answer_is_let_go_when_input_comes(server):
+    """New input after the pause: the held stream is stopped on decode and let go; the reader gets the ordinary
+    answer over the whole input."""
+    more = " One more question: what follows the last chunk closely?"
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT + more}], ANSWER_TOKENS)
+    options = {**OPTIONS, "max_tokens": 4096}  # uncapped: it would go on generating on decode
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=options)["session_id"]
+    reader = EarlyReader(server, sid)
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
+    assert send_chunk(server, sid, 1, more, end=True).status_code == 202
+    text, timing = reader.result()
+    assert text == expected["choices"][0]["message"]["content"]
+    assert "held" not in timing and timing["handoff"] > 0, timing
+    got = info(server, sid)["preemptive"]
+    assert got["discarded"] == 1 and got["delivered"] == 0 and got["discarded_tokens"] > 0, got
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("decode")  # the held answer was stopped there
 
 
 def test_realtime_typing_with_a_pause_then_commit(server, model_name):
