@@ -21,8 +21,10 @@ import asyncio
 import json
 import logging
 import random
+import statistics
 import time
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +60,15 @@ async def one_turn(
     r.raise_for_status()
     sid = r.json()["session_id"]
     first_token: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    content_at: list[float] = []  # when each content frame arrived (their gaps: the decode step a client sees)
 
     async def watch() -> None:
         async with client.stream("GET", f"{SESSIONS}/{sid}/events") as resp:
             async for line in resp.aiter_lines():
-                if line.startswith("data: {") and choice_text(json.loads(line[6:]))[0] and not first_token.done():
-                    first_token.set_result(time.perf_counter())
+                if line.startswith("data: {") and choice_text(json.loads(line[6:]))[0]:
+                    content_at.append(time.perf_counter())
+                    if not first_token.done():
+                        first_token.set_result(content_at[-1])
 
     watcher = asyncio.create_task(watch())
     try:
@@ -77,6 +82,7 @@ async def one_turn(
         end_of_turn = time.perf_counter()
         r = await client.post(f"{SESSIONS}/{sid}/finish")
         r.raise_for_status()
+        finished = time.perf_counter()
         first = await asyncio.wait_for(first_token, 120)
         await asyncio.wait_for(watcher, 120)
         info = (await client.get(f"{SESSIONS}/{sid}")).json()
@@ -89,6 +95,9 @@ async def one_turn(
     return {
         "system": system,
         "eot_to_first_token_s": first - end_of_turn,
+        "finish_rtt_s": finished - end_of_turn,  # the /finish call's own round trip (the control path)
+        # The median gap between content frames once the first is out: a decode step as the client sees it.
+        "step_s": statistics.median(gaps) if (gaps := [b - a for a, b in pairwise(content_at[1:])]) else None,
         "paused": pause_at is not None,
         "delivered": preemptive.get("delivered", 0),
         "discarded": preemptive.get("discarded", 0),
@@ -124,8 +133,11 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in results if r["system"] == system]
         ttft = [r["eot_to_first_token_s"] for r in mine]
         prompt = sum(r["prompt_tokens"] or 0 for r in mine)
+        steps = [r["step_s"] for r in mine if r.get("step_s") is not None]
         out[system] = {
             **{f"p{q}_ms": pct_ms(ttft, q) for q in (50, 95, 99)},
+            "decode_step_ms": statistics.median(steps) * 1e3 if steps else None,
+            "finish_rtt_p50_ms": pct_ms([r["finish_rtt_s"] for r in mine], 50),
             "turns": len(mine),
             "delivered_share": sum(r["delivered"] for r in mine) / max(len(mine), 1),
             "discarded_tokens_per_turn": sum(r["discarded_tokens"] for r in mine) / max(len(mine), 1),
@@ -133,6 +145,10 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         }
     on, off = out["preemptive"], out["off"]
     out["speedup"] = {f"p{q}": off[f"p{q}_ms"] / on[f"p{q}_ms"] for q in (50, 95, 99) if on[f"p{q}_ms"]}
+    # The low-load goal: an unchanged turn's first token within one decode step (the answer's own, without
+    # preemptive answers, as its client saw it) plus 10 ms of the end of turn.
+    step = off["decode_step_ms"]
+    out["goal_ms"] = step + 10 if step is not None else None
     return out
 
 
@@ -155,7 +171,8 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
                     f"  {label}: end of turn -> first token P50/P95/P99 {_ms(on)} with preemptive, {_ms(off)} "
                     f"without ({speed.get('p50', 0):.2f}x / {speed.get('p95', 0):.2f}x / {speed.get('p99', 0):.2f}x); "
                     f"delivered {on['delivered_share']:.0%}, discarded {on['discarded_tokens_per_turn']:.1f} "
-                    f"tokens/turn; work {on['work_ratio']:.3f} vs {off['work_ratio']:.3f}",
+                    f"tokens/turn; work {on['work_ratio']:.3f} vs {off['work_ratio']:.3f}; decode step "
+                    f"{off['decode_step_ms'] or 0:.1f} ms, /finish round trip {on['finish_rtt_p50_ms']:.0f} ms",
                     flush=True,
                 )
     return runs
@@ -205,8 +222,9 @@ def main() -> None:
         "",
         f"`python bench/preemptive.py{' --quick' if args.quick else ''}` ({stamp}); P50 / P95 / P99 in ms",
         "",
-        "| EOT lag | users | preemptive | off | speedup | delivered | discarded tokens/turn | work on / off |",
-        "|---|---|---|---|---|---|---|---|",
+        "| EOT lag | users | preemptive | off | speedup | delivered | discarded tokens/turn | work on / off "
+        "| decode step | /finish P50 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_ in runs.values():
         s = run_["summary"]
@@ -214,7 +232,8 @@ def main() -> None:
         lines.append(
             f"| {run_['eot_lag_ms']:.0f} ms | {run_['concurrency']} | {_ms(on)} | {_ms(off)} | "
             f"{'/'.join(f'{speed.get(k, 0):.2f}x' for k in ('p50', 'p95', 'p99'))} | {on['delivered_share']:.0%} | "
-            f"{on['discarded_tokens_per_turn']:.1f} | {on['work_ratio']:.3f} / {off['work_ratio']:.3f} |"
+            f"{on['discarded_tokens_per_turn']:.1f} | {on['work_ratio']:.3f} / {off['work_ratio']:.3f} | "
+            f"{off['decode_step_ms'] or 0:.1f} ms | {on['finish_rtt_p50_ms']:.0f} ms |"
         )
     (args.out / "preemptive.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

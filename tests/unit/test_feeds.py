@@ -11,6 +11,7 @@ import pytest
 
 from decode.feed import Outbox
 from router.feeds import DecodeFailed, DecodeStream, Feeds
+from serve_app.protocol import PREEMPTIVE_CAP
 
 
 def test_outbox_hands_over_everything_ready_in_one_item() -> None:
@@ -196,7 +197,7 @@ def _decode_server() -> Any:
     from decode.server import DecodeServer
 
     server = object.__new__(DecodeServer.func_or_class)
-    server.replica, server.outboxes, server.routes = "d1", {}, {}
+    server.replica, server.outboxes, server.routes, server.parked = "d1", {}, {}, {}
     return server
 
 
@@ -285,3 +286,58 @@ def test_an_adopted_stream_moves_with_what_it_made_and_what_it_makes_next() -> N
     assert rest == ({"x": "data: 3\n\n"}, {"x": None}, {})
     assert not parked_left  # nothing else was parked there: its outbox is gone
     assert priorities == [("s-t0", 0)]  # an ordinary answer's rank on the engine from now on
+
+
+def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopped_by_its_id() -> None:
+    """A router whose reader waits for the turn adopts a preemptive answer tentatively (router/provisional.py):
+    its frames go to that router, but it still stops at its cap and keeps its rank until the owner confirms the
+    turn; a discarded one is stopped by its owner, by stream id, wherever its frames go, with what it made."""
+    from decode.server import ParkedStream
+
+    class Engine:
+        def __init__(self) -> None:
+            self.priorities: list[tuple[str, int]] = []
+
+        async def utility(self, method: str, *args: Any) -> int:
+            self.priorities.append(args)
+            return 1
+
+    def frame(i: int) -> str:
+        return f'data: {{"choices":[{{"index":0,"text":"t{i}","token_ids":[{i}]}}]}}\n\n'
+
+    async def run(confirm: bool) -> tuple[Any, ...]:
+        server = _decode_server()
+        server.engine = Engine()
+        more = asyncio.Event()
+
+        async def answer() -> AsyncIterator[str]:
+            for i in range(1, 7):
+                if i == 3:
+                    await more.wait()
+                yield frame(i)
+
+        parked = server.outboxes.setdefault("preempt:s", Outbox())
+        server.routes["x"] = parked
+        state = server.parked["x"] = ParkedStream(cap=3, request_id="s-t0-p1")
+        parked.tasks["x"] = asyncio.ensure_future(server._pump(answer(), "x", "strip", state))
+        await asyncio.sleep(0.01)
+        await server.adopt(consumer="r", stream_id="x", parked="preempt:s", request_id="x", tentative=True)
+        held = await server.outboxes["r"].take()  # what it made so far is at the router already
+        if confirm:
+            await server.confirm(stream_id="x")  # (its engine request: as its start named it)
+        more.set()
+        await asyncio.sleep(0.01)
+        rest = await server.outboxes["r"].take()
+        stopped = await server.stop(consumer="preempt:s", stream_id="x", replica="d1")
+        return held, rest, stopped, server.engine.priorities
+
+    held, rest, stopped, priorities = asyncio.run(run(confirm=False))
+    assert list(held[0]) == ["x"] and "t2" in held[0]["x"]
+    assert "t3" in rest[0]["x"] and "t4" not in rest[0]["x"]  # stopped at its cap: 3 tokens
+    assert rest[1]["x"]["type"] == PREEMPTIVE_CAP
+    assert priorities == []  # still a preemptive answer's rank
+    assert stopped == {"tokens": 3}  # its owner's stop finds it by its id: what it made is counted
+
+    held, rest, stopped, priorities = asyncio.run(run(confirm=True))
+    assert "t6" in rest[0]["x"] and rest[1]["x"] is None  # confirmed: no cap, it ended whole
+    assert priorities == [("s-t0-p1", 0)]

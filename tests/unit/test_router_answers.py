@@ -398,7 +398,9 @@ async def test_reader_streams_decode_frames_and_reports_once(include_usage: bool
             },
         }
     ]
-    assert owner.calls == [("session_claim", {"session_id": "sess_r1_abc", "turn": None, "adopts": True})]
+    assert owner.calls == [
+        ("session_claim", {"session_id": "sess_r1_abc", "turn": None, "adopts": True, "holding": ""})
+    ]  # (it holds no preemptive answer)
 
 
 async def test_a_report_of_a_completed_answer_ends_cleanly() -> None:
