@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,8 +40,9 @@ class PreemptiveOptions(BaseModel):
     max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
     max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
     max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
-    # Provisional tokens to the client as they are made, marked provisional: not built yet, refused (400).
-    stream: Literal[False] = False
+    # The preemptive answer's text to the client as it is made, marked provisional, then confirmed or discarded
+    # (router/provisional.py); clients that did not ask see only the answer.
+    stream: bool = False
 
 
 @dataclass
@@ -236,6 +237,7 @@ class Preemptive:
             "stream_id": live.stream_id,
             "endpoint": session.endpoint,
             "request": {**live.request, "return_token_ids": live.ids == "keep"},
+            "stream": state.options.stream,  # (whether its text goes to the client, marked provisional)
         }
 
     async def _preempt_confirm(self, live: Preemption) -> None:

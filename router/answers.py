@@ -22,7 +22,7 @@ from typing import Any
 from router import tool_calls
 from router.feeds import DecodeFailed, DecodeStream
 from router.owner import session_call
-from router.provisional import Held
+from router.provisional import Held, Provisional
 from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import SSE_DONE, choice_text, error_body, error_status, sse
@@ -92,8 +92,16 @@ class Outcome:
 class AnswerReader:
     """One reader of one session answer. `open()`, then `frames()` (SSE) or `whole()` (one object)."""
 
-    def __init__(self, ingress: Any, session_id: str, turn: int | None = None, surface: str = "session") -> None:
+    def __init__(
+        self,
+        ingress: Any,
+        session_id: str,
+        turn: int | None = None,
+        surface: str = "session",
+        provisional: asyncio.Queue[Provisional] | None = None,
+    ) -> None:
         self.ingress, self.session_id, self.turn = ingress, session_id, turn
+        self.provisional = provisional  # a preemptive answer's text before the turn ends (router/provisional.py)
         self.surface = surface  # where its tool calls are counted (router/tool_calls.py)
         self.claim: dict[str, Any] = {}
         self.outcome = Outcome()
@@ -106,6 +114,10 @@ class AnswerReader:
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
         self.server_timing: dict[str, float] = {}  # ms, once open (a live answer's, not a replay's)
 
+    def requested(self) -> None:
+        """The answer is asked for now (a reader opened before, Realtime's `EarlyRead`): its wait starts here."""
+        self._created_at = time.monotonic()
+
     @property
     def endpoint(self) -> str:
         return self.claim.get("endpoint", "chat")
@@ -116,7 +128,7 @@ class AnswerReader:
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
         deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
         feeds = getattr(self.ingress, "feeds", None)
-        held = Held(feeds) if stream and not retried and feeds is not None else None  # (a preemptive answer's)
+        held = Held(feeds, self.provisional) if stream and not retried and feeds is not None else None
         try:
             while True:  # the owner holds each call a few seconds at most: the long wait is this router's
                 call = asyncio.ensure_future(

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -60,6 +61,7 @@ class DecodeStream:
         self.rewrite: resume.Rewriter | None = None  # a continuation's frames into this stream's shape
         self.cancelled = False
         self.prefer: str | None = None  # where a continuation goes if it can (the replica whose cache has it)
+        self.tap: Callable[[str], None] | None = None  # sees its frames as they arrive (router/provisional.py)
 
     def __aiter__(self) -> DecodeStream:
         return self
@@ -120,13 +122,19 @@ class Feeds:
         return stream
 
     async def adopt(
-        self, adopt: dict[str, Any], endpoint: Endpoint, body: dict[str, Any], tentative: bool = False
+        self,
+        adopt: dict[str, Any],
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        tentative: bool = False,
+        tap: Callable[[str], None] | None = None,
     ) -> DecodeStream | dict[str, Any]:
         """Take over a preemptive answer's decode stream (prefill/preemptive.py): `adopt` names its replica, the
         consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
         from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off).
-        `tentative`: its turn is not confirmed yet (router/provisional.py)."""
+        `tentative`: its turn is not confirmed yet (router/provisional.py); `tap` sees its frames as they come."""
         stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
+        stream.tap = tap
         if resume.refusal(endpoint, body) is None:  # (else it is not resumed: a continuation would differ)
             stream.ids = "keep" if body.get("return_token_ids") else "strip"
         self.streams[stream.stream_id] = stream  # before the call: the adopted frames may come before it returns
@@ -288,6 +296,8 @@ class Feeds:
                 for stream_id, text in frames.items():
                     if (stream := self.streams.get(stream_id)) is not None and replica not in stream.failed:
                         stream.queue.put_nowait((text, ids.get(stream_id)))
+                        if stream.tap is not None:
+                            stream.tap(text)
                 for stream_id, end in ended.items():
                     if (stream := self.streams.get(stream_id)) is not None and replica not in stream.failed:
                         del self.streams[stream_id]

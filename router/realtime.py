@@ -63,7 +63,7 @@ from router.realtime_events import (
     new_id,
     parse,
 )
-from router.realtime_response import ResponseStream
+from router.realtime_response import EarlyRead, ResponseStream
 from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import error_status
@@ -115,6 +115,8 @@ class RealtimeConnection:
         self.buffer = ""
         self.last_item_id: str | None = None
         self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
+        self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
+        self.closing = False
         self.event_id: str | None = None  # the client event being handled: its errors carry this id
         self.opened = self.last_event = time.monotonic()
         self._send_lock = asyncio.Lock()
@@ -276,8 +278,11 @@ class RealtimeConnection:
         except WebSocketDisconnect:
             pass
         finally:
+            self.closing = True
             if watch is not None:
                 watch.unregister(self)
+            if self.early is not None:
+                self.early.close()
             if self.response is not None:
                 self.response.task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
@@ -386,9 +391,29 @@ class RealtimeConnection:
         # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
         # are not the session's).
         preemptive = {"preemptive": session.preemptive} if session.preemptive is not None else {}
-        if await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
+        if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             await self.send("session.updated", session=self.session_object())
+            if updated.get("state") != "answering":
+                self.read_early(updated["turns"])
+
+    def read_early(self, turn: int) -> None:
+        """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
+        it (router/realtime_response.py `EarlyRead`)."""
+        if self.closing or self.close_after_answer or self.settings.get("preemptive") is None:
+            return
+        if self.early is not None:
+            if self.early.turn == turn and self.early.usable():
+                return
+            self.early.close()
+        self.early = EarlyRead(self, turn)
+
+    def take_early(self, turn: int) -> EarlyRead | None:
+        early, self.early = self.early, None
+        if early is not None and (early.turn != turn or not early.usable()):
+            early.close()
+            return None
+        return early
 
     async def item_create(self, event: ConversationItemCreate) -> None:
         item = event.item
@@ -487,7 +512,9 @@ class RealtimeConnection:
         started = await self.call("session_respond", overrides=overrides)
         if started is None:
             return
-        self.response = ResponseStream(self, started["answer"]["turn"])
+        turn = started["answer"]["turn"]
+        self.response = ResponseStream(self, turn, self.take_early(turn))
+        self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
 
     async def response_cancel(self, event: ResponseCancel) -> None:
         if not self.responding:

@@ -13,6 +13,7 @@ import logging
 from typing import Any, Protocol
 
 from router.answers import AnswerReader
+from router.provisional import Provisional
 from router.realtime_events import new_id
 from router.tool_calls import function_call_item
 
@@ -30,10 +31,58 @@ class Connection(Protocol):
     async def send(self, type_: str, **fields: Any) -> None: ...
 
 
+class EarlyRead:
+    """The next turn's answer, read before `response.create` when the session answers preemptively: its reader
+    waits for the turn from now on and holds the preemptive answer's frames (router/provisional.py), so that
+    the response's first delta needs no call to decode; with `preemptive.stream`, the text of each preemptive
+    answer goes out as `rtpd.response.provisional.delta` events, then `rtpd.response.provisional.done` (status
+    `confirmed` or `discarded`)."""
+
+    def __init__(self, connection: Connection, turn: int) -> None:
+        self.connection, self.turn = connection, turn
+        self.events: asyncio.Queue[Provisional] = asyncio.Queue()
+        assert connection.session_id is not None
+        self.reader = AnswerReader(connection.ingress, connection.session_id, turn, "realtime", self.events)
+        self.opening = asyncio.create_task(self.reader.open())
+        self.relay = asyncio.create_task(self._relay())
+
+    async def _relay(self) -> None:
+        while True:
+            await self._send(await self.events.get())
+
+    async def _send(self, event: Provisional) -> None:
+        kind, fields = event
+        await self.connection.send(f"rtpd.response.provisional.{'delta' if kind == 'delta' else 'done'}", **fields)
+
+    def usable(self) -> bool:
+        """Whether it can read the answer (it did not fail while waiting: then the response reads it anew)."""
+        if not self.opening.done():
+            return True
+        return not self.opening.cancelled() and self.opening.exception() is None and self.opening.result() is None
+
+    async def open(self) -> dict[str, Any] | None:
+        """The reader's `open()`, once the answer is asked for; the provisional events go out before its own."""
+        self.reader.requested()
+        try:
+            return await self.opening
+        finally:
+            self.relay.cancel()
+            await asyncio.gather(self.relay, return_exceptions=True)
+            while not self.events.empty():
+                await self._send(self.events.get_nowait())
+
+    def close(self) -> None:
+        """Not needed after all (the connection closes, or the response reads its answer anew)."""
+        self.opening.cancel()
+        self.relay.cancel()
+        self.reader.release()
+
+
 class ResponseStream:
     """The response to one `response.create`, streaming in a task of its own from construction on."""
 
-    def __init__(self, connection: Connection, turn: int) -> None:
+    def __init__(self, connection: Connection, turn: int, early: EarlyRead | None = None) -> None:
+        self.early = early  # its answer's reader, opened before it was asked for
         self.connection = connection
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
@@ -90,12 +139,16 @@ class ResponseStream:
         stream joins what is queued) goes out as one delta. A slow reader gets fewer, larger deltas, never less
         text, and never holds the engine: decode pumps into its outbox and the router's feed queues it here."""
         connection = self.connection
-        reader = self.reader = AnswerReader(connection.ingress, connection.session_id, turn, surface="realtime")
+        early, self.early = self.early, None
+        if early is not None:
+            reader = self.reader = early.reader
+        else:
+            reader = self.reader = AnswerReader(connection.ingress, connection.session_id, turn, surface="realtime")
 
         async def read() -> None:
             if self.cancel_requested:
                 raise asyncio.CancelledError
-            if (err := await reader.open()) is not None:
+            if (err := await (early.open() if early is not None else reader.open())) is not None:
                 reader.outcome.status, reader.outcome.error = "failed", err.get("error", err)
                 return
             async for _, deltas in reader.items():

@@ -17,6 +17,7 @@ after `[DONE]` where OpenAI parsers stop reading, one `event: session.done` with
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
@@ -29,8 +30,9 @@ from router import owner, tool_calls
 from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
 from router.owner import session_call
+from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
-from serve_app.protocol import error_response, streaming_response
+from serve_app.protocol import error_response, sse, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -149,21 +151,54 @@ async def delete(session_id: str, request: Request) -> Response:
 
 @api.get("/{session_id}/events")
 async def events(session_id: str, request: Request, turn: Annotated[int | None, Query(ge=0)] = None) -> Response:
-    """The answer's SSE stream, as a streaming chat (or completion) request would get it."""
-    reader = AnswerReader(_ingress(request), session_id, turn)
-    if (err := await reader.open()) is not None:
+    """The answer's SSE stream, as a streaming chat (or completion) request would get it. A session with
+    `preemptive.stream` gets its preemptive answers' text before the turn ends, as named events
+    (`rtpd.provisional`, then `rtpd.provisional.done` with `confirmed` or `discarded`) that OpenAI parsers
+    skip; the answer's own frames follow as always."""
+    provisional: asyncio.Queue[Provisional] = asyncio.Queue()
+    reader = AnswerReader(_ingress(request), session_id, turn, provisional=provisional)
+    opening = asyncio.ensure_future(reader.open())
+    early: asyncio.Future[Provisional] = asyncio.ensure_future(provisional.get())
+    try:
+        await asyncio.wait({opening, early}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left while waiting for its turn to end
+        opening.cancel()
+        raise
+    finally:
+        if not early.done():
+            early.cancel()
+    first = [early.result()] if early.done() and not early.cancelled() else []
+    if opening.done() and (err := opening.result()) is not None and not first:
         return error_response(err)
 
     async def frames() -> AsyncGenerator[str, None]:
         try:
+            for event in first:
+                yield provisional_event(event)
+            while not opening.done():  # the turn goes on: its preemptive answers' text, provisional
+                get = asyncio.ensure_future(provisional.get())
+                await asyncio.wait({opening, get}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield provisional_event(get.result())
+                else:
+                    get.cancel()
+            while not provisional.empty():
+                yield provisional_event(provisional.get_nowait())
+            if (err := opening.result()) is not None:  # (the stream began: the error goes as its frame)
+                yield sse(err)
+                return
             async for forward, _ in reader.items():
                 yield forward
             done = reader.summary or {"turn": reader.turn, **reader.outcome.as_dict()}
             yield f"event: session.done\ndata: {json.dumps({'session_id': session_id, **done})}\n\n"
         finally:
+            if not opening.done():
+                opening.cancel()
             reader.release()  # the client left before the end (a no-op once the outcome is reported)
 
-    headers = {"X-Session-Id": session_id, "X-Session-Turn": str(reader.turn)}
+    headers = {"X-Session-Id": session_id}
+    if opening.done():
+        headers["X-Session-Turn"] = str(reader.turn)
     if reader.server_timing:
         headers["Server-Timing"] = ", ".join(f"{k};dur={v:.2f}" for k, v in reader.server_timing.items())
 
@@ -172,3 +207,10 @@ async def events(session_id: str, request: Request, turn: Annotated[int | None, 
         release_session(_ingress(request), session_id)
 
     return streaming_response(frames(), close, headers)
+
+
+def provisional_event(event: Provisional) -> str:
+    """A preemptive answer's text (or its end) as a named SSE event: OpenAI clients skip it."""
+    kind, fields = event
+    name = "rtpd.provisional" if kind == "delta" else "rtpd.provisional.done"
+    return f"event: {name}\ndata: {json.dumps(fields)}\n\n"

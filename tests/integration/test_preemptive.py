@@ -94,6 +94,8 @@ class EarlyReader:
 
     def __init__(self, server: str, sid: str) -> None:
         self.frames: list[dict] = []
+        self.events: list[tuple[str, dict, bool]] = []  # named events: (name, data, whether the turn had ended)
+        self.ended = threading.Event()  # set by the test when it ends the turn
         self.headers: dict[str, str] = {}
         self.first_at: float | None = None
         self.thread = threading.Thread(target=self._read, args=(server, sid), daemon=True)
@@ -106,6 +108,9 @@ class EarlyReader:
             for line in r.iter_lines():
                 if line.startswith("event: "):
                     event = line[7:]
+                elif line.startswith("data: {") and event is not None:
+                    self.events.append((event, json.loads(line[6:]), self.ended.is_set()))
+                    event = None
                 elif line.startswith("data: {") and event is None:
                     frame = json.loads(line[6:])
                     if self.first_at is None and text_of([frame]):
@@ -117,7 +122,7 @@ class EarlyReader:
         self.thread.join(120)
         assert not self.thread.is_alive()
         timing = {}
-        for part in self.headers.get("server-timing", "").split(","):
+        for part in filter(None, self.headers.get("server-timing", "").split(",")):  # (none once events went early)
             name, _, dur = part.strip().partition(";dur=")
             timing[name] = float(dur)
         return text_of(self.frames), timing
@@ -140,6 +145,7 @@ def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server):
     text, timing = reader.result()
     assert text == expected["choices"][0]["message"]["content"]  # (it went on past the cap)
     assert "held" in timing and timing["handoff"] < 50, timing
+    assert reader.events == [("session.done", reader.events[-1][1], False)]  # no provisional text: not asked
     after = info(server, sid)
     assert after["preemptive"]["delivered"] == 1 and after["work"].get("handoff_tokens", 0) == 0, after
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
@@ -164,6 +170,74 @@ def test_a_held_preemptive_answer_is_let_go_when_input_comes(server):
     assert got["discarded"] == 1 and got["delivered"] == 0 and got["discarded_tokens"] > 0, got
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("decode")  # the held answer was stopped there
+
+
+def test_provisional_text_when_asked(server):
+    """`preemptive.stream`: each preemptive answer's text reaches the client as it is made, as named events
+    OpenAI parsers skip, then `discarded` (input came) or `confirmed` (the turn ended unchanged: the answer's own
+    frames follow, the same text)."""
+    more = " And then?"
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT + more}], ANSWER_TOKENS)
+    options = {**OPTIONS, "stream": True}
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=options)["session_id"]
+    reader = EarlyReader(server, sid)
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert wait_for(lambda: any(e[0] == "rtpd.provisional" for e in reader.events)), info(server, sid)
+    assert send_chunk(server, sid, 1, more).status_code == 202  # the user goes on: that answer is discarded
+    assert wait_for(lambda: any(e[0] == "rtpd.provisional.done" for e in reader.events))
+    first = [e for e in reader.events if e[0] == "rtpd.provisional.done"][0][1]
+    assert first["status"] == "discarded"
+    assert wait_for(lambda: info(server, sid)["preemptive"]["live"])  # paused again: a second one
+    assert wait_for(
+        lambda: (
+            len([e for e in reader.events if e[0] == "rtpd.provisional"]) > 0
+            and any(e[0] == "rtpd.provisional" and e[1]["attempt"] != first["attempt"] for e in reader.events)
+        )
+    )
+    reader.ended.set()
+    assert send_chunk(server, sid, 2, "", end=True).status_code == 202
+    text, _ = reader.result()
+    assert text == expected["choices"][0]["message"]["content"]
+    second = [e for e in reader.events if e[0].startswith("rtpd.") and e[1]["attempt"] != first["attempt"]]
+    shown = "".join(e[1]["delta"] for e in second if e[0] == "rtpd.provisional")
+    assert second[-1][0] == "rtpd.provisional.done" and second[-1][1]["status"] == "confirmed", second
+    assert shown and text.startswith(shown)  # the provisional text was the answer's start
+    assert not any(ended for name, _, ended in reader.events if name == "rtpd.provisional")
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("decode")
+
+
+def test_realtime_provisional_text_and_a_held_answer(server, model_name):
+    """Realtime with `preemptive.stream`: the connection reads the next turn's answer before `response.create`,
+    so the preemptive answer's text goes out as `rtpd.response.provisional.delta` while the user pauses, and
+    `response.create` after the commit confirms it: the response's text is the same as one-shot."""
+
+    async def run() -> tuple[str, list[dict]]:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
+            rt = Realtime(ws)
+            await rt.until("session.created")
+            update = {"instructions": SYSTEM["content"], "temperature": 0, "max_output_tokens": ANSWER_TOKENS}
+            update["preemptive"] = {**OPTIONS, "stream": True}
+            await rt.send(type="session.update", session=update)
+            await rt.until("session.updated")
+            for piece in split_inside_words(TEXT, 4):
+                await rt.send(type="input_text_buffer.append", delta=piece)
+            _, before = await rt.until("rtpd.response.provisional.delta")  # the user pauses: it starts
+            await rt.send(type="input_text_buffer.commit")
+            await rt.send(type="response.create")
+            _, seen = await rt.until("response.done")
+            return "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta"), before + seen
+
+    text, events = asyncio.run(run())
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
+    assert text == expected["choices"][0]["message"]["content"]
+    provisional = [e for e in events if e["type"].startswith("rtpd.response.provisional")]
+    done = [e for e in provisional if e["type"] == "rtpd.response.provisional.done"]
+    assert done and done[-1]["status"] == "confirmed", provisional
+    shown = "".join(
+        e["delta"] for e in provisional if e["type"].endswith(".delta") and e["attempt"] == done[-1]["attempt"]
+    )
+    assert shown and text.startswith(shown)
 
 
 def test_realtime_typing_with_a_pause_then_commit(server, model_name):

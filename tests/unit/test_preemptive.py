@@ -175,7 +175,8 @@ async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
 
 
 async def test_options_are_checked_in_full(server: PreemptiveServer) -> None:
-    for bad, param in (({"after_idle_ms": -1}, "preemptive.after_idle_ms"), ({"stream": True}, "preemptive.stream")):
+    bad_options = (({"after_idle_ms": -1}, "preemptive.after_idle_ms"), ({"stream": "yes please"}, "preemptive.stream"))
+    for bad, param in bad_options:
         spec = {"request": {"model": "local:tiny-llama", "messages": []}, "preemptive": bad}
         result = await server.create_session(spec)
         assert result["error"]["code"] == 400 and result["error"]["param"] == param, result
