@@ -394,8 +394,8 @@ class RealtimeConnection:
         if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             await self.send("session.updated", session=self.session_object())
-            if updated.get("state") != "answering":
-                self.read_early(updated["turns"])
+            if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
+                self.read_early(turns)  # (answering: once its response ends)
 
     def read_early(self, turn: int) -> None:
         """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
