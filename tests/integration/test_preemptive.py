@@ -94,8 +94,7 @@ class EarlyReader:
 
     def __init__(self, server: str, sid: str) -> None:
         self.frames: list[dict] = []
-        self.events: list[tuple[str, dict, bool]] = []  # named events: (name, data, whether the turn had ended)
-        self.ended = threading.Event()  # set by the test when it ends the turn
+        self.events: list[tuple[str, dict, int]] = []  # named events: (name, data, answer frames before it)
         self.headers: dict[str, str] = {}
         self.first_at: float | None = None
         self.thread = threading.Thread(target=self._read, args=(server, sid), daemon=True)
@@ -109,7 +108,7 @@ class EarlyReader:
                 if line.startswith("event: "):
                     event = line[7:]
                 elif line.startswith("data: {") and event is not None:
-                    self.events.append((event, json.loads(line[6:]), self.ended.is_set()))
+                    self.events.append((event, json.loads(line[6:]), len(self.frames)))
                     event = None
                 elif line.startswith("data: {") and event is None:
                     frame = json.loads(line[6:])
@@ -145,7 +144,7 @@ def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server):
     text, timing = reader.result()
     assert text == expected["choices"][0]["message"]["content"]  # (it went on past the cap)
     assert "held" in timing and timing["handoff"] < 50, timing
-    assert reader.events == [("session.done", reader.events[-1][1], False)]  # no provisional text: not asked
+    assert [e[0] for e in reader.events] == ["session.done"]  # no provisional text: not asked
     after = info(server, sid)
     assert after["preemptive"]["delivered"] == 1 and after["work"].get("handoff_tokens", 0) == 0, after
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
@@ -194,7 +193,6 @@ def test_provisional_text_when_asked(server):
             and any(e[0] == "rtpd.provisional" and e[1]["attempt"] != first["attempt"] for e in reader.events)
         )
     )
-    reader.ended.set()
     assert send_chunk(server, sid, 2, "", end=True).status_code == 202
     text, _ = reader.result()
     assert text == expected["choices"][0]["message"]["content"]
@@ -202,9 +200,50 @@ def test_provisional_text_when_asked(server):
     shown = "".join(e[1]["delta"] for e in second if e[0] == "rtpd.provisional")
     assert second[-1][0] == "rtpd.provisional.done" and second[-1][1]["status"] == "confirmed", second
     assert shown and text.startswith(shown)  # the provisional text was the answer's start
-    assert not any(ended for name, _, ended in reader.events if name == "rtpd.provisional")
+    assert all(before == 0 for name, _, before in reader.events if name.startswith("rtpd."))  # then the answer
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("decode")
+
+
+def test_a_preemptive_tool_call_reaches_the_client_only_when_the_turn_is_confirmed(server):
+    """A forced call (structured outputs make it whatever the weights): the preemptive answer is made whole (a
+    continuation could not reproduce it), its call is never shown provisionally, and the confirmed answer
+    carries the same call as one request over the whole input."""
+    from tests.integration.test_tools import FORCED_TOOLS
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": [SYSTEM, {"role": "user", "content": TEXT}], "max_tokens": 40, "temperature": 0}
+    body.update(tools=FORCED_TOOLS, tool_choice=choice)
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    expected = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    options = {**OPTIONS, "stream": True}
+    sid = create(
+        server,
+        messages=[SYSTEM],
+        max_tokens=40,
+        temperature=0,
+        tools=FORCED_TOOLS,
+        tool_choice=choice,
+        preemptive=options,
+    )["session_id"]
+    reader = EarlyReader(server, sid)
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
+    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # made whole: no cap for a call
+    assert reader.first_at is None and not any(e[0] == "rtpd.provisional" for e in reader.events)
+    assert send_chunk(server, sid, 1, "", end=True).status_code == 202
+    reader.result()
+    streamed: dict = {"name": "", "arguments": ""}
+    for frame in reader.frames:
+        for c in frame.get("choices") or []:
+            for call in (c.get("delta") or {}).get("tool_calls") or []:
+                for k in streamed:
+                    streamed[k] += (call.get("function") or {}).get(k) or ""
+    assert streamed == {"name": expected["name"], "arguments": expected["arguments"]}
+    got = info(server, sid)
+    assert got["preemptive"]["delivered"] == 1, json.dumps([got["preemptive"], got["answers"], got["work"]])
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
 
 
 def test_realtime_provisional_text_and_a_held_answer(server, model_name):
