@@ -43,6 +43,7 @@ class ParkedStream:
 
     cap: int | None  # (None: made whole, as a continuation could not reproduce it)
     request_id: str  # its engine request (raised to an ordinary answer's priority when confirmed)
+    parked: str  # the consumer its owner parked it under (only the owner's stop ends its record)
     made: int = 0
     confirmed: bool = False
     started_at: float = field(default_factory=time.monotonic)
@@ -58,8 +59,8 @@ class DecodeServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
-        # Preemptive answers' streams (`park_tokens`): tokens made so far (the owner counts what it discards), and
-        # whether the turn is confirmed yet (a tentatively adopted one still stops at its cap, at its rank).
+        # Preemptive answers' streams (`start(preemptive=True)`): tokens made so far (the owner counts what it
+        # discards), and whether the turn is confirmed yet (a tentatively adopted one keeps its cap and rank).
         self.parked: dict[str, ParkedStream] = {}
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
@@ -96,7 +97,8 @@ class DecodeServer:
         outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
         parked = None
         if preemptive or park_tokens is not None:
-            parked = self.parked[stream_id] = ParkedStream(park_tokens, body.get("request_id") or stream_id)
+            parked = ParkedStream(park_tokens, body.get("request_id") or stream_id, consumer)
+            self.parked[stream_id] = parked
         outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
         return {"replica": self.replica}
 
@@ -130,9 +132,9 @@ class DecodeServer:
 
     async def confirm(self, *, stream_id: str, request_id: str | None = None, replica: str | None = None) -> None:
         """The preemptive answer became the answer: no cap any more, and an ordinary answer's priority."""
-        state = self.parked.pop(stream_id, None)
+        state = self.parked.get(stream_id)
         if state is not None:
-            state.confirmed = True
+            state.confirmed = True  # (its record stays until its owner's stop or the reaper: what it made counts)
         request_id = request_id or (state.request_id if state is not None else stream_id)
         with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
             await self.engine.utility("rtpd_set_priority", request_id, 0)
@@ -172,6 +174,8 @@ class DecodeServer:
             logger.exception("decode stream %s failed", stream_id)
             error = error_body(500, f"decode failed mid-stream: {e}")["error"]
         finally:
+            if parked is not None and parked.confirmed:  # the answer now: nobody counts what it made
+                self.parked.pop(stream_id, None)
             try:
                 await stream.aclose()  # closing vLLM's generator aborts the engine request
             finally:
@@ -210,7 +214,9 @@ class DecodeServer:
         """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a
         preemptive answer had made, for its owner's accounting. A preemptive answer is found by its stream id
         also once a router adopted it tentatively (its frames go to that router now)."""
-        state = self.parked.pop(stream_id, None)
+        state = self.parked.get(stream_id)
+        if state is not None and state.parked == consumer:  # its owner's stop: what it made is reported once
+            del self.parked[stream_id]
         outbox = self.outboxes.get(consumer)
         if (outbox is None or stream_id not in outbox.tasks) and state is not None:
             outbox = self.routes.get(stream_id, outbox)
@@ -219,7 +225,7 @@ class DecodeServer:
         if (task := outbox.tasks.get(stream_id)) is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        tokens = state.made if state is not None else 0
+        tokens = state.made if state is not None and state.parked == consumer else 0
         if not outbox.attached:  # parked: nobody will take what it made
             outbox.frames.pop(stream_id, None)
             outbox.ids.pop(stream_id, None)

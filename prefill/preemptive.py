@@ -240,11 +240,6 @@ class Preemptive:
             "stream": state.options.stream,  # (whether its text goes to the client, marked provisional)
         }
 
-    async def _preempt_confirm(self, live: Preemption) -> None:
-        """It became the answer: decode lifts its cap and ranks it as an ordinary answer."""
-        with contextlib.suppress(Exception):
-            await self.decode.confirm.remote(stream_id=live.stream_id, request_id=live.stream_id, replica=live.replica)
-
     def _preempt_release(self, adopt: dict[str, Any]) -> None:
         """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
         stale): its parked decode stream is stopped."""
@@ -305,6 +300,5 @@ class Preemptive:
         if live.replica is None:  # its hand-off or decode start failed
             return None
         state.delivered += 1
-        asyncio.create_task(self._preempt_confirm(live))
         metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="delivered")
         return live

@@ -195,6 +195,7 @@ class AnswerReader:
                 if kept.ids is not None:
                     kept.ids = "keep" if request.get("return_token_ids") else "strip"
                 opened = kept
+                self.ingress.feeds.confirm(kept)
                 metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how="held")
             elif "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
                 opened = await self.ingress.feeds.adopt(claim["adopt"], self.endpoint, request)
@@ -221,6 +222,11 @@ class AnswerReader:
                 return await self.open(stream, retried=True)
             first = error_body(502, "decode ended the answer's stream before its first token")
         except DecodeFailed as e:
+            if kept is not None and not reclaim and e.error.get("code") == 499:
+                # The held preemptive answer was stopped before its first frame (its router's client left, say):
+                # this reader takes an ordinary hand-off, as when it is gone at adoption.
+                self._stream = None
+                return await self.open(stream, retried=True, reclaim=True)
             first = {"error": e.error}
         except asyncio.CancelledError:
             if self._stream is not None:
@@ -235,9 +241,9 @@ class AnswerReader:
             await self.settle("failed")
             return first
         self._first = first
-        # Where the time after end of input went (W3C Server-Timing): the owner's settling of the last chunk and
-        # hand-off (about 0 for a preemptive answer), and decode's first item after the claim (about 0 for a
-        # preemptive answer this reader held: its frames were here).
+        # Where the time went (W3C Server-Timing): the owner's settling of the last chunk and hand-off after end of
+        # input (about 0 for a preemptive answer, whose `preempted` says how long before the end it started), and
+        # decode's first item after the claim (about 0 for a preemptive answer this reader held).
         timing = {k.removesuffix("_ms"): v for k, v in (claim.get("timing") or {}).items()}
         self.server_timing = {**timing, "decode": (time.perf_counter() - claimed_at) * 1e3}
         if kept is not None:
@@ -337,8 +343,8 @@ class AnswerReader:
         """Tell the owner how the answer ended, once; in a task of its own (router/tasks.py), so that a client
         that left (a cancelled request) cannot stop it. Returns the report's task (await it to know the owner
         has it)."""
-        if self._reported is not None or self.summary is not None or self.turn is None:
-            return self._reported or _done_task()
+        if self._reported is not None or self.summary is not None or self.turn is None or not self.claim:
+            return self._reported or _done_task()  # (nothing claimed: nothing to report, e.g. an early reader)
         self.outcome.status = status
         if status == "completed":
             tool_calls.count(self.surface, len(self.outcome.tool_calls))

@@ -133,6 +133,8 @@ class Feeds:
         consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
         from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off).
         `tentative`: its turn is not confirmed yet (router/provisional.py); `tap` sees its frames as they come."""
+        if adopt["stream_id"] in self.streams:  # another reader here holds it: this one takes an ordinary hand-off
+            return error_body(409, f"the preemptive answer {adopt['stream_id']} is another reader's")
         stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
         stream.tap = tap
         if resume.refusal(endpoint, body) is None:  # (else it is not resumed: a continuation would differ)
@@ -151,17 +153,30 @@ class Feeds:
         try:
             reply = await asyncio.shield(call)
         except asyncio.CancelledError:  # the client left: once adopted, it is stopped
-            self.streams.pop(stream.stream_id, None)
+            self._forget(stream)
             call.add_done_callback(lambda done: self._stop_started(stream, done))
             raise
         except Exception as e:  # (its replica died: the owner hands the KV off anew)
             reply = error_body(404, f"the preemptive answer's decode replica is gone: {e}")
         if "replica" not in reply:
-            self.streams.pop(stream.stream_id, None)
+            self._forget(stream)
             return reply
         stream.replica = reply["replica"]
         self._read(stream.replica)
         return stream
+
+    def _forget(self, stream: DecodeStream) -> None:
+        if self.streams.get(stream.stream_id) is stream:
+            del self.streams[stream.stream_id]
+
+    def confirm(self, stream: DecodeStream) -> None:
+        """A held preemptive answer is the answer (router/provisional.py): decode lifts its cap and ranks it as an
+        ordinary answer (detached: its frames are here already)."""
+        detached(self._confirm(stream.stream_id, stream.replica))
+
+    async def _confirm(self, stream_id: str, replica: str | None) -> None:
+        with contextlib.suppress(Exception):
+            await self.decode.confirm.remote(stream_id=stream_id, request_id=stream_id, replica=replica)
 
     async def _start(self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         """`start` on a replica Serve picks, none of those the stream failed on; if that one turns out dead (or

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from router.feeds import DecodeStream, Feeds
@@ -66,7 +67,7 @@ class Held:
             self.stream = opened
             self._shown = opened.tap is not None
 
-    def _tap(self, live: dict[str, Any]) -> Any:
+    def _tap(self, live: dict[str, Any]) -> Callable[[str], None] | None:
         if self.sink is None or not live.get("stream"):
             return None
         sink, attempt = self.sink, live["stream_id"]

@@ -40,15 +40,15 @@ class EarlyRead:
 
     def __init__(self, connection: Connection, turn: int) -> None:
         self.connection, self.turn = connection, turn
-        self.events: asyncio.Queue[Provisional] = asyncio.Queue()
+        self.events: asyncio.Queue[Provisional | None] = asyncio.Queue()  # (None: no more)
         assert connection.session_id is not None
         self.reader = AnswerReader(connection.ingress, connection.session_id, turn, "realtime", self.events)
         self.opening = asyncio.create_task(self.reader.open())
         self.relay = asyncio.create_task(self._relay())
 
     async def _relay(self) -> None:
-        while True:
-            await self._send(await self.events.get())
+        while (event := await self.events.get()) is not None:
+            await self._send(event)
 
     async def _send(self, event: Provisional) -> None:
         kind, fields = event
@@ -66,10 +66,8 @@ class EarlyRead:
         try:
             return await self.opening
         finally:
-            self.relay.cancel()
+            self.events.put_nowait(None)  # every event queued so far goes out first, none cut off midway
             await asyncio.gather(self.relay, return_exceptions=True)
-            while not self.events.empty():
-                await self._send(self.events.get_nowait())
 
     def close(self) -> None:
         """Not needed after all (the connection closes, or the response reads its answer anew)."""

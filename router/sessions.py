@@ -203,7 +203,11 @@ async def events(session_id: str, request: Request, turn: Annotated[int | None, 
         headers["Server-Timing"] = ", ".join(f"{k};dur={v:.2f}" for k, v in reader.server_timing.items())
 
     def close() -> None:  # however the response ends: answered (or left), no longer in flight for admission
-        reader.release()
+        if opening.done():
+            reader.release()
+        else:  # the client left while its turn went on (provisional events had started the response)
+            opening.cancel()
+            opening.add_done_callback(lambda _: reader.release())
         release_session(_ingress(request), session_id)
 
     return streaming_response(frames(), close, headers)

@@ -93,6 +93,17 @@ class FakeDecode:
         return Method()
 
     @property
+    def adopt(self) -> Any:
+        outer = self
+
+        class Method:
+            def remote(self, **kwargs: Any) -> FakeCall:
+                outer.start_kwargs = kwargs
+                return FakeCall(outer.start_reply)
+
+        return Method()
+
+    @property
     def stop(self) -> Any:
         outer = self
 
@@ -106,6 +117,25 @@ class FakeDecode:
 
 async def collect(stream: DecodeStream) -> list[str]:
     return [text async for text in stream]
+
+
+def test_a_second_reader_never_takes_over_a_held_preemptive_answer() -> None:
+    """Two readers of one session on one router (an old `/events` and its reconnect): the one that holds the
+    preemptive answer's stream keeps it and its frames; the other is refused (it takes an ordinary hand-off)."""
+
+    async def run() -> tuple[Any, Any, list[str]]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        live = {"replica": "d1", "parked": "preempt:s", "stream_id": "s-t0-p1"}
+        held = await feeds.adopt(live, "chat", {"stream": True}, tentative=True)
+        other = await feeds.adopt(live, "chat", {"stream": True})
+        await decode.batches.put(({"s-t0-p1": "data: 1\n\n"}, {"s-t0-p1": None}, {}))
+        assert isinstance(held, DecodeStream)
+        return held, other, await collect(held)
+
+    held, other, frames = asyncio.run(run())
+    assert other["error"]["code"] == 409
+    assert frames == ["data: 1\n\n"]  # the holder still gets its frames and its end
 
 
 def test_feeds_demultiplex_one_feed_into_each_requests_stream() -> None:
@@ -318,7 +348,7 @@ def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopp
 
         parked = server.outboxes.setdefault("preempt:s", Outbox())
         server.routes["x"] = parked
-        state = server.parked["x"] = ParkedStream(cap=3, request_id="s-t0-p1")
+        state = server.parked["x"] = ParkedStream(cap=3, request_id="s-t0-p1", parked="preempt:s")
         parked.tasks["x"] = asyncio.ensure_future(server._pump(answer(), "x", "strip", state))
         await asyncio.sleep(0.01)
         await server.adopt(consumer="r", stream_id="x", parked="preempt:s", request_id="x", tentative=True)
