@@ -343,8 +343,10 @@ class AnswerReader:
         """Tell the owner how the answer ended, once; in a task of its own (router/tasks.py), so that a client
         that left (a cancelled request) cannot stop it. Returns the report's task (await it to know the owner
         has it)."""
-        if self._reported is not None or self.summary is not None or self.turn is None or not self.claim:
-            return self._reported or _done_task()  # (nothing claimed: nothing to report, e.g. an early reader)
+        if self._reported is not None or self.summary is not None or self.turn is None:
+            return self._reported or _done_task()
+        if status == "released" and not self.claim:  # nothing claimed, nothing to give back (an early reader)
+            return _done_task()  # (a cancel is reported claimed or not: it cancels an answer not yet claimed)
         self.outcome.status = status
         if status == "completed":
             tool_calls.count(self.surface, len(self.outcome.tool_calls))

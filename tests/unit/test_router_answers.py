@@ -532,3 +532,19 @@ async def test_reader_whole_answer() -> None:
 
     outcome = owner.reports[0]["outcome"]
     assert (outcome["status"], outcome["text"], outcome["usage"]) == ("completed", "Hi!", USAGE)
+
+
+async def test_a_reader_that_claimed_nothing_cancels_but_never_releases() -> None:
+    """Realtime `response.cancel` right after `response.create`, before the reader's claim: the cancel reaches
+    the owner (it ends the unclaimed answer, or the session would stay answering); a reader that only waited
+    (an early reader let go, an `/events` client that left before its turn ended) gives nothing back."""
+    owner = FakeOwner({"pending": True})
+    ingress = FakeIngress(owner, [])
+    early = AnswerReader(ingress, "sess_r1_abc", turn=0)
+    early.release()
+    await reported()
+    assert owner.reports == []
+    cancelled = AnswerReader(ingress, "sess_r1_abc", turn=0, surface="realtime")
+    cancelled.cancel()
+    await reported()
+    assert [(r["turn"], r["outcome"]["status"]) for r in owner.reports] == [(0, "cancelled")]
