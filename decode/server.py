@@ -215,7 +215,8 @@ class DecodeServer:
         preemptive answer had made, for its owner's accounting. A preemptive answer is found by its stream id
         also once a router adopted it tentatively (its frames go to that router now)."""
         state = self.parked.get(stream_id)
-        if state is not None and state.parked == consumer:  # its owner's stop: what it made is reported once
+        owners = state is not None and state.parked == consumer  # its owner's stop: what it made is reported once
+        if owners:
             del self.parked[stream_id]
         outbox = self.outboxes.get(consumer)
         if (outbox is None or stream_id not in outbox.tasks) and state is not None:
@@ -225,7 +226,7 @@ class DecodeServer:
         if (task := outbox.tasks.get(stream_id)) is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        tokens = state.made if state is not None and state.parked == consumer else 0
+        tokens = state.made if state is not None and owners else 0
         if not outbox.attached:  # parked: nobody will take what it made
             outbox.frames.pop(stream_id, None)
             outbox.ids.pop(stream_id, None)

@@ -16,12 +16,11 @@ provisional: a tool call reaches the client only in the confirmed answer.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
 from router.feeds import DecodeStream, Feeds
-from serve_app.protocol import choice_text
+from serve_app.protocol import choice_text, parse_sse
 
 # (kind, fields): ("delta", {"attempt", "delta"}) while held, then ("done", {"attempt", "status"}), status
 # "confirmed" (it is the answer: the answer's frames follow) or "discarded".
@@ -30,22 +29,17 @@ Provisional = tuple[str, dict[str, Any]]
 
 def frame_text(text: str) -> str:
     """The content in a run of SSE frames (text only: tool calls are never provisional)."""
-    pieces = []
-    for line in text.split("\n"):
-        if line.startswith("data: {"):
-            try:
-                pieces.append(choice_text(json.loads(line[6:]))[0] or "")
-            except ValueError:
-                continue
-    return "".join(pieces)
+    try:
+        return "".join(choice_text(frame)[0] for frame in parse_sse(text))
+    except ValueError:  # (not JSON: nothing provisional in it; the feed's reader must not fail on it)
+        return ""
 
 
 class Held:
     def __init__(self, feeds: Feeds, sink: asyncio.Queue[Provisional] | None = None) -> None:
         self.feeds = feeds
         self.sink = sink  # where provisional text goes, if the session asked for it
-        self.stream: DecodeStream | None = None
-        self._shown = False  # whether the held stream's text goes to `sink`
+        self.stream: DecodeStream | None = None  # (its `tap` is set while its text goes to `sink`)
         self._following = ""  # the preemptive answer the owner named last (held, or gone before it was adopted)
 
     @property
@@ -65,7 +59,6 @@ class Held:
         opened = await self.feeds.adopt(live, live["endpoint"], live["request"], tentative=True, tap=self._tap(live))
         if isinstance(opened, DecodeStream):  # (else it is gone already: the owner's next reply says what is live)
             self.stream = opened
-            self._shown = opened.tap is not None
 
     def _tap(self, live: dict[str, Any]) -> Callable[[str], None] | None:
         if self.sink is None or not live.get("stream"):
@@ -79,10 +72,9 @@ class Held:
         return tap
 
     def _done(self, stream: DecodeStream, status: str) -> None:
-        stream.tap = None
-        if self._shown and self.sink is not None:
+        if stream.tap is not None and self.sink is not None:
             self.sink.put_nowait(("done", {"attempt": stream.stream_id, "status": status}))
-        self._shown = False
+        stream.tap = None
 
     def take(self, stream_id: str | None) -> DecodeStream | None:
         """The held stream if the answer is that preemptive answer (it is no longer held, but read)."""
