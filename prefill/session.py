@@ -347,6 +347,7 @@ class Session(Conversation):
             "resident_tokens": len(self.streaming.sent),
             "rewrites": self.streaming.rewrites,
             "invalidated_tokens": self.streaming.invalidated_tokens,
+            "coalesced": self.streaming.coalesced,  # versions a later one superseded before they reached the engine
             "streaming": self.streaming.active,  # its input is prefilled as it arrives (resident)
             "prefilled": self.streaming.prefilled,  # the engine holds the KV of all its stable input sent so far
             "buffered": self.buffered,  # its input waited for room to stream (residency control) at least once

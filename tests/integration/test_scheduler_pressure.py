@@ -163,9 +163,11 @@ async def test_sessions_beyond_kv_capacity_all_answer(server: str, pressure: str
         assert after.get("swapped_in_blocks", 0) > before.get("swapped_in_blocks", 0), after
     # Replace chunks invalidate what follows the common prefix, in the engine between two steps (a chunk in flight
     # is ended there), or by a new request when the session's is gone (the prefix cache gives the prefix back).
-    # (A session residency control kept from streaming has nothing to cut: its input waited, whole.)
+    # Nothing to cut where the replaced input never reached the engine: a session residency control kept from
+    # streaming (its input waited, whole), or one whose appends waited behind a chunk still queued in the engine
+    # (those versions were coalesced: tests/unit/test_streaming_sender.py).
     updates = [r["info"] for k, r in enumerate(results) if k % 3 == 0]
-    assert all(u["rewrites"] >= 1 for u in updates if not u["buffered"]), updates
+    assert all(u["rewrites"] >= 1 or u["buffered"] or u["coalesced"] >= 1 for u in updates), updates
     assert any(u["rewrites"] >= 1 for u in updates), updates
     assert sum(r["info"]["invalidated_tokens"] for r in results) > 0
     await wait_idle("prefill")

@@ -90,6 +90,26 @@ async def test_versions_arriving_while_a_chunk_prefills_are_coalesced_into_one_c
     await streaming.close()
 
 
+async def test_a_rewrite_of_input_still_waiting_behind_the_chunk_in_flight_cuts_nothing(engine: Engine) -> None:
+    """Appends that wait behind a chunk in flight, then rewritten before they were sent: nothing the engine holds
+    changes, so nothing is cut (no rewrite counted); the replaced versions count as coalesced (what a session under
+    pressure, its first chunk queued in the engine, shows: tests/integration/test_scheduler_pressure.py)."""
+    streaming = StreamingPrefill(engine, "sess_r_w", timeout=2, settle_s=0, rewrite_quiet_s=0)
+    await streaming.sync([1, 2, 3])
+    await settle()
+    await streaming.sync([1, 2, 3, 4, 5, 6])  # waits: the first chunk is in flight
+    await settle()
+    await streaming.sync([1, 2, 3, 9, 9])  # rewrites what never reached the engine
+    await settle()
+    engine.instant = True
+    engine.finish()
+    await streaming.wait_computed()
+    assert engine.chunks == [("sess_r_w-stream1", [1, 2, 3]), ("sess_r_w-stream1", [9, 9])]
+    assert not [c for c in engine.utility_calls if c[0] == "rtpd_invalidate"]
+    assert (streaming.rewrites, streaming.invalidated_tokens, streaming.coalesced) == (0, 0, 1)
+    await streaming.close()
+
+
 async def test_a_rewrite_cuts_the_chunk_in_flight_and_its_new_suffix_follows_at_once(engine: Engine) -> None:
     """Input goes in short chunks (`max_chunk_tokens`); a rewrite does not wait for the one in flight: the engine
     cuts the request to the common prefix between two steps, ending that chunk, and the latest version's suffix
