@@ -3,8 +3,10 @@
 Voice-assistant-like turns over REST streaming-input sessions: a user's turn arrives in chunks at speech pace
 (a transcript growing word group by word group), sometimes with a pause mid-turn, and the end of turn is known
 only `--eot-lag-ms` after the last chunk (a voice-activity or end-of-turn detector's silence), when the client
-calls `/finish`. The figure is the time from that call to the first token. Without `preemptive` the answer starts
-at `/finish`; with it, the server starts it once the input has been idle for `after_idle_ms`, and a turn that
+ends the input: an empty end chunk with the next sequence id (`--end chunk`, the default: a router holding the
+preemptive answer releases it at once) or `/finish` (`--end finish`: only the owner knows what input that ends,
+so its reply releases it). The figure is the time from that call to the first token. Without `preemptive` the
+answer starts then; with it, the server starts it once the input has been idle for `after_idle_ms`, and a turn that
 ends unchanged is delivered from it. Mid-turn pauses longer than `after_idle_ms` make preemptive answers that new
 input discards: their tokens are the cost, reported per turn.
 
@@ -80,7 +82,11 @@ async def one_turn(
             r.raise_for_status()
         await asyncio.sleep(args.eot_lag_ms / 1000)  # the end-of-turn detector's silence
         end_of_turn = time.perf_counter()
-        r = await client.post(f"{SESSIONS}/{sid}/finish")
+        if args.end == "chunk":
+            end = {"sequence_id": len(pieces), "payload": "", "end_of_input": True}
+            r = await client.post(f"{SESSIONS}/{sid}/chunks", json=end)
+        else:
+            r = await client.post(f"{SESSIONS}/{sid}/finish")
         r.raise_for_status()
         finished = time.perf_counter()
         first = await asyncio.wait_for(first_token, 120)
@@ -95,7 +101,7 @@ async def one_turn(
     return {
         "system": system,
         "eot_to_first_token_s": first - end_of_turn,
-        "finish_rtt_s": finished - end_of_turn,  # the /finish call's own round trip (the control path)
+        "finish_rtt_s": finished - end_of_turn,  # the end call's own round trip (the control path)
         # The median gap between content frames once the first is out: a decode step as the client sees it.
         "step_s": statistics.median(gaps) if (gaps := [b - a for a, b in pairwise(content_at[1:])]) else None,
         "paused": pause_at is not None,
@@ -172,7 +178,7 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
                     f"without ({speed.get('p50', 0):.2f}x / {speed.get('p95', 0):.2f}x / {speed.get('p99', 0):.2f}x); "
                     f"delivered {on['delivered_share']:.0%}, discarded {on['discarded_tokens_per_turn']:.1f} "
                     f"tokens/turn; work {on['work_ratio']:.3f} vs {off['work_ratio']:.3f}; decode step "
-                    f"{off['decode_step_ms'] or 0:.1f} ms, /finish round trip {on['finish_rtt_p50_ms']:.0f} ms",
+                    f"{off['decode_step_ms'] or 0:.1f} ms, end call round trip {on['finish_rtt_p50_ms']:.0f} ms",
                     flush=True,
                 )
     return runs
@@ -199,6 +205,7 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=150.0, help="between transcript updates (speech pace)")
     parser.add_argument("--pause-share", type=float, default=0.3, help="turns with a pause mid-turn")
     parser.add_argument("--pause-ms", type=float, default=700.0, help="a mid-turn pause (past after_idle_ms)")
+    parser.add_argument("--end", choices=["chunk", "finish"], default="chunk", help="how a turn's input ends")
     parser.add_argument("--after-idle-ms", type=int, default=200)
     parser.add_argument("--preemptive-tokens", type=int, default=16, help="preemptive `max_tokens`")
     parser.add_argument("--max-tokens", type=int, default=24, help="the answer's")
@@ -220,10 +227,11 @@ def main() -> None:
     lines = [
         "# End of turn → first token, with and without preemptive answers",
         "",
-        f"`python bench/preemptive.py{' --quick' if args.quick else ''}` ({stamp}); P50 / P95 / P99 in ms",
+        f"`python bench/preemptive.py{' --quick' if args.quick else ''} --end {args.end}` ({stamp}); P50 / P95 / P99 "
+        "in ms; the turn's input ends with " + ("an empty end chunk" if args.end == "chunk" else "`/finish`"),
         "",
         "| EOT lag | users | preemptive | off | speedup | delivered | discarded tokens/turn | work on / off "
-        "| decode step | /finish P50 |",
+        "| decode step | end call P50 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_ in runs.values():

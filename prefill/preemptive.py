@@ -235,9 +235,14 @@ class Preemptive:
             "replica": live.replica,
             "parked": live.parked,
             "stream_id": live.stream_id,
+            "turn": live.turn,
             "endpoint": session.endpoint,
             "request": {**live.request, "return_token_ids": live.ids == "keep"},
+            "include_usage": bool((session.request.get("stream_options") or {}).get("include_usage")),
             "stream": state.options.stream,  # (whether its text goes to the client, marked provisional)
+            # An empty end chunk with this sequence id ends the turn with this input: the router that has it
+            # may release the answer before this replica does (router/provisional.py). None: chunks are missing.
+            "end_sequence_id": None if session.pending else session.next_seq,
         }
 
     def _preempt_release(self, adopt: dict[str, Any]) -> None:

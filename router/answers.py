@@ -109,6 +109,7 @@ class AnswerReader:
         self._stream: DecodeStream | None = None
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
+        self._confirmed: asyncio.Task[bool] | None = None  # a released answer's claim (router/provisional.py)
         self._streamed = False  # whether any of the answer reached the client
         self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
@@ -128,26 +129,21 @@ class AnswerReader:
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
         deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
         feeds = getattr(self.ingress, "feeds", None)
-        held = Held(feeds, self.provisional) if stream and not retried and feeds is not None else None
+        held = Held(feeds, self.session_id, self.provisional) if stream and not retried and feeds is not None else None
+        early: asyncio.Future[Any] | None = None  # the claim still on its way when the answer was released here
         try:
             while True:  # the owner holds each call a few seconds at most: the long wait is this router's
-                call = asyncio.ensure_future(
-                    session_call(
-                        self.ingress,
-                        "session_claim",
-                        session_id=self.session_id,
-                        turn=self.turn,
-                        adopts=stream,  # (a reader of a whole answer takes an ordinary hand-off, not a preemptive one)
-                        **({"fresh": True} if retried else {}),
-                        **({"reclaim": True} if reclaim else {}),
-                        **({"holding": held.stream_id} if held is not None else {}),
-                    )
-                )
+                call = self._claim_call(stream, retried, reclaim, held.stream_id if held is not None else None)
                 try:
-                    claim = await asyncio.shield(call)
+                    await asyncio.wait({call, *([held.released] if held else [])}, return_when=asyncio.FIRST_COMPLETED)
                 except asyncio.CancelledError:  # the client left: an answer claimed meanwhile goes back to its owner
                     call.add_done_callback(self._claimed_after_leaving)
                     raise
+                if held is not None and held.released.done() and not call.done():
+                    # Its end chunk came here first: the held answer is the answer; the owner's reply follows.
+                    claim, early = held.early_claim(), call
+                    break
+                claim = call.result()
                 if not claim.get("pending"):
                     break
                 if held is not None:
@@ -156,6 +152,8 @@ class AnswerReader:
                     return error_body(408, f"session {self.session_id} has no answer yet (its input has not ended)")
             adopted = (claim.get("adopt") or {}).get("stream_id") if "request" in claim else None
             kept = held.take(adopted) if held is not None else None
+            if early is not None and held is not None and kept is not None:
+                self._confirmed = detached(self._confirm_early(early, held, kept, deadline))
         finally:
             if held is not None:
                 held.drop()
@@ -196,7 +194,8 @@ class AnswerReader:
                     kept.ids = "keep" if request.get("return_token_ids") else "strip"
                 opened = kept
                 self.ingress.feeds.confirm(kept)
-                metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how="held")
+                how = "released" if early is not None else "held"
+                metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how=how)
             elif "adopt" in claim:  # a preemptive answer: what decode made of it comes at once
                 opened = await self.ingress.feeds.adopt(claim["adopt"], self.endpoint, request)
                 metrics.inc(metrics.PREEMPTIVE_READ, 1, "preemptive answers read, by how", how="adopted")
@@ -214,7 +213,7 @@ class AnswerReader:
                 detached(self._register(opened))
                 first = await anext(opened)
         except StopAsyncIteration:  # decode ended the stream before any frame (a guard: see router/tasks.py)
-            if not retried:
+            if not retried and await self._claimed():
                 # Give the answer back to its owner and claim it anew: the owner hands the KV off again if
                 # need be (the prefix cache has it), so the client gets its answer rather than an error.
                 await asyncio.shield(self.report("released"))
@@ -222,7 +221,7 @@ class AnswerReader:
                 return await self.open(stream, retried=True)
             first = error_body(502, "decode ended the answer's stream before its first token")
         except DecodeFailed as e:
-            if kept is not None and not reclaim and e.error.get("code") == 499:
+            if kept is not None and not reclaim and e.error.get("code") == 499 and await self._claimed():
                 # The held preemptive answer was stopped before its first frame (its router's client left, say):
                 # this reader takes an ordinary hand-off, as when it is gone at adoption.
                 self._stream = None
@@ -248,7 +247,62 @@ class AnswerReader:
         self.server_timing = {**timing, "decode": (time.perf_counter() - claimed_at) * 1e3}
         if kept is not None:
             self.server_timing["held"] = 0.0
+        if early is not None:
+            self.server_timing["released"] = 0.0  # at its end chunk, by this router: no call to the owner before it
         return None
+
+    async def _claimed(self) -> bool:
+        """Whether the answer is this reader's (a released one: once the owner's reply says so)."""
+        return self._confirmed is None or await asyncio.shield(self._confirmed)
+
+    def _claim_call(self, stream: bool, retried: bool, reclaim: bool, holding: str | None) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(
+            session_call(
+                self.ingress,
+                "session_claim",
+                session_id=self.session_id,
+                turn=self.turn,
+                adopts=stream,  # (a reader of a whole answer takes an ordinary hand-off, not a preemptive one)
+                **({"fresh": True} if retried else {}),
+                **({"reclaim": True} if reclaim else {}),
+                **({"holding": holding} if holding is not None else {}),
+            )
+        )
+
+    async def _confirm_early(
+        self, call: asyncio.Future[Any], held: Held, stream: DecodeStream, deadline: float
+    ) -> bool:
+        """A released answer (router/provisional.py) streams while its claim goes on: the owner's reply must name
+        its stream. Anything else (the owner refused the end chunk, or ended the turn otherwise) stops it."""
+        stream_id = held.live["stream_id"]
+        error: dict[str, Any] | None = None
+        while error is None:
+            await asyncio.wait({call, held.revoked}, return_when=asyncio.FIRST_COMPLETED)
+            if held.revoked.done():
+                call.add_done_callback(self._give_back)  # (claimed meanwhile: given back)
+                error = held.revoked.result()
+                break
+            try:
+                claim = call.result()
+            except Exception as e:
+                error = error_body(500, f"the answer's claim failed: {e}")["error"]
+                break
+            if not claim.get("pending"):
+                if claim.get("error") or (claim.get("adopt") or {}).get("stream_id") != stream_id:
+                    if "request" in claim:  # another answer than the one streamed: it goes back to its owner
+                        self._give_back(call)
+                    error = claim.get("error") or error_body(409, "the turn ended with other input")["error"]
+                    break
+                self.claim = {**claim, "last_chunk_time": self.claim.get("last_chunk_time")}
+                self.turn = claim["turn"]
+                return True
+            if (claim.get("provisional") or {}).get("stream_id") != stream_id or time.monotonic() > deadline:
+                error = error_body(409, "the preemptive answer was given up before the turn ended")["error"]
+                break
+            call = self._claim_call(True, False, False, stream_id)
+        logger.warning("session %s: an answer released at its end chunk was revoked: %s", self.session_id, error)
+        stream.abort({**error, "message": f"the answer was withdrawn: {error.get('message')}"})
+        return False
 
     async def items(self) -> AsyncGenerator[tuple[str, list[str]], None]:
         """(SSE text to forward, text deltas) per decode item; the outcome is reported when it ends."""
@@ -303,6 +357,8 @@ class AnswerReader:
     async def _register(self, stream: DecodeStream) -> None:
         """Tell the owner where this answer streams from (a cancel through any router then stops it there)."""
         decode = {"consumer": stream.feeds.consumer, "stream_id": stream.stream_id, "replica": stream.replica}
+        if not await self._claimed():
+            return
         try:
             reply = await session_call(
                 self.ingress, "session_streaming", session_id=self.session_id, turn=self.turn, decode=decode
@@ -352,8 +408,14 @@ class AnswerReader:
             tool_calls.count(self.surface, len(self.outcome.tool_calls))
         if status != "released" and (charge := getattr(self.ingress, "charge", None)) is not None:
             charge(self.outcome.usage)  # the caller's key pays for the answer (router/quota.py)
-        self._reported = detached(self._deliver(self.turn, self.outcome.as_dict()))
+        self._reported = detached(self._deliver_claimed(self.outcome.as_dict()))
         return self._reported
+
+    async def _deliver_claimed(self, outcome: dict[str, Any]) -> dict[str, Any] | None:
+        if not await self._claimed():  # a released answer the owner did not confirm: nothing of it is the owner's
+            return None
+        assert self.turn is not None
+        return await self._deliver(self.turn, outcome)
 
     async def _deliver(self, turn: int, outcome: dict[str, Any]) -> dict[str, Any] | None:
         """Retried a while: when the owner drains, its adopter becomes known to routers within seconds."""
@@ -389,6 +451,11 @@ class AnswerReader:
         if self._stream is not None:
             self._stream.cancel()
         self.report("cancelled")
+
+    def _give_back(self, call: asyncio.Future[Any]) -> None:
+        """A claim that came back after its reader stopped needing it: the answer it claimed goes back."""
+        if not call.cancelled() and call.exception() is None and "request" in (claim := call.result()):
+            detached(self._deliver(claim["turn"], Outcome(status="released").as_dict()))
 
     def _claimed_after_leaving(self, call: asyncio.Future[Any]) -> None:
         if call.cancelled() or call.exception() is not None:

@@ -94,6 +94,11 @@ class DecodeStream:
                 raise DecodeFailed(error)
             raise StopAsyncIteration
 
+    def abort(self, error: dict[str, Any]) -> None:
+        """Stop it, and end it for its reader with `error` (not resumed: a 4xx)."""
+        self.cancel()
+        self.queue.put_nowait(_End(error))
+
     def cancel(self) -> None:
         """Stop the request on decode (a no-op once it has ended)."""
         self.cancelled = True
@@ -107,6 +112,7 @@ class Feeds:
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
+        self.held: dict[str, Any] = {}  # session id -> the reader holding its preemptive answer (router/provisional.py)
 
     async def open(self, endpoint: Endpoint, body: dict[str, Any]) -> DecodeStream | dict[str, Any]:
         """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""

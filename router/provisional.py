@@ -7,6 +7,13 @@ the owner confirms the turn. When the turn ends unchanged, the claim names that 
 already here: the first token leaves with the claim's reply, with no call to decode in between. When the input
 changes, the owner stops it on decode and this hold lets it go.
 
+Released here (`Feeds.held`, `release`): a REST end chunk (`end_of_input`, empty, appended) whose sequence id is the
+one the held answer's input was waiting for comes to this router before the owner has it. Sequence ids are the
+session's own order, so nothing can have changed the input in between: the reader streams the held answer at
+once, and the owner's reply to its claim, naming the same stream, follows the first frames (the answer's turn
+bookkeeping waits for it; an owner that refuses the chunk, or ends the turn another way, revokes it: the stream
+ends with an error frame, never with another answer's text).
+
 Provisional text (the session's `preemptive.stream`): while held, the stream's text goes to `sink` as it arrives,
 marked with its attempt, then whether it was confirmed or discarded; the surface turns these into events of its
 own (router/sessions.py: named SSE events; router/realtime.py: `rtpd.response.provisional.*`). Only text is
@@ -16,6 +23,7 @@ provisional: a tool call reaches the client only in the confirmed answer.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +44,15 @@ def frame_text(text: str) -> str:
 
 
 class Held:
-    def __init__(self, feeds: Feeds, sink: asyncio.Queue[Provisional] | None = None) -> None:
-        self.feeds = feeds
+    def __init__(self, feeds: Feeds, session_id: str, sink: asyncio.Queue[Provisional] | None = None) -> None:
+        self.feeds, self.session_id = feeds, session_id
         self.sink = sink  # where provisional text goes, if the session asked for it
         self.stream: DecodeStream | None = None  # (its `tap` is set while its text goes to `sink`)
+        self.live: dict[str, Any] = {}  # the owner's description of the held stream (prefill/preemptive.py)
         self._following = ""  # the preemptive answer the owner named last (held, or gone before it was adopted)
+        loop = asyncio.get_running_loop()
+        self.released: asyncio.Future[float] = loop.create_future()  # (when) its end chunk came to this router
+        self.revoked: asyncio.Future[dict[str, Any]] = loop.create_future()  # the owner refused that end chunk
 
     @property
     def stream_id(self) -> str:
@@ -58,7 +70,8 @@ class Held:
             return
         opened = await self.feeds.adopt(live, live["endpoint"], live["request"], tentative=True, tap=self._tap(live))
         if isinstance(opened, DecodeStream):  # (else it is gone already: the owner's next reply says what is live)
-            self.stream = opened
+            self.stream, self.live = opened, live
+            self.feeds.held.setdefault(self.session_id, self)
 
     def _tap(self, live: dict[str, Any]) -> Callable[[str], None] | None:
         if self.sink is None or not live.get("stream"):
@@ -76,11 +89,39 @@ class Held:
             self.sink.put_nowait(("done", {"attempt": stream.stream_id, "status": status}))
         stream.tap = None
 
+    def release(self, sequence_id: int) -> bool:
+        """An end chunk `sequence_id` (empty, appended) came to this router: whether it makes the held answer the
+        answer (the next sequence id after the input it was made from), which its reader then streams."""
+        if self.stream is None or self.released.done() or self.live.get("end_sequence_id") != sequence_id:
+            return False
+        self.released.set_result(time.time())
+        return True
+
+    def revoke(self, error: dict[str, Any]) -> None:
+        """The owner refused the end chunk that released it: its reader must not go on with it."""
+        if not self.revoked.done():
+            self.revoked.set_result(error)
+
+    def early_claim(self) -> dict[str, Any]:
+        """What the reader of a released answer knows before the owner's reply to its claim (`session_claim`'s)."""
+        live = self.live
+        request = {k: v for k, v in live["request"].items() if k != "priority"}  # (it is an ordinary answer now)
+        adopt = {k: live[k] for k in ("replica", "parked", "stream_id")}
+        return {
+            "turn": live["turn"],
+            "endpoint": live["endpoint"],
+            "include_usage": live["include_usage"],
+            "last_chunk_time": self.released.result(),
+            "request": request,
+            "adopt": adopt,
+        }
+
     def take(self, stream_id: str | None) -> DecodeStream | None:
         """The held stream if the answer is that preemptive answer (it is no longer held, but read)."""
         if not stream_id or self.stream is None or self.stream.stream_id != stream_id:
             return None
         stream, self.stream = self.stream, None
+        self._unlist()
         self._done(stream, "confirmed")
         return stream
 
@@ -90,3 +131,8 @@ class Held:
             self._done(self.stream, "discarded")
             self.stream.cancel()
             self.stream = None
+        self._unlist()
+
+    def _unlist(self) -> None:
+        if self.feeds.held.get(self.session_id) is self:
+            del self.feeds.held[self.session_id]

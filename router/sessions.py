@@ -32,7 +32,7 @@ from router.answers import AnswerReader
 from router.owner import session_call
 from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
-from serve_app.protocol import error_response, sse, streaming_response
+from serve_app.protocol import error_body, error_response, error_status, sse, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -91,7 +91,26 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         chunk = ChunkBody.model_validate(body)
     except ValidationError as e:
         return error_response(validation_error(e))
-    result = await session_call(
+    # An empty end chunk may release a preemptive answer a reader here holds, before the owner has the chunk
+    # (router/provisional.py); the owner refusing the chunk revokes it.
+    held = ingress.feeds.held.get(session_id) if chunk.end_of_input and not chunk.payload else None
+    if held is not None and not (chunk.mode == "append" and chunk.role == "user" and held.release(chunk.sequence_id)):
+        held = None
+    try:
+        result = await _forward_chunk(ingress, session_id, chunk)
+    except Exception as e:
+        if held is not None:
+            held.revoke(error_body(502, f"the end chunk did not reach the session: {e!r}")["error"])
+        raise
+    # (A 409 says the turn is over or the session closed: the reader's claim, answered at once, says whether the
+    # answer is the one it released. A cancelled call may have reached the owner: the claim says that too.)
+    if held is not None and "error" in result and error_status(result) != 409:
+        held.revoke(result["error"])
+    return _reply(result, 202)
+
+
+async def _forward_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[str, Any]:
+    return await session_call(
         ingress,
         "session_chunk",
         session_id=session_id,
@@ -102,7 +121,6 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         offset=chunk.offset,
         **({"role": "tool", "tool_call_id": chunk.tool_call_id} if chunk.role == "tool" else {}),
     )
-    return _reply(result, 202)
 
 
 @api.post("/{session_id}/finish")

@@ -127,10 +127,13 @@ class EarlyReader:
         return text_of(self.frames), timing
 
 
-def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server):
+@pytest.mark.parametrize("end", ["chunk", "finish"])
+def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server, end):
     """The client reads `/events` from the start: its router holds the preemptive answer's frames before the turn
-    ends, so the answer's first token goes out with the owner's confirmation, with no hand-off and no call to
-    decode after the end of input (Server-Timing `held`, `handoff` ~ 0)."""
+    ends, so the answer's first token goes out with no hand-off and no call to decode after the end of input.
+    An empty end chunk with the next sequence id releases it on its router, before the owner has the chunk
+    (Server-Timing `released`); `/finish` (no sequence id: only the owner knows what input it ends) releases it
+    with the owner's confirmation (`held`, `handoff` ~ 0)."""
     expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
     sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=OPTIONS)["session_id"]
     reader = EarlyReader(server, sid)
@@ -140,10 +143,16 @@ def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server):
     assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
     assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # held, and stopped at its cap
     assert reader.first_at is None  # nothing reaches the client before the turn is confirmed
-    assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202
+    if end == "chunk":
+        assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202
+    else:
+        assert httpx.post(f"{server}{SESSIONS}/{sid}/finish", timeout=60).status_code == 202
     text, timing = reader.result()
     assert text == expected["choices"][0]["message"]["content"]  # (it went on past the cap)
-    assert "held" in timing and timing["handoff"] < 50, timing
+    if end == "chunk":
+        assert "held" in timing and "released" in timing and "handoff" not in timing, timing
+    else:
+        assert "held" in timing and "released" not in timing and timing["handoff"] < 50, timing
     assert [e[0] for e in reader.events] == ["session.done"]  # no provisional text: not asked
     after = info(server, sid)
     assert after["preemptive"]["delivered"] == 1 and after["work"].get("handoff_tokens", 0) == 0, after

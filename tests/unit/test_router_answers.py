@@ -327,6 +327,7 @@ class FakeDecode:
     def __init__(self, items: list[Any]) -> None:
         self.stream = FakeDecodeStream(items)
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.held: dict[str, Any] = {}  # (readers holding a preemptive answer: none here)
 
     async def open(self, endpoint: str, request: dict[str, Any]) -> Any:
         self.requests.append((endpoint, request))

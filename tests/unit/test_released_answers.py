@@ -1,0 +1,158 @@
+"""A held preemptive answer released by its end chunk on this router (router/provisional.py): the reader streams
+it before the owner's reply to its claim, and that reply decides whether the answer stays the owner's answer.
+Real `AnswerReader`, `Held` and `Feeds`; the owner and the decode handle are scripted."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router.answers import AnswerReader
+from router.feeds import Feeds
+from tests.unit.test_feeds import FakeCall, FakeDecode
+from tests.unit.test_router_answers import CHAT_ITEMS, Remote, reported
+
+SESSION = "sess_r1_pre"
+STREAM = "sess_r1_pre-t0-p1"
+REQUEST = {
+    "model": "local:tiny-llama",
+    "messages": [{"role": "user", "content": "Hi"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "request_id": STREAM,
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]},
+}
+LIVE = {  # what the owner says of the live preemptive answer (prefill/preemptive.py `_preempt_provisional`)
+    "replica": "d1",
+    "parked": f"preempt:{SESSION}:0:1",
+    "stream_id": STREAM,
+    "turn": 0,
+    "endpoint": "chat",
+    "request": {**REQUEST, "priority": 1, "return_token_ids": False},
+    "include_usage": False,
+    "stream": False,
+    "end_sequence_id": 5,
+}
+ADOPT = {k: LIVE[k] for k in ("replica", "parked", "stream_id")}
+
+
+class Decode(FakeDecode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.confirmed: list[str] = []
+
+    @property
+    def confirm(self) -> Any:
+        outer = self
+
+        class Method:
+            def remote(self, **kwargs: Any) -> FakeCall:
+                outer.confirmed.append(kwargs["stream_id"])
+                return FakeCall({"confirmed": True})
+
+        return Method()
+
+
+class Owner:
+    """Answers the first claim with the live preemptive answer; the next waits until the test lets the owner
+    have the end chunk, then answers with `final`."""
+
+    def __init__(self, final: dict[str, Any]) -> None:
+        self.final = final
+        self.has_end = asyncio.Event()
+        self.claims: list[dict[str, Any]] = []
+        self.reports: list[dict[str, Any]] = []
+        self.session_claim = Remote(self._claim)
+        self.session_answer_done = Remote(self._done)
+        self.session_streaming = Remote(self._streaming)
+
+    async def _claim(self, **kwargs: Any) -> dict[str, Any]:
+        self.claims.append(kwargs)
+        if kwargs.get("holding") == "":
+            return {"pending": True, "provisional": LIVE}
+        await self.has_end.wait()
+        return self.final
+
+    async def _done(self, **kwargs: Any) -> dict[str, Any]:
+        self.reports.append(kwargs)
+        return {"turn": kwargs["turn"], **kwargs["outcome"]}
+
+    async def _streaming(self, **kwargs: Any) -> dict[str, Any]:
+        return {}
+
+
+class Ingress:
+    def __init__(self, owner: Owner) -> None:
+        self.prefill = owner
+        self.decode = Decode()
+        self.feeds = Feeds(self.decode, "router-1")  # type: ignore[arg-type]
+
+
+async def held_reader(final: dict[str, Any]) -> tuple[Ingress, AnswerReader, asyncio.Task[Any]]:
+    """A reader waiting for the turn, holding the preemptive answer, whose first frames are here already."""
+    ingress = Ingress(Owner(final))
+    reader = AnswerReader(ingress, SESSION)
+    opening = asyncio.ensure_future(reader.open())
+    for _ in range(100):
+        if SESSION in ingress.feeds.held:
+            break
+        await asyncio.sleep(0.001)
+    await ingress.decode.batches.put(({STREAM: CHAT_ITEMS[0] + CHAT_ITEMS[1]}, {}, {}))
+    await asyncio.sleep(0.01)
+    assert not opening.done()  # (the turn has not ended)
+    return ingress, reader, opening
+
+
+async def test_an_end_chunk_here_releases_the_held_answer_before_the_owner_replies() -> None:
+    final = {"turn": 0, "endpoint": "chat", "include_usage": False, "timing": {}, "adopt": ADOPT, "request": REQUEST}
+    ingress, reader, opening = await held_reader(final)
+    held = ingress.feeds.held[SESSION]
+    assert not held.release(4) and not held.release(6)  # not the end of the input it was made from
+    assert held.release(5)
+
+    assert await asyncio.wait_for(opening, 1) is None  # without the owner's reply
+    assert ingress.prefill.claims[-1]["holding"] == STREAM  # (still on its way)
+    assert "released" in reader.server_timing and reader.turn == 0
+    items = reader.items()
+    first, deltas = await anext(items)
+    assert deltas == ["Hel"] and ingress.decode.confirmed == [STREAM]  # cap lifted, ordinary rank
+    assert SESSION not in ingress.feeds.held  # read, no longer held: a second end chunk releases nothing
+    assert not ingress.prefill.reports  # nothing of it is reported before the owner says it is the answer
+
+    ingress.prefill.has_end.set()
+    await ingress.decode.batches.put(({STREAM: CHAT_ITEMS[2] + CHAT_ITEMS[3]}, {STREAM: None}, {}))
+    rest = [item async for item in items]
+    await ingress.decode.batches.put(StopAsyncIteration())  # (the feed ends: only the reports are left to run)
+    await reported()
+    assert [d for _, ds in rest for d in ds] == ["lo", ", world"]
+    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.prefill.reports] == [
+        (0, "completed", "Hello, world")
+    ]
+
+
+@pytest.mark.parametrize("how", ["refused", "other answer"])
+async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: str) -> None:
+    """The owner refuses the end chunk (the router revokes it), or ends the turn with another answer (its claim
+    names another request): the stream ends with an error frame, never another answer's text, and nothing of it
+    is the owner's; an answer claimed meanwhile goes back to the owner."""
+    other = {"turn": 0, "endpoint": "chat", "include_usage": False, "timing": {}, "request": REQUEST}
+    ingress, reader, opening = await held_reader(other)
+    assert ingress.feeds.held[SESSION].release(5)
+    held = ingress.feeds.held[SESSION]
+    assert await asyncio.wait_for(opening, 1) is None
+    items = reader.items()
+    _, deltas = await anext(items)
+    assert deltas == ["Hel"]
+
+    if how == "refused":
+        held.revoke({"message": "session gone", "type": "NotFoundError", "code": 404})
+    ingress.prefill.has_end.set()
+    rest = "".join([forward async for forward, _ in items])
+    await ingress.decode.batches.put(StopAsyncIteration())
+    await reported()
+    assert "the answer was withdrawn" in rest and rest.endswith("data: [DONE]\n\n")
+    assert STREAM in ingress.decode.stopped  # stopped on decode
+    # Nothing reported as this answer's outcome; the claimed other answer is given back for its next reader.
+    assert [(r["turn"], r["outcome"]["status"]) for r in ingress.prefill.reports] == [(0, "released")]
