@@ -50,7 +50,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
     for name in ("app", "app_serve_proxy"):  # behind HAProxy (the default), behind Serve's own proxy
         app = results.get(name, {}).get("chat", {})
-        for peer in ("plain", "rayllm", "app"):
+        for peer in ("plain", "plain_decode", "rayllm", "app"):
             other = results.get(peer, {}).get("chat", {})
             for c, mine in app.items():
                 theirs = other.get(c)
@@ -92,7 +92,7 @@ def main_table(results: dict[str, Any]) -> str:
     for name, result in results.items():
         for kind, label in KINDS.items():
             for c, lv in result.get(kind, {}).items():
-                router = _role(lv, "router", "pct_core") if name != "plain" else _role(lv, "frontend", "pct_core")
+                router = _role(lv, "frontend" if name.startswith("plain") else "router", "pct_core")
                 cells = [name, label, c, lv["requests"], lv["errors"], *(_fmt(lv[k], 2) for k in LATENCY)]
                 cells += [_fmt(lv["output_tok_s"]), _fmt(router), _fmt(_role(lv, "proxy", "pct_core"))]
                 cells += [_fmt(front_cpu(lv)[1])]

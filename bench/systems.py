@@ -14,6 +14,7 @@ that outlive `ray.shutdown()` (vLLM engine cores have been seen to), which are k
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -195,15 +196,37 @@ def _bundles(config: AppConfig, role: str) -> list[dict[str, float]]:
     return [{"CPU": 1, "GPU": 1}] * (config.engine_for(role).tensor_parallel_size or 1)  # type: ignore[arg-type]
 
 
+def decode_engine_flags(config: AppConfig) -> list[str]:
+    """The `vllm serve` flags that make a plain server's engine do per step what the app's decode engine does:
+    its KV connector (NIXL, polled every step), priority scheduling, the accounting scheduler and the worker
+    extension (serve_app/engine.py `build_engine_args`)."""
+    from serve_app.engine import build_engine_args
+
+    args = build_engine_args(config, "decode")
+    return [
+        "--kv-transfer-config",
+        json.dumps(args.kv_transfer_config),
+        "--scheduling-policy",
+        args.scheduling_policy,
+        "--scheduler-cls",
+        args.scheduler_cls,
+        "--worker-extension-cls",
+        args.worker_extension_cls,
+    ]
+
+
 @contextlib.contextmanager
-def plain(config: AppConfig) -> Iterator[System]:
-    """One vLLM OpenAI server; its engine on the decode role's core(s), with the decode engine's settings."""
+def plain(config: AppConfig, as_decode: bool = False) -> Iterator[System]:
+    """One vLLM OpenAI server; its engine on the decode role's core(s), with the decode engine's settings.
+    `as_decode` (`plain_decode`): also its per-step extras (`decode_engine_flags`): what they cost an engine."""
     port = PORTS["plain"]
     settings = _engine_settings(config, "decode")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model(config.model)]
     cmd += ["--served-model-name", config.model_name, "--host", "127.0.0.1", "--port", str(port)]
     for key, value in settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if as_decode:
+        cmd += decode_engine_flags(config)
     env = {**os.environ, **_engine_env(config, "decode")}
     log_path = LOGS / "plain_vllm.log.tmp"
     with log_path.open("wb") as log:
@@ -217,7 +240,8 @@ def plain(config: AppConfig) -> Iterator[System]:
             raise
         roles = {"frontend": "vllm.entrypoints.openai.api_server", "engines": ENGINES}
         info = {"command": cmd, "env": _engine_env(config, "decode")}
-        yield System("plain", base, config.model_name, roles, resolve_model(config.model), info=info)
+        name = "plain_decode" if as_decode else "plain"
+        yield System(name, base, config.model_name, roles, resolve_model(config.model), info=info)
     finally:
         ours = descendants(proc.pid)
         stop_group(proc)

@@ -45,6 +45,7 @@ SYSTEMS = {
     "app": systems.app,  # behind the default ingress (Serve's own proxy)
     "app_serve_proxy": functools.partial(systems.app, haproxy=False),  # behind Serve's own proxy
     "plain": systems.plain,
+    "plain_decode": functools.partial(systems.plain, as_decode=True),  # with the decode engine's per-step extras
     "rayllm": systems.rayllm,
 }
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
