@@ -13,6 +13,14 @@ with no Python proxy and no Ray hop for a request. Its timeouts go past the long
 and a reload (Serve reloads HAProxy whenever router replicas change) lets older streams finish instead of
 cutting them after Ray's default 120 s (Ray issue 66056).
 
+**One event loop per replica** (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`,
+`RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, as Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` sets them): a replica's
+own code, Serve's request handling and its handles' routing share the replica's main loop instead of handing
+every request, reply and streamed item between three threads. Measured here (bench/results/issue19/
+serve-knobs-ab.log, A/B/A/B): router CPU per 1,000 streamed tokens 111-126 ms against 170-174 ms, and a
+session call's round trip (`/finish`) 10.8-10.9 ms against 13-14 ms P50. The price: code that blocks a
+replica's loop blocks Serve's handling of it too (this app keeps such work short or in threads).
+
 `make run`, the tests, the benchmarks and the KubeRay manifests set them; set them yourself before `serve run`
 or `ray start` (a variable already in the environment is kept):
 
@@ -36,6 +44,8 @@ SERVE_ENV = {
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(MAX_SESSION_S + 60),
     "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(MAX_SESSION_S + 60),
     "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",  # one event loop per replica (above)
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     # By-value calls carry whole requests and answers (a session's conversation, a non-streaming answer with
     # logprobs): gRPC's default 4 MiB cap would refuse the large ones.
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(512 * 2**20),
