@@ -14,7 +14,8 @@ and a reload (Serve reloads HAProxy whenever router replicas change) lets older 
 cutting them after Ray's default 120 s (Ray issue 66056).
 
 **One event loop per replica** (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`,
-`RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, as Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` sets them): a replica's
+`RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, as Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` sets them; in the replicas'
+processes only, through their `runtime_env`: `replica_options`): a replica's
 own code, Serve's request handling and its handles' routing share the replica's main loop instead of handing
 every request, reply and streamed item between three threads. Measured here (bench/results/issue19/
 serve-knobs-ab.log, A/B/A/B): router CPU per 1,000 streamed tokens 111-126 ms against 170-174 ms, and a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from serve_app.config import LimitsConfig
 
@@ -44,12 +46,28 @@ SERVE_ENV = {
     "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(MAX_SESSION_S + 60),
     "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(MAX_SESSION_S + 60),
     "RAY_SERVE_PROXY_USE_GRPC": "1",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",  # one event loop per replica (above)
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     # By-value calls carry whole requests and answers (a session's conversation, a non-streaming answer with
     # logprobs): gRPC's default 4 MiB cap would refuse the large ones.
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(512 * 2**20),
 }
+
+
+# Set in the replicas' own processes only (`replica_options`, applied by serve_app/builder.py): a driver whose
+# handles ran on its own loop could no longer call them outside an asyncio loop (`handle.f.remote().result()`).
+REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",  # one event loop per replica (above)
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
+def replica_options(deployment: dict[str, Any]) -> dict[str, Any]:
+    """A deployment's options with `REPLICA_ENV` in its replicas' environment (a value the deployment's
+    `runtime_env` or this process's environment already sets is kept)."""
+    actor = dict(deployment.get("ray_actor_options") or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    env_vars = {key: os.environ.get(key, value) for key, value in REPLICA_ENV.items()}
+    runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
+    return {**deployment, "ray_actor_options": {**actor, "runtime_env": runtime_env}}
 
 
 def local_env() -> dict[str, str]:

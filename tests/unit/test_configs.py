@@ -111,3 +111,27 @@ def test_gpu_config_shape(path: Path) -> None:
         assert engine.gpu_memory_utilization and engine.max_model_len and engine.max_num_seqs
     assert not pools[0] & pools[1]
     assert config.engine_for("prefill").enable_prefix_caching is True
+
+
+def test_replica_options_put_one_event_loop_per_replica_in_the_replicas_environment_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """serve_app/serve_env.py: the replicas' processes get REPLICA_ENV through their runtime_env (not the
+    driver's environment, whose handles must keep working outside an asyncio loop); what a deployment's own
+    runtime_env or this process's environment says wins."""
+    from serve_app.serve_env import REPLICA_ENV, replica_options
+
+    monkeypatch.delenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", raising=False)
+    monkeypatch.delenv("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", raising=False)
+    given = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}
+    options = replica_options(given)
+    assert options["num_replicas"] == 2 and options["ray_actor_options"]["num_cpus"] == 0.5
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"] == REPLICA_ENV
+    assert "runtime_env" not in given["ray_actor_options"]  # (not changed in place)
+
+    own = {"ray_actor_options": {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "X": "y"}}}}
+    env = replica_options(own)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env == {**REPLICA_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "X": "y"}
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")  # switched back for the whole cluster
+    env = replica_options({})["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
