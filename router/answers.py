@@ -110,6 +110,7 @@ class AnswerReader:
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
         self._confirmed: asyncio.Task[bool] | None = None  # a released answer's claim (router/provisional.py)
+        self._withdrawn: dict[str, Any] | None = None  # why a released answer is not the owner's (then an error)
         self._streamed = False  # whether any of the answer reached the client
         self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
@@ -153,7 +154,8 @@ class AnswerReader:
             adopted = (claim.get("adopt") or {}).get("stream_id") if "request" in claim else None
             kept = held.take(adopted) if held is not None else None
             if early is not None and held is not None and kept is not None:
-                self._confirmed = detached(self._confirm_early(early, held, kept, deadline))
+                wait_s = limits.idle_timeout_s if limits else 300.0  # (from the release on)
+                self._confirmed = detached(self._confirm_early(early, held, kept, time.monotonic() + wait_s))
         finally:
             if held is not None:
                 held.drop()
@@ -251,6 +253,11 @@ class AnswerReader:
             self.server_timing["released"] = 0.0  # at its end chunk, by this router: no call to the owner before it
         return None
 
+    def _withdrawal(self) -> str:
+        """The end of a released answer the owner did not confirm: its error frame, then `[DONE]`."""
+        self.outcome.status, self.outcome.error = "failed", self._withdrawn
+        return sse({"error": self._withdrawn}) + SSE_DONE
+
     async def _claimed(self) -> bool:
         """Whether the answer is this reader's (a released one: once the owner's reply says so)."""
         return self._confirmed is None or await asyncio.shield(self._confirmed)
@@ -301,7 +308,8 @@ class AnswerReader:
                 break
             call = self._claim_call(True, False, False, stream_id)
         logger.warning("session %s: an answer released at its end chunk was revoked: %s", self.session_id, error)
-        stream.abort({**error, "message": f"the answer was withdrawn: {error.get('message')}"})
+        self._withdrawn = {**error, "message": f"the answer was withdrawn: {error.get('message')}"}
+        stream.abort(self._withdrawn)
         return False
 
     async def items(self) -> AsyncGenerator[tuple[str, list[str]], None]:
@@ -319,6 +327,8 @@ class AnswerReader:
             while item is not _END:
                 forward, deltas = self._absorb(item, keep_usage)
                 if SSE_DONE in forward:
+                    if not await self._claimed():  # a released answer the owner did not confirm: not the answer
+                        forward = forward.replace(SSE_DONE, "") + self._withdrawal()
                     # The outcome is whole: the owner hears it before the client does, so that the client's
                     # next input never finds the answer still in progress.
                     await self.settle(self.outcome.status)
@@ -335,6 +345,9 @@ class AnswerReader:
         except DecodeFailed as e:
             if e.error.get("code") == 499:  # stopped on decode: a cancel (POST .../cancel) reached it
                 status = "cancelled"
+                if not await self._claimed():  # (stopped because it was not the answer)
+                    yield self._withdrawal(), []
+                    return
                 await self.settle(status)
                 yield SSE_DONE, []
                 return

@@ -230,6 +230,8 @@ class Feeds:
 
     async def resume(self, stream: DecodeStream, error: dict[str, Any]) -> bool:
         """Go on with `stream` on another replica after its own failed with `error`; False: it cannot."""
+        if stream.cancelled:  # stopped here (`abort`: withdrawn), not failed: nothing goes on
+            return False
         if error_status({"error": error}) < 500 or stream.ids is None:  # (499: stopped, not failed)
             return False
         why = "resumed too often" if len(stream.failed) >= resume.MAX_RESUMES else None

@@ -131,6 +131,8 @@ class Held:
             self._done(self.stream, "discarded")
             self.stream.cancel()
             self.stream = None
+            if self.released.done():  # (released, but let go before its reader took it: the owner's reply decides)
+                self.released = asyncio.get_running_loop().create_future()
         self._unlist()
 
     def _unlist(self) -> None:

@@ -132,7 +132,7 @@ async def test_an_end_chunk_here_releases_the_held_answer_before_the_owner_repli
     ]
 
 
-@pytest.mark.parametrize("how", ["refused", "other answer"])
+@pytest.mark.parametrize("how", ["refused", "refused 5xx", "other answer", "over before"])
 async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: str) -> None:
     """The owner refuses the end chunk (the router revokes it), or ends the turn with another answer (its claim
     names another request): the stream ends with an error frame, never another answer's text, and nothing of it
@@ -148,11 +148,17 @@ async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: st
 
     if how == "refused":
         held.revoke({"message": "session gone", "type": "NotFoundError", "code": 404})
+    elif how == "refused 5xx":  # (an owner that failed: the stream must not be resumed elsewhere as if decode had)
+        held.revoke({"message": "the end chunk did not reach the session", "type": "BadGateway", "code": 502})
+    elif how == "over before":  # the whole answer, [DONE] and its end, came before the owner's reply
+        await ingress.decode.batches.put(({STREAM: CHAT_ITEMS[2] + CHAT_ITEMS[3]}, {STREAM: None}, {}))
+        await asyncio.sleep(0.01)
     ingress.prefill.has_end.set()
     rest = "".join([forward async for forward, _ in items])
     await ingress.decode.batches.put(StopAsyncIteration())
     await reported()
     assert "the answer was withdrawn" in rest and rest.endswith("data: [DONE]\n\n")
-    assert STREAM in ingress.decode.stopped  # stopped on decode
+    assert rest.count("data: [DONE]") == 1 and reader.outcome.status == "failed"
+    assert (STREAM in ingress.decode.stopped) == (how != "over before")  # stopped on decode (unless it ended)
     # Nothing reported as this answer's outcome; the claimed other answer is given back for its next reader.
     assert [(r["turn"], r["outcome"]["status"]) for r in ingress.prefill.reports] == [(0, "released")]
