@@ -53,6 +53,7 @@ class FakeDecode:
     def __init__(self) -> None:
         self.batches: asyncio.Queue[Any] = asyncio.Queue()
         self.stopped: list[str] = []
+        self.confirmed: list[str] = []
         self.feeds: list[dict[str, Any]] = []
         self.start_reply: dict[str, Any] = {"replica": "d1"}
         self.start_kwargs: dict[str, Any] = {}
@@ -94,16 +95,24 @@ class FakeDecode:
 
     adopt = start  # (recorded and answered as a start is)
 
-    @property
-    def stop(self) -> Any:
-        outer = self
+    @staticmethod
+    def _recording(into: list[str], reply: Any) -> Any:
+        """A method that records the stream id of each call in `into` and answers `reply`."""
 
         class Method:
             def remote(self, **kwargs: Any) -> FakeCall:
-                outer.stopped.append(kwargs["stream_id"])
-                return FakeCall(None)
+                into.append(kwargs["stream_id"])
+                return FakeCall(reply)
 
         return Method()
+
+    @property
+    def stop(self) -> Any:
+        return self._recording(self.stopped, None)
+
+    @property
+    def confirm(self) -> Any:
+        return self._recording(self.confirmed, {"confirmed": True})
 
 
 async def collect(stream: DecodeStream) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from router.answers import AnswerReader
 from router.feeds import Feeds
-from tests.unit.test_feeds import FakeCall, FakeDecode
+from tests.unit.test_feeds import FakeDecode
 from tests.unit.test_router_answers import CHAT_ITEMS, Remote, reported
 
 SESSION = "sess_r1_pre"
@@ -36,23 +36,6 @@ LIVE = {  # what the owner says of the live preemptive answer (prefill/preemptiv
     "end_sequence_id": 5,
 }
 ADOPT = {k: LIVE[k] for k in ("replica", "parked", "stream_id")}
-
-
-class Decode(FakeDecode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.confirmed: list[str] = []
-
-    @property
-    def confirm(self) -> Any:
-        outer = self
-
-        class Method:
-            def remote(self, **kwargs: Any) -> FakeCall:
-                outer.confirmed.append(kwargs["stream_id"])
-                return FakeCall({"confirmed": True})
-
-        return Method()
 
 
 class Owner:
@@ -86,7 +69,7 @@ class Owner:
 class Ingress:
     def __init__(self, owner: Owner) -> None:
         self.prefill = owner
-        self.decode = Decode()
+        self.decode = FakeDecode()
         self.feeds = Feeds(self.decode, "router-1")  # type: ignore[arg-type]
 
 
