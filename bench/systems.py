@@ -248,7 +248,7 @@ def plain(config: AppConfig, as_decode: bool = False) -> Iterator[System]:
         reap(ours, grace_s=5)
 
 
-def rayllm_args(config: AppConfig) -> dict[str, Any]:
+def rayllm_args(config: AppConfig, direct: bool = False) -> dict[str, Any]:
     """`build_pd_openai_app` args: one prefill and one decode replica, the app's engine settings and cores."""
     kv = config.kv_transfer
     transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": _kv_buffer_device()}
@@ -259,34 +259,60 @@ def rayllm_args(config: AppConfig) -> dict[str, Any]:
             "model_loading_config": {"model_id": RAYLLM_MODEL, "model_source": resolve_model(config.model)},
             "engine_kwargs": {**_engine_settings(config, role), "kv_transfer_config": {**transfer, "kv_role": kv_role}},
             "placement_group_config": {"bundles": _bundles(config, role)},
-            "runtime_env": {"env_vars": _engine_env(config, role)},
+            # (the decode replica reads the direct-streaming switch itself when it builds its HTTP app)
+            "runtime_env": {"env_vars": _engine_env(config, role) | ({DIRECT_STREAMING: "1"} if direct else {})},
             "deployment_config": {"num_replicas": 1},
             "log_engine_metrics": False,
         }
 
-    return {
-        "prefill_config": llm_config("prefill", "kv_producer"),
-        "decode_config": llm_config("decode", "kv_consumer"),
-        "ingress_deployment_config": {"num_replicas": 1},  # like the app's one router replica
-    }
+    args = {"prefill_config": llm_config("prefill", "kv_producer")}
+    args["decode_config"] = llm_config("decode", "kv_consumer")
+    if not direct:  # (direct: the decode replicas are the ingress)
+        args["ingress_deployment_config"] = {"num_replicas": 1}  # like the app's one router replica
+    return args
 
 
 @contextlib.contextmanager
-def rayllm(config: AppConfig) -> Iterator[System]:
+def rayllm(config: AppConfig, direct: bool = False) -> Iterator[System]:
+    """Ray Serve LLM's P/D app; `direct`: with its direct streaming (`rayllm_direct`): behind HAProxy, the decode
+    replica is the HTTP ingress and a small router (LLMRouter) picks it, so tokens skip the ingress hop."""
     from ray import serve
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import builder as pd_builder
+    from ray.serve._private import build_app as serve_build
     from ray.serve.llm import build_pd_openai_app
 
     port = PORTS["rayllm"]
-    args = rayllm_args(config)
-    with ray_serve(port):
+    args = rayllm_args(config, direct)
+    # The builders read their switches once, at import (this process imported Serve before HAProxy was set):
+    # set them for this build only.
+    patched = contextlib.ExitStack()
+    if direct:
+        patched.enter_context(_patched(pd_builder, DIRECT_STREAMING, True))
+        patched.enter_context(_patched(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True))
+    with _ingress(True if direct else None), ray_serve(port), patched:
         serve.run(build_pd_openai_app(args), name=RAYLLM_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300, path="/v1/models")
+        behind_haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
         roles = {
-            "router": f"ServeReplica:{RAYLLM_NAME}:OpenAiIngress",
-            "proxy": "ProxyActor",
+            "router": f"ServeReplica:{RAYLLM_NAME}:" + ("LLMRouter" if direct else "OpenAiIngress"),
+            "proxy": "haproxy -db" if behind_haproxy else "ProxyActor",
             "prefill_replica": f"ServeReplica:{RAYLLM_NAME}:Prefill:",
             "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
             "engines": ENGINES,
         }
-        yield System("rayllm", base, RAYLLM_MODEL, roles, resolve_model(config.model), info={"args": args})
+        name = "rayllm_direct" if direct else "rayllm"
+        yield System(name, base, RAYLLM_MODEL, roles, resolve_model(config.model), info={"args": args})
+
+
+DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: bool) -> Iterator[None]:
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)

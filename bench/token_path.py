@@ -47,6 +47,7 @@ SYSTEMS = {
     "plain": systems.plain,
     "plain_decode": functools.partial(systems.plain, as_decode=True),  # with the decode engine's per-step extras
     "rayllm": systems.rayllm,
+    "rayllm_direct": functools.partial(systems.rayllm, direct=True),  # its direct streaming (behind HAProxy)
 }
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
 from serve_app.config import AppConfig
 from serve_app.protocol import Endpoint, request_model, validation_error_body
-from serve_app.stats import EngineTotals, TotalsStatLogger
+from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,10 @@ class Engine:
         self.client = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[TotalsStatLogger.factory(self.totals, {"role": self.role, "replica": _replica_tag()})],
+            stat_loggers=[
+                TotalsStatLogger.factory(self.totals, {"role": self.role, "replica": _replica_tag()}),
+                NoPrometheusStatLogger,
+            ],
             disable_log_stats=False,
         )
         state = State()

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from serve_app import metrics
@@ -85,6 +85,28 @@ class TotalsStatLogger(StatLoggerBase):
             metrics.inc(metrics.SCHEDULER_EVICTIONS, iteration_stats.num_preempted_reqs, "preemptions", **role)
             for itl in iteration_stats.inter_token_latencies_iter:
                 metrics.observe(metrics.ITL, itl, "inter-token latency at the engine", **role)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class NoPrometheusStatLogger(PrometheusStatLogger):
+    """Takes the place of vLLM's Prometheus stat logger, which vLLM adds to every engine unless it is given one.
+    That logger records every step into the process's `prometheus_client` registry, which nothing reads in a Ray
+    replica (Ray exports `ray.util.metrics`; this app's engine metrics are `TotalsStatLogger`'s): 4-5% of a
+    replica's CPU at 32 streams (bench/results/issue19/), for nothing. Records nothing."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
 
     def log_engine_initialized(self) -> None:
         pass

@@ -1,0 +1,25 @@
+"""The engines' stat loggers: running totals for the replica, and no Prometheus logger nothing reads."""
+
+from __future__ import annotations
+
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+
+
+def test_vllm_gets_no_prometheus_logger_beside_ours_and_ours_still_counts() -> None:
+    totals = EngineTotals()
+    manager = StatLoggerManager(
+        vllm_config=None,  # type: ignore[arg-type]  (vLLM's own Prometheus logger would need a real one)
+        custom_stat_loggers=[TotalsStatLogger.factory(totals, {"role": "decode"}), NoPrometheusStatLogger],
+        enable_default_loggers=False,
+    )
+    prometheus = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
+    assert [type(s) for s in prometheus] == [NoPrometheusStatLogger]  # vLLM added none of its own
+    iteration = IterationStats()
+    iteration.num_generation_tokens = 3
+    manager.record(SchedulerStats(num_running_reqs=2), iteration)
+    manager.record_admission_rejection("full")
+    manager.log_engine_initialized()
+    assert (totals.generation_tokens, totals.num_running) == (3, 2)
