@@ -18,6 +18,7 @@ from ray import serve
 
 from prefill.errors import overloaded
 from prefill.scheduler.config import SchedulerSettings
+from prefill.scheduler.profile import start_scheduler
 from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
 from prefill.store import make_store
@@ -64,6 +65,7 @@ class PrefillServer(SessionAPI):
         self.decode = decode.options(stream=False) if decode is not None else None
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()
+        await start_scheduler(self.engine, self.settings)
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.app_name, self.deployment = context.app_name, context.deployment

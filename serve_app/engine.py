@@ -276,19 +276,7 @@ class Engine:
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        if self.role == "prefill":
-            await self._start_scheduler()
         logger.info("%s engine ready: model=%s side channel %s:%d", self.role, args.model, host, port)
-
-    async def _start_scheduler(self) -> None:
-        """Hand the streaming scheduler its workers (swap) and, for `cost` eviction, its latency model."""
-        from prefill.scheduler.profile import load_or_profile
-
-        await self.utility("rtpd_attach")
-        settings = self.app.prefill.scheduler
-        if settings.cost_model or settings.profile_on_start or settings.eviction == "cost":
-            model = await load_or_profile(self, settings)
-            await self.utility("rtpd_set_latency_model", model.to_json())
 
     async def utility(self, method: str, *args: Any) -> Any:
         """Call one of the engine core's utility methods (vLLM's own, or the `rtpd_*` ones we add)."""

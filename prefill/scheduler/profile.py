@@ -64,6 +64,15 @@ async def profile(engine: Any, repeats: int = 3) -> LatencyModel:
     return model
 
 
+async def start_scheduler(engine: Any, settings: SchedulerSettings) -> None:
+    """Hand a started prefill engine's streaming scheduler its workers (swap) and, for `cost` eviction, its
+    latency model (prefill/server.py, once the engine is up)."""
+    await engine.utility("rtpd_attach")
+    if settings.cost_model or settings.profile_on_start or settings.eviction == "cost":
+        model = await load_or_profile(engine, settings)
+        await engine.utility("rtpd_set_latency_model", model.to_json())
+
+
 async def load_or_profile(engine: Any, settings: SchedulerSettings) -> LatencyModel:
     if settings.cost_model and not settings.profile_on_start:
         path = Path(settings.cost_model)
@@ -84,11 +93,13 @@ def main() -> None:
     args = parser.parse_args()
     raw = yaml.safe_load(Path(args.config).read_text())
     app = AppConfig.model_validate(raw["applications"][0]["args"] if "applications" in raw else raw)
-    app.prefill.scheduler = app.prefill.scheduler.model_copy(update={"eviction": "recompute", "cost_model": None})
+    settings = {"eviction": "recompute", "cost_model": None, "profile_on_start": False}
+    app.prefill.scheduler = app.prefill.scheduler.model_copy(update=settings)
 
     async def run() -> LatencyModel:
         engine = Engine(app, "prefill")
         await engine.start()
+        await start_scheduler(engine, app.prefill.scheduler)  # (recompute, no model: attaches the workers)
         try:
             return await profile(engine, args.repeats)
         finally:

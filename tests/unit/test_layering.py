@@ -1,0 +1,33 @@
+"""The packages' dependencies go one way: the shared engine code (serve_app/) imports nothing of the roles that
+use it (router/, prefill/, decode/) beyond their configuration, and router/ and prefill/ do not import each
+other (the session -> replica mapping lives in serve_app/placement.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, at module level or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_shared_engine_does_not_import_the_prefill_scheduler_that_starts_it() -> None:
+    engine = imports(ROOT / "serve_app" / "engine.py")
+    assert not {m for m in engine if m.startswith("prefill.") and m != "prefill.scheduler.config"}, engine
+
+
+def test_router_and_prefill_do_not_import_each_other() -> None:
+    for package, other in (("router", "prefill"), ("prefill", "router")):
+        for path in (ROOT / package).rglob("*.py"):
+            crossing = {m for m in imports(path) if m == other or m.startswith(other + ".")}
+            assert not crossing, f"{path.relative_to(ROOT)} imports {crossing}"
