@@ -93,8 +93,9 @@ class TotalsStatLogger(StatLoggerBase):
 class NoPrometheusStatLogger(PrometheusStatLogger):
     """Takes the place of vLLM's Prometheus stat logger, which vLLM adds to every engine unless it is given one.
     That logger records every step into the process's `prometheus_client` registry, which nothing reads in a Ray
-    replica (Ray exports `ray.util.metrics`; this app's engine metrics are `TotalsStatLogger`'s): 4-5% of a
-    replica's CPU at 32 streams (bench/results/issue19/), for nothing. Records nothing."""
+    replica (Ray exports `ray.util.metrics`; this app's engine metrics are `TotalsStatLogger`'s): 2-6% of a
+    replica's CPU at 32 streams (bench/results/issue19/serving-path-2026-11-26.md), for nothing. Records
+    nothing."""
 
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         self.engine_indexes = engine_indexes or [0]
