@@ -259,7 +259,7 @@ def rayllm_args(config: AppConfig, direct: bool = False) -> dict[str, Any]:
             "model_loading_config": {"model_id": RAYLLM_MODEL, "model_source": resolve_model(config.model)},
             "engine_kwargs": {**_engine_settings(config, role), "kv_transfer_config": {**transfer, "kv_role": kv_role}},
             "placement_group_config": {"bundles": _bundles(config, role)},
-            # (the decode replica reads the direct-streaming switch itself when it builds its HTTP app)
+            # (the replicas tag their telemetry with the direct-streaming switch; the builder reads it: `rayllm`)
             "runtime_env": {"env_vars": _engine_env(config, role) | ({DIRECT_STREAMING: "1"} if direct else {})},
             "deployment_config": {"num_replicas": 1},
             "log_engine_metrics": False,
@@ -283,13 +283,11 @@ def rayllm(config: AppConfig, direct: bool = False) -> Iterator[System]:
 
     port = PORTS["rayllm"]
     args = rayllm_args(config, direct)
-    # The builders read their switches once, at import (this process imported Serve before HAProxy was set):
-    # set them for this build only.
-    patched = contextlib.ExitStack()
-    if direct:
-        patched.enter_context(_patched(pd_builder, DIRECT_STREAMING, True))
-        patched.enter_context(_patched(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True))
-    with _ingress(True if direct else None), ray_serve(port), patched:
+    with _ingress(True if direct else None), ray_serve(port), contextlib.ExitStack() as patched:
+        if direct:  # The builders read their switches once, at import (this process imported Serve before
+            # HAProxy was set): set them for this build only.
+            patched.enter_context(_patched(pd_builder, DIRECT_STREAMING, True))
+            patched.enter_context(_patched(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True))
         serve.run(build_pd_openai_app(args), name=RAYLLM_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300, path="/v1/models")

@@ -286,6 +286,9 @@ def test_an_adopted_stream_moves_with_what_it_made_and_what_it_makes_next() -> N
             self.priorities.append(args)
             return 1
 
+        def shutdown(self) -> None:  # (DecodeServer.__del__ shuts its engine down)
+            pass
+
     async def run() -> tuple[Any, Any, Any, Any]:
         server = _decode_server()
         server.engine = Engine()
@@ -331,6 +334,9 @@ def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopp
         async def utility(self, method: str, *args: Any) -> int:
             self.priorities.append(args)
             return 1
+
+        def shutdown(self) -> None:  # (DecodeServer.__del__ shuts its engine down)
+            pass
 
     def frame(i: int) -> str:
         return f'data: {{"choices":[{{"index":0,"text":"t{i}","token_ids":[{i}]}}]}}\n\n'
