@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import psutil
@@ -140,6 +141,11 @@ def _ingress(haproxy: bool | None) -> Iterator[None]:
             os.environ[key] = before
 
 
+def _proxy_role() -> str:
+    """The ingress process of the Ray instance running now: HAProxy, or Serve's own proxy."""
+    return "haproxy -db" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "ProxyActor"
+
+
 @contextlib.contextmanager
 def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[System]:
     """This app behind the default ingress, HAProxy (`app`), or behind Serve's own proxy (`app_serve_proxy`)."""
@@ -152,10 +158,9 @@ def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[Syste
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300)
-        behind_haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
         roles = {
             "router": f"ServeReplica:{APP_NAME}:router",
-            "proxy": "haproxy -db" if behind_haproxy else "ProxyActor",
+            "proxy": _proxy_role(),
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
             "engines": ENGINES,
@@ -286,15 +291,14 @@ def rayllm(config: AppConfig, direct: bool = False) -> Iterator[System]:
     with _ingress(True if direct else None), ray_serve(port), contextlib.ExitStack() as patched:
         if direct:  # The builders read their switches once, at import (this process imported Serve before
             # HAProxy was set): set them for this build only.
-            patched.enter_context(_patched(pd_builder, DIRECT_STREAMING, True))
-            patched.enter_context(_patched(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True))
+            patched.enter_context(mock.patch.object(pd_builder, DIRECT_STREAMING, True))
+            patched.enter_context(mock.patch.object(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True))
         serve.run(build_pd_openai_app(args), name=RAYLLM_NAME, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_health(base, 300, path="/v1/models")
-        behind_haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
         roles = {
             "router": f"ServeReplica:{RAYLLM_NAME}:" + ("LLMRouter" if direct else "OpenAiIngress"),
-            "proxy": "haproxy -db" if behind_haproxy else "ProxyActor",
+            "proxy": _proxy_role(),
             "prefill_replica": f"ServeReplica:{RAYLLM_NAME}:Prefill:",
             "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
             "engines": ENGINES,
@@ -304,13 +308,3 @@ def rayllm(config: AppConfig, direct: bool = False) -> Iterator[System]:
 
 
 DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: bool) -> Iterator[None]:
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)

@@ -128,7 +128,8 @@ class AnswerReader:
         """Claim the answer and start decode (or wait for another reader's to end). An error payload if the
         answer cannot be read (no such session or answer, or an answer that failed before any output)."""
         limits = getattr(getattr(self.ingress, "config", None), "limits", None)
-        deadline = time.monotonic() + (limits.idle_timeout_s if limits else 300.0)
+        wait_s = limits.idle_timeout_s if limits else 300.0  # (for the input to end; for a release's confirmation)
+        deadline = time.monotonic() + wait_s
         feeds = getattr(self.ingress, "feeds", None)
         held = Held(feeds, self.session_id, self.provisional) if stream and not retried and feeds is not None else None
         early: asyncio.Future[Any] | None = None  # the claim still on its way when the answer was released here
@@ -154,7 +155,6 @@ class AnswerReader:
             adopted = (claim.get("adopt") or {}).get("stream_id") if "request" in claim else None
             kept = held.take(adopted) if held is not None else None
             if early is not None and held is not None and kept is not None:
-                wait_s = limits.idle_timeout_s if limits else 300.0  # (from the release on)
                 self._confirmed = detached(self._confirm_early(early, held, kept, time.monotonic() + wait_s))
         finally:
             if held is not None:

@@ -222,6 +222,21 @@ def test_cancel_stops_the_request_on_decode_once_and_non_streams_are_answers() -
     assert whole == {"response": {"object": "chat.completion"}} and streams == {}
 
 
+class FakeEngine:
+    """A decode replica's engine as the feed logic uses it: the priority calls, recorded."""
+
+    def __init__(self) -> None:
+        self.priorities: list[tuple[str, int]] = []
+
+    async def utility(self, method: str, *args: Any) -> int:
+        assert method == "rtpd_set_priority"
+        self.priorities.append(args)
+        return 1
+
+    def shutdown(self) -> None:  # (DecodeServer.__del__ shuts its engine down)
+        pass
+
+
 def _decode_server() -> Any:
     """The decode deployment's class without its engine: the feed logic only needs its outboxes."""
     from decode.server import DecodeServer
@@ -277,21 +292,9 @@ def test_an_adopted_stream_moves_with_what_it_made_and_what_it_makes_next() -> N
     """A preemptive answer (prefill/preemptive.py) runs on decode for a consumer no router reads; the router that
     serves the answer adopts it: the frames it made so far come first on that router's feed, then the rest."""
 
-    class Engine:
-        def __init__(self) -> None:
-            self.priorities: list[tuple[str, int]] = []
-
-        async def utility(self, method: str, *args: Any) -> int:
-            assert method == "rtpd_set_priority"
-            self.priorities.append(args)
-            return 1
-
-        def shutdown(self) -> None:  # (DecodeServer.__del__ shuts its engine down)
-            pass
-
     async def run() -> tuple[Any, Any, Any, Any]:
         server = _decode_server()
-        server.engine = Engine()
+        server.engine = FakeEngine()
         go_on = asyncio.Event()
 
         async def answer() -> AsyncIterator[str]:
@@ -327,23 +330,12 @@ def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopp
     turn; a discarded one is stopped by its owner, by stream id, wherever its frames go, with what it made."""
     from decode.server import ParkedStream
 
-    class Engine:
-        def __init__(self) -> None:
-            self.priorities: list[tuple[str, int]] = []
-
-        async def utility(self, method: str, *args: Any) -> int:
-            self.priorities.append(args)
-            return 1
-
-        def shutdown(self) -> None:  # (DecodeServer.__del__ shuts its engine down)
-            pass
-
     def frame(i: int) -> str:
         return f'data: {{"choices":[{{"index":0,"text":"t{i}","token_ids":[{i}]}}]}}\n\n'
 
     async def run(confirm: bool) -> tuple[Any, ...]:
         server = _decode_server()
-        server.engine = Engine()
+        server.engine = FakeEngine()
         more = asyncio.Event()
 
         async def answer() -> AsyncIterator[str]:
