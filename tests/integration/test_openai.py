@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
 import ray
+from ray import serve
 
-from tests.integration.conftest import engine_stats, wait_idle
+from tests.integration.conftest import APP, engine_stats, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +83,24 @@ def test_kv_moved_over_nixl(server, model_name):
     assert 1 <= decode["prompt_tokens_computed"] <= decode["block_size"]
     # the prefill engine computed the rest (less whatever its prefix cache already held)
     assert prefill["prompt_tokens_computed"] >= 1
+
+
+def test_decode_takes_the_prompt_ids_from_prefill(server, model_name, reference):
+    """A chat prompt's token ids travel with its KV (vLLM's decode-side token reuse): decode starts from the ids
+    the prefill replica computed the KV of, instead of rendering the chat template and tokenizing again."""
+    body = {"model": model_name, "messages": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    prefill = serve.get_deployment_handle("prefill", app_name=APP)
+    prefilled = prefill.prefill.remote("chat", {**body, "request_id": f"ids-{uuid.uuid4().hex}"}).result(timeout_s=120)
+    params = prefilled["kv_transfer_params"]
+    assert len(params["prompt_token_ids"]) == prefilled["prompt_tokens"]
+    # Decode answers the ids' prompt, whatever the messages say: it did not render them.
+    other = {**body, "messages": [{"role": "user", "content": "a different question"}], "kv_transfer_params": params}
+    decode = serve.get_deployment_handle("decode", app_name=APP)
+    answer = decode.start.remote(consumer="test", stream_id=uuid.uuid4().hex, endpoint="chat", body=other)
+    response = answer.result(timeout_s=120)["response"]
+    assert response["usage"]["prompt_tokens"] == prefilled["prompt_tokens"]
+    assert response["choices"][0]["token_ids"] == ray.get(reference.chat.remote(PROMPTS[1], 8))
+    wait_idle("prefill")  # decode read the KV: the prefill replica holds none of it
 
 
 def test_short_prompt_is_prefilled_by_decode(server, model_name):
