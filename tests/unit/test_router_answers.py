@@ -1,5 +1,6 @@
-"""The router's side of a session answer (router/answers.py): parsing decode's SSE, replays, and the reader
-that claims an answer, streams it from decode and reports how it ended — with a fake owner and decode."""
+"""The router's side of a session answer: parsing decode's SSE and replays (router/outcome.py), and the reader
+(router/answers.py) that claims an answer, streams it from decode and reports how it ended, with a fake owner
+and decode."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from router import tasks
-from router.answers import AnswerReader, Outcome, completion_object, replay_frames
+from router.answers import AnswerReader
 from router.feeds import DecodeFailed
+from router.outcome import Outcome, completion_object, replay_frames
 from serve_app.protocol import error_body
 
 CREATED = 1_700_000_000

@@ -13,7 +13,7 @@ from prefill.journal import replay
 from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill
 from router import tool_calls
-from router.answers import Outcome, completion_object, replay_frames
+from router.outcome import Outcome, completion_object, replay_frames
 from serve_app.chat_render import template_messages, template_tools
 from serve_app.local_fit import TOOLS
 from serve_app.protocol import parse_sse, sse
