@@ -53,8 +53,20 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     if out.get("request_id"):
         out["request_id"] = f"{out['request_id']}-prefill"
-    out["return_token_ids"] = True  # (chat: the prompt's ids go to decode with the KV, see `prefill`)
+    out["return_token_ids"] = True  # (chat: the prompt's ids go to decode with the KV, `decode_params`)
     return out
+
+
+def decode_params(endpoint: Endpoint, body: dict[str, Any], result: Any) -> dict[str, Any] | None:
+    """The `kv_transfer_params` decode gets from a prefill's response: where the KV is, and for a chat the
+    prompt's token ids (vLLM's decode-side token reuse: decode starts from them instead of rendering the chat
+    template and tokenizing again, ~3 ms a request here, and its prompt is the KV's by construction). Not when
+    the client asked for the rendered prompt's text (`return_prompt_text`, `echo`): decode needs to render it."""
+    params = result.kv_transfer_params
+    ids = getattr(result, "prompt_token_ids", None)
+    if endpoint != "chat" or params is None or not ids or body.get("return_prompt_text") or body.get("echo"):
+        return params
+    return {**params, "prompt_token_ids": ids}
 
 
 @serve.deployment(name="prefill", max_ongoing_requests=1024, health_check_period_s=10)
@@ -117,11 +129,7 @@ class PrefillServer(SessionAPI):
         result = task.result()
         if hasattr(result, "error"):
             return error_payload(result)
-        params = result.kv_transfer_params
-        if endpoint == "chat" and params is not None and result.prompt_token_ids:
-            # vLLM's decode-side token reuse: decode takes the prompt's ids from here instead of rendering the
-            # chat template and tokenizing again (~3 ms a request here), and its prompt is the KV's by design.
-            params = {**params, "prompt_token_ids": result.prompt_token_ids}
+        params = decode_params(endpoint, body, result)
         return {"kv_transfer_params": params, "prompt_tokens": result.usage.prompt_tokens}
 
     async def configure_scheduler(self, **changes: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from serve_app.protocol import error_body
 
@@ -31,8 +31,17 @@ class _Open(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    # Set between this server's own replicas (where a prefill replica left the KV, the prompt's token ids): a
+    # client's would have decode read KV from wherever it says, or take a prompt the template did not render.
     kv_transfer_params: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
+
+    @field_validator("kv_transfer_params", mode="before")
+    @classmethod
+    def _server_only(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("set by the server between its own replicas; a request may not carry it")
+        return value
 
 
 class ChatBody(_Open):

@@ -92,12 +92,13 @@ def test_decode_takes_the_prompt_ids_from_prefill(server, model_name, reference)
     prefill = serve.get_deployment_handle("prefill", app_name=APP)
     prefilled = prefill.prefill.remote("chat", {**body, "request_id": f"ids-{uuid.uuid4().hex}"}).result(timeout_s=120)
     params = prefilled["kv_transfer_params"]
-    assert len(params["prompt_token_ids"]) == prefilled["prompt_tokens"]
-    # Decode answers the ids' prompt, whatever the messages say: it did not render them.
+    # Decode answers the ids' prompt, whatever the messages say: it did not render them. (Decode reads the KV
+    # first, whatever is asserted after: a failure leaves no KV held for the next test.)
     other = {**body, "messages": [{"role": "user", "content": "a different question"}], "kv_transfer_params": params}
     decode = serve.get_deployment_handle("decode", app_name=APP)
     answer = decode.start.remote(consumer="test", stream_id=uuid.uuid4().hex, endpoint="chat", body=other)
     response = answer.result(timeout_s=120)["response"]
+    assert len(params.get("prompt_token_ids") or []) == prefilled["prompt_tokens"]
     assert response["usage"]["prompt_tokens"] == prefilled["prompt_tokens"]
     assert response["choices"][0]["token_ids"] == ray.get(reference.chat.remote(PROMPTS[1], 8))
     wait_idle("prefill")  # decode read the KV: the prefill replica holds none of it
@@ -219,8 +220,10 @@ def test_sampling_parameters(server, model_name):
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
         ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
         ({"messages": "not a list"}, 400, "messages"),
+        # (the replicas' own: a client's would make decode read KV from the host it names, or skip the template)
+        ({"messages": PROMPTS[0], "kv_transfer_params": {"prompt_token_ids": [1, 2]}}, 400, "kv_transfer_params"),
     ],
-    ids=["malformed-json", "unknown-model", "negative-max-tokens", "too-long", "bad-messages"],
+    ids=["malformed-json", "unknown-model", "negative-max-tokens", "too-long", "bad-messages", "kv-transfer-params"],
 )
 def test_bad_requests_get_openai_errors(server, model_name, payload, status, param):
     content = payload if isinstance(payload, str) else json.dumps(payload)

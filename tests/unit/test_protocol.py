@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from prefill.server import prefill_body
+from prefill.server import decode_params, prefill_body
 from router.sessions import session_spec
 from serve_app.config import AppConfig
 from serve_app.protocol import choice_text, error_body, error_status, parse_sse, sse, validate_openai_body
@@ -40,7 +42,22 @@ def test_prefill_body_asks_for_one_token_and_remote_decode():
     assert out["stream"] is False and "stream_options" not in out and "logprobs" not in out
     assert out["kv_transfer_params"]["do_remote_decode"] is True
     assert out["request_id"] == "r1-prefill"
+    assert out["return_token_ids"] is True  # (the prompt's ids, for decode: `decode_params`)
     assert body["max_tokens"] == 50  # the client's request is untouched
+
+
+def test_a_chats_prompt_ids_go_to_decode_with_its_kv():
+    kv = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    result = SimpleNamespace(kv_transfer_params=kv, prompt_token_ids=[5, 6, 7])
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert decode_params("chat", chat, result) == {**kv, "prompt_token_ids": [5, 6, 7]}
+    assert kv == {"do_remote_prefill": True, "remote_block_ids": [1, 2]}  # (a new dict: the response's is kept)
+    # Decode renders the prompt itself where the client wants the rendered text back, and for a completion.
+    assert decode_params("chat", {**chat, "return_prompt_text": True}, result) == kv
+    assert decode_params("chat", {**chat, "echo": True}, result) == kv
+    assert decode_params("completion", {"prompt": "hi"}, SimpleNamespace(kv_transfer_params=kv)) == kv
+    assert decode_params("chat", chat, SimpleNamespace(kv_transfer_params=kv, prompt_token_ids=None)) == kv
+    assert decode_params("chat", chat, SimpleNamespace(kv_transfer_params=None, prompt_token_ids=[5])) is None
 
 
 def test_sse_parsing():

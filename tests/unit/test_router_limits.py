@@ -161,3 +161,21 @@ def test_objects_vllm_reads_unchecked_must_be_objects() -> None:
     for field in ("structured_outputs", "response_format", "stream_options", "chat_template_kwargs"):
         with pytest.raises(ValidationError):
             ChatBody.model_validate({"messages": [], field: 1.9})
+
+
+@pytest.mark.parametrize(
+    "value", [{"do_remote_prefill": True, "remote_host": "10.0.0.9"}, {"prompt_token_ids": [1]}, {}]
+)
+def test_kv_transfer_params_from_a_client_are_a_400(value: dict[str, Any]) -> None:
+    """The server's replicas set `kv_transfer_params` among themselves; a client's would have decode read KV from
+    wherever it names, or answer token ids the chat template did not render."""
+    from pydantic import ValidationError
+
+    from router.schemas import ChatBody, CompletionBody, validation_error
+
+    for model, body in ((ChatBody, {"messages": []}), (CompletionBody, {"prompt": "x"})):
+        assert model.model_validate({**body, "kv_transfer_params": None}).kv_transfer_params is None
+        with pytest.raises(ValidationError) as e:
+            model.model_validate({**body, "kv_transfer_params": value})
+        error = validation_error(e.value)["error"]
+        assert error["code"] == 400 and error["param"] == "kv_transfer_params", error
