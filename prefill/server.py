@@ -43,7 +43,7 @@ REMOTE_DECODE = {
 }
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], endpoint: Endpoint = "chat") -> dict[str, Any]:
     """The client's request turned into a one-token prefill that asks for remote decode."""
     out = {k: v for k, v in copy.deepcopy(body).items() if k not in _DROP}
     if isinstance(out.get("vllm_xargs"), dict):  # the scheduler's ranking keys are the server's to set
@@ -53,8 +53,15 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     if out.get("request_id"):
         out["request_id"] = f"{out['request_id']}-prefill"
-    out["return_token_ids"] = True  # (chat: the prompt's ids go to decode with the KV, `decode_params`)
+    if reuses_ids(endpoint, body):  # the prompt's ids go to decode with the KV (`decode_params`)
+        out["return_token_ids"] = True
     return out
+
+
+def reuses_ids(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Whether decode starts from the prefill's prompt ids: a chat, unless the client asked for the rendered
+    prompt's text back (`return_prompt_text`, `echo`), which vLLM has only when it renders the prompt itself."""
+    return endpoint == "chat" and not body.get("return_prompt_text") and not body.get("echo")
 
 
 def decode_params(endpoint: Endpoint, body: dict[str, Any], result: Any) -> dict[str, Any] | None:
@@ -64,7 +71,7 @@ def decode_params(endpoint: Endpoint, body: dict[str, Any], result: Any) -> dict
     the client asked for the rendered prompt's text (`return_prompt_text`, `echo`): decode needs to render it."""
     params = result.kv_transfer_params
     ids = getattr(result, "prompt_token_ids", None)
-    if endpoint != "chat" or params is None or not ids or body.get("return_prompt_text") or body.get("echo"):
+    if params is None or not ids or not reuses_ids(endpoint, body):
         return params
     return {**params, "prompt_token_ids": ids}
 
@@ -110,7 +117,7 @@ class PrefillServer(SessionAPI):
             return err
         if self._scheduler_stats.get("queue_waiting", 0) >= self.settings.max_queued_requests:
             return overloaded(self.settings.retry_after_s, "the engine's queue is full")
-        request = prefill_body(body)
+        request = prefill_body(body, endpoint)
         if session is not None:  # a session's hand-off ranks with its session (prefill/scheduler/policy.py)
             request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), **session.extra_args}
         if preemptive:  # a preemptive answer's hand-off: below all other work (prefill/preemptive.py)

@@ -44,6 +44,9 @@ def test_prefill_body_asks_for_one_token_and_remote_decode():
     assert out["request_id"] == "r1-prefill"
     assert out["return_token_ids"] is True  # (the prompt's ids, for decode: `decode_params`)
     assert body["max_tokens"] == 50  # the client's request is untouched
+    # Ids only where decode takes them: not for a completion, nor a chat whose rendered prompt comes back.
+    assert "return_token_ids" not in prefill_body({"prompt": "x", "max_tokens": 5}, "completion")
+    assert "return_token_ids" not in prefill_body({**body, "return_prompt_text": True})
 
 
 def test_a_chats_prompt_ids_go_to_decode_with_its_kv():
