@@ -5,7 +5,8 @@
 Recompute: one-token prefills of fresh random prompts (no prefix-cache help) of growing length, through the
 engine as requests run. Swap: copies of growing numbers of blocks to the host pool and back, inside the
 workers (the same code path as an eviction). Replicas load the file named in `prefill.scheduler.cost_model`,
-or profile themselves at start-up (`profile_on_start`, or `eviction: cost` with no file).
+or profile themselves at start-up (`profile_on_start`, or `eviction: cost` with no file); a replica like one
+that profiled on this node within a day loads that profile instead (prefill/scheduler/profile_cache.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefill.scheduler import profile_cache
 from prefill.scheduler.config import SchedulerSettings
 from prefill.scheduler.cost_model import Fit, LatencyModel
 
@@ -77,7 +79,13 @@ async def load_or_profile(engine: Any, settings: SchedulerSettings) -> LatencyMo
     if settings.cost_model and not settings.profile_on_start:
         path = Path(settings.cost_model)
         return LatencyModel.load(path if path.is_absolute() else ROOT / path)
-    return await profile(engine)
+    name = profile_cache.key(engine, (await engine.compute_stats())["scheduler"])
+    if not settings.profile_on_start and (saved := profile_cache.load(name)) is not None:
+        logger.info("latency model of %s loaded from this node's profile %s", saved.metadata.get("profiled_at"), name)
+        return saved
+    model = await profile(engine)
+    profile_cache.save(name, model)
+    return model
 
 
 def main() -> None:
