@@ -30,6 +30,11 @@ from serve_app.protocol import continuation_refusal
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
+# Refusals that pass with the load (the engine's queue, the replica's cap, both read from stats up to 1 s old):
+# the answer is looked at again, from after_idle_ms up to RETRY_MAX_S apart, while the input stays idle.
+BUSY, AT_CAP = "the engine is busy", "the replica's preemptive work is at its cap"
+PASSING = (BUSY, AT_CAP)
+RETRY_MAX_S = 2.0
 
 
 class PreemptiveOptions(BaseModel):
@@ -126,10 +131,15 @@ class Preemptive:
         loop = asyncio.get_running_loop()
         state.timer = loop.call_later(state.options.after_idle_ms / 1000, self._preempt_due, session)
 
-    def _preempt_due(self, session: Any) -> None:
+    def _preempt_due(self, session: Any, waited_s: float = 0.0) -> None:
         state: PreemptState = session.preempt
         state.timer = None
         if (why := self._preempt_refusal(session)) is not None:
+            if why in PASSING:  # load passes, the pause may not: look again later (never queued in the engine)
+                delay = min(RETRY_MAX_S, max(waited_s * 2, state.options.after_idle_ms / 1000, 0.05))
+                state.timer = asyncio.get_running_loop().call_later(delay, self._preempt_due, session, delay)
+                logger.debug("session %s: preemptive answer deferred %.2f s (%s)", session.id, delay, why)
+                return
             logger.debug("session %s: no preemptive answer (%s)", session.id, why)
             metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="skipped")
             return
@@ -163,9 +173,9 @@ class Preemptive:
             return "max_input_tokens"
         in_flight = sum(s.preempt.live is not None for s in self.sessions.values() if getattr(s, "preempt", None))
         if in_flight >= self.settings.max_preemptive_in_flight:
-            return "the replica's preemptive work is at its cap"
+            return AT_CAP
         if self._scheduler_stats.get("queue_waiting", 0) > 0:
-            return "the engine is busy"  # under load preemptive work is skipped, never queued
+            return BUSY  # under load preemptive work waits for the load to pass, never queued
         return None
 
     async def _preempt_start(self, session: Any, live: Preemption) -> None:

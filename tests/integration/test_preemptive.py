@@ -35,6 +35,23 @@ OPTIONS = {"after_idle_ms": 200, "max_tokens": 6}  # fewer than the answer: it g
 ANSWER_TOKENS = 16
 
 
+@pytest.fixture(autouse=True)
+def sessions_closed(server, monkeypatch):
+    """Every session a test made is deleted after it, also when an assertion stopped it midway: a session left
+    open holds KV blocks that the next tests' idle checks (`wait_idle`) would wait on, and fail."""
+    made, original = [], globals()["create"]
+
+    def recording(base: str, **body) -> dict:
+        data = original(base, **body)
+        made.append(data["session_id"])
+        return data
+
+    monkeypatch.setitem(globals(), "create", recording)
+    yield
+    for sid in made:
+        httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)  # (404 for those the test deleted itself)
+
+
 def wait_for(predicate, timeout: float = 30.0, every: float = 0.05):
     deadline = time.time() + timeout
     while not (got := predicate()) and time.time() < deadline:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from prefill.preemptive import RETRY_MAX_S
 from prefill.session import Session
 from tests.unit.test_handoff import Server, tokenizer  # noqa: F401  (the fixture)
 
@@ -104,13 +105,18 @@ async def test_new_input_discards_the_preemptive_answer_and_the_turn_is_handed_o
     assert session.describe()["preemptive"]["discarded_tokens"] == 5  # what it had made on decode
 
 
-async def test_no_preemptive_answer_while_the_engine_is_busy_or_past_max_attempts(server: PreemptiveServer) -> None:
+async def test_a_preemptive_answer_waits_out_a_busy_engine_and_stops_at_max_attempts(server: PreemptiveServer) -> None:
     session = server.open_preemptive(max_attempts=2)
     server._scheduler_stats["queue_waiting"] = 3
     await server.chunk(session, "one ")
-    await idle()
-    assert server.calls == []  # skipped under load, never queued
-    server._scheduler_stats["queue_waiting"] = 0
+    await asyncio.sleep(0.4)
+    assert server.calls == []  # not while the engine has work queued (and never queued itself)
+    server._scheduler_stats["queue_waiting"] = 0  # the load passed, the user still pauses: it starts, no new input
+    for _ in range(int(2 * RETRY_MAX_S / 0.05)):
+        if server.calls:
+            break
+        await asyncio.sleep(0.05)
+    assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls] == ["p1"]
     for text in ("two ", "three ", "four "):
         await server.chunk(session, text)
         await idle()
