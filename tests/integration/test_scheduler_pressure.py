@@ -58,7 +58,7 @@ def pressure(server: str) -> Iterator[str]:
         time.sleep(0.5)
     wait_healthy(base, 60)
     yield base
-    serve.delete(APP, _blocking=False)  # its replicas drain (up to drain_timeout_s) while the next tests run
+    serve.delete(APP, _blocking=False)  # (its replicas finish stopping beside the next tests)
 
 
 def test_health_is_503_until_both_engines_answer(pressure: str) -> None:

@@ -163,7 +163,7 @@ def tools_app(server: str) -> Iterator[str]:
         assert time.time() < deadline, f"{APP} never became healthy: {serve.status()}"
         time.sleep(1)
     yield base
-    serve.delete(APP, _blocking=False)  # its replicas drain (up to drain_timeout_s) while the next tests run
+    serve.delete(APP, _blocking=False)  # (its replicas finish stopping beside the next tests)
 
 
 def tools_stats(role: str, prefix: str | None = None) -> dict[str, Any]:

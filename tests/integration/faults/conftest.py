@@ -88,7 +88,7 @@ def faults_app(server: str) -> Iterator[str]:
         assert time.time() < deadline, f"{APP} never became healthy"
         time.sleep(1)
     yield base
-    serve.delete(APP, _blocking=False)  # its replicas drain (up to drain_timeout_s) while the next tests run
+    serve.delete(APP, _blocking=False)  # (its replicas finish stopping beside the next tests)
 
 
 @pytest.fixture
