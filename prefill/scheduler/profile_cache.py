@@ -68,13 +68,13 @@ def key(engine: Any, scheduler_stats: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load(name: str, now: float | None = None) -> LatencyModel | None:
+def load(name: str) -> LatencyModel | None:
     """The saved profile under `name`, if there is one under a day old that reads back."""
     if (where := folder()) is None:
         return None
     path = where / f"{name}.json"
     try:
-        if (now if now is not None else time.time()) - path.stat().st_mtime > MAX_AGE_S:
+        if time.time() - path.stat().st_mtime > MAX_AGE_S:
             return None
         return LatencyModel.load(path)
     except (OSError, ValueError, KeyError, TypeError):
