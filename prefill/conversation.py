@@ -32,6 +32,7 @@ class Conversation:
     request: dict[str, Any]  # the OpenAI request the answer is made from; its messages/prompt grow
     instructions: str | None
     buffer: str  # in-progress text: the current user turn (chat) or the prompt's tail (completion)
+    transcript_at: int | None  # where the turn's audio transcript starts in `buffer` (prefill/session.py)
     deferred: list[dict[str, Any]]  # input committed while an answer is generated (joins after it)
     answering: bool
     check_open: Any
@@ -94,6 +95,7 @@ class Conversation:
             return
         self._commit({"role": "user", "content": self.buffer})
         self.buffer = ""
+        self.transcript_at = None  # (REST audio: the next turn's transcript starts anew)
 
     def _commit(self, message: dict[str, Any]) -> None:
         """Input joins the conversation; while an answer is generated it waits for that answer, so that the

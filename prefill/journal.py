@@ -89,6 +89,7 @@ def create_record(session: Session) -> dict[str, Any]:
         "tenant": session.tenant,
         "ephemeral": session.ephemeral,
         "close_after_answer": session.close_after_answer,
+        "audio": session.audio,
         "preemptive": session.preempt.options.model_dump() if session.preempt is not None else None,
     }
 
@@ -107,6 +108,7 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
     )
     session.instructions, session.tenant, session.ephemeral = spec["instructions"], spec["tenant"], spec["ephemeral"]
     session.close_after_answer = spec.get("close_after_answer", False)
+    session.audio = spec.get("audio")
     if spec.get("preemptive") is not None:
         session.preempt = PreemptState(PreemptiveOptions.model_validate(spec["preemptive"]))
     for record in records[1:]:

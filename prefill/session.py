@@ -97,6 +97,9 @@ class Session(Conversation):
         self.streaming = streaming
         self.state = SessionState.OPEN
         self.buffer = ""  # in-progress text: the current user turn (chat) or the prompt's tail (completion)
+        # Where the turn's audio transcript starts in `buffer` (REST audio chunks, `mode: "transcript"`): each such
+        # chunk is the whole transcript so far, and replaces the one before from here.
+        self.transcript_at: int | None = None
         self.chunk_log: list[dict[str, Any]] = []
         self.next_seq = 0
         self.pending: dict[int, tuple[float, dict[str, Any]]] = {}
@@ -118,6 +121,7 @@ class Session(Conversation):
         self.ephemeral = False  # one request's session (an NDJSON body): its one reader leaving cancels the answer
         self.buffered = False  # its input waited for room to stream (residency control), at least once
         self.close_after_answer = False  # one turn only: closed when its answer ends, no re-prefill for a next turn
+        self.audio: dict[str, Any] | None = None  # REST audio chunks' format (`{"rate", "language"}`), as created
         self.preempt: PreemptState | None = None  # its preemptive answers (prefill/preemptive.py), if it asked
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
@@ -155,12 +159,17 @@ class Session(Conversation):
         offset: int | None = None,
         role: str = "user",
         tool_call_id: str | None = None,
+        audio_start: bool = False,
     ) -> dict[str, Any]:
         """Apply chunks in sequence order; hold a gap, apply a duplicate once. Returns what happened.
 
         `mode: "replace"` (update mode) replaces the current turn's input from character `offset` (default 0)
-        with `payload`, as a vector search replaces documents. `role: "tool"`: the chunk is a tool's whole result,
-        a `tool` message answering the call `tool_call_id` of the last answer."""
+        with `payload`, as a vector search replaces documents. `mode: "transcript"` (audio chunks, transcribed by
+        the router's speech role): the payload is the turn's audio transcript so far, in place of the last one;
+        `audio_start`: the speech replica began the turn's audio with it (one that already has a transcript lost its
+        audio with a speech replica: 409).
+        `role: "tool"`: the chunk is a tool's whole result, a `tool` message answering the call `tool_call_id` of
+        the last answer."""
         self.check_open()
         self.touch()
         if seq < self.next_seq or seq in self.pending:  # a retry of what was applied: acknowledged, even now
@@ -179,7 +188,17 @@ class Session(Conversation):
             if mode != "append":
                 raise SessionError(400, "a tool's result is a whole message: mode must be append", "mode")
             self.check_tool_result(tool_call_id)
-        if mode == "replace" and seq == self.next_seq:
+        if mode == "transcript":
+            offset = None
+            if audio_start and self.transcript_at is not None and seq == self.next_seq:
+                raise SessionError(
+                    409,
+                    "the speech replica that held this turn's audio stopped, and the audio is lost: send the turn's "
+                    "audio again after clearing its transcript (a `replace` chunk), or end the turn",
+                    "payload",
+                )
+        if mode in ("replace", "transcript") and seq == self.next_seq:
+            offset = self.transcript_offset() if mode == "transcript" else offset
             self._check_offset(offset or 0)  # applies now: refuse it before anything changes
             held = self.payload_bytes - len(self.buffer[offset or 0 :].encode())
             if held + len(payload.encode()) > self.limits.max_payload_bytes:
@@ -189,6 +208,8 @@ class Session(Conversation):
         chunk: dict[str, Any] = {"payload": payload, "end_of_input": end_of_input}
         if mode == "replace":
             chunk.update(mode="replace", offset=offset or 0)
+        elif mode == "transcript":
+            chunk.update(mode="transcript")
         if role == "tool":
             chunk.update(role="tool", tool_call_id=tool_call_id)
         self.pending[seq] = (time.monotonic(), chunk)
@@ -197,7 +218,12 @@ class Session(Conversation):
             _, chunk = self.pending.pop(self.next_seq)
             if self.input_ended:  # a new turn after an answer
                 self.input_ended = False
-            if chunk.get("mode") == "replace":
+            if chunk.get("mode") == "transcript":
+                if seq != self.next_seq:  # held out of order: its bytes were counted on arrival
+                    self.payload_bytes -= len(chunk["payload"].encode())
+                self.transcript_at = self.transcript_offset()
+                self._replace(self.transcript_at, chunk["payload"])
+            elif chunk.get("mode") == "replace":
                 try:
                     self._check_offset(chunk["offset"])
                 except SessionError as e:  # held out of order and invalid once its turn came: input is broken
@@ -241,6 +267,11 @@ class Session(Conversation):
         self._check_offset(offset)
         self._replace(offset, text)
 
+    def transcript_offset(self) -> int:
+        """Where this turn's transcript starts: where it started, or (the turn's first audio) the input's end."""
+        at = self.transcript_at
+        return at if at is not None and at <= len(self.buffer) else len(self.buffer)
+
     def _check_offset(self, offset: int) -> None:
         if not 0 <= offset <= len(self.buffer):
             raise SessionError(
@@ -258,6 +289,7 @@ class Session(Conversation):
     def clear_text(self) -> None:
         self.payload_bytes -= len(self.buffer.encode())
         self.buffer = ""
+        self.transcript_at = None
 
     def _count_payload(self, text: str) -> None:
         size = len(text.encode())
@@ -289,6 +321,7 @@ class Session(Conversation):
             "policy": self.policy.model_dump(),
             "limits": self.limits.model_dump(),
             "buffer": self.buffer,
+            "transcript_at": self.transcript_at,
             "chunk_log": self.chunk_log,
             "next_seq": self.next_seq,
             "pending": [[seq, chunk] for seq, (_, chunk) in self.pending.items()],
@@ -297,6 +330,7 @@ class Session(Conversation):
             "deferred": self.deferred,
             "ephemeral": self.ephemeral,
             "close_after_answer": self.close_after_answer,
+            "audio": self.audio,
             # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
             # here), or, if a router is streaming it, is reported to the adopter when it ends.
             "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
@@ -315,6 +349,7 @@ class Session(Conversation):
         session.instructions = state["instructions"]
         session.tenant = state.get("tenant", "")
         session.buffer = state["buffer"]
+        session.transcript_at = state.get("transcript_at")
         session.chunk_log = state["chunk_log"]
         session.next_seq = state["next_seq"]
         session.pending = {seq: (time.monotonic(), chunk) for seq, chunk in state["pending"]}
@@ -323,6 +358,7 @@ class Session(Conversation):
         session.deferred = state.get("deferred", [])
         session.ephemeral = state.get("ephemeral", False)
         session.close_after_answer = state.get("close_after_answer", False)
+        session.audio = state.get("audio")
         for summary in state["answers"]:
             answer = Answer.from_summary(summary)
             answer.overrides = summary.get("overrides") or {}
@@ -352,5 +388,6 @@ class Session(Conversation):
             "prefilled": self.streaming.prefilled,  # the engine holds the KV of all its stable input sent so far
             "buffered": self.buffered,  # its input waited for room to stream (residency control) at least once
             **({"preemptive": self.preempt.summary()} if self.preempt is not None else {}),
+            **({"audio": self.audio} if self.audio is not None else {}),
             "expires_in": max(0.0, self.limits.idle_timeout_s - (time.monotonic() - self.last_active)),
         }

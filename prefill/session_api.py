@@ -160,6 +160,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
         session.close_after_answer = bool(spec.get("close_after_answer"))
         if spec.get("preemptive") is not None:
             session.preempt = PreemptState(preemptive)
+        session.audio = spec.get("audio")  # (checked by the router, which alone reads it)
         session.tenant = tenant
         self.sessions[session_id] = session
         try:
@@ -206,9 +207,10 @@ class SessionAPI(HandOff, Failover, Preemptive):
         offset: int | None = None,
         role: str = "user",
         tool_call_id: str | None = None,
+        audio_start: bool = False,
     ) -> dict[str, Any]:
         session = self._get(session_id)
-        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset, role, tool_call_id)
+        result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset, role, tool_call_id, audio_start)
         recorded = None
         if not result["duplicate"]:
             chunk = {"seq": sequence_id, "payload": payload, "eoi": end_of_input, "mode": mode, "offset": offset}

@@ -37,6 +37,7 @@ from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
 from router.restart import RestartWatch
 from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
+from router.voice import transcriptions
 from serve_app import logs, metrics
 from serve_app.config import AppConfig
 from serve_app.protocol import (
@@ -57,6 +58,7 @@ READY_RECHECK_S = 1.0
 app = FastAPI(title="realtime-pd", version="0.1.0")
 app.include_router(sessions.api)
 app.include_router(realtime.api)
+app.include_router(transcriptions.api)
 
 
 class APIError(Exception):
@@ -202,9 +204,23 @@ async def relay(
 @serve.deployment(name="router", max_ongoing_requests=4096)
 @serve.ingress(app)
 class Router:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, app_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        app_config: dict[str, Any],
+        speech: DeploymentHandle | None = None,
+    ) -> None:
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
+        # The speech role (speech/), when the config has a speech model: realtime audio, audio chunks of sessions
+        # and /v1/audio/transcriptions (router/voice/). Its model's window is read once it answers.
+        self.speech = speech.options(_by_reference=False) if speech is not None else None
+        self.speech_window_s: float | None = None
+        if self.speech is not None:
+            from router.voice.vad import warm_up
+
+            warm_up()  # (the VAD model loads in the background: ~1.5 s, before the first audio)
         # Calls to prefill and decode go over gRPC, by value, rather than through Ray's object store: measured
         # 1.7-1.9x the tokens/s at 32 and 128 streams (serve_app/serve_env.py has the proxy's half).
         self.prefill = prefill.options(_by_reference=False)
@@ -236,10 +252,14 @@ class Router:
         if time.monotonic() - self._ready_at < READY_RECHECK_S:
             return True
         checks = [self.prefill.check_health.remote(), self.decode.check_health.remote()]
+        if self.speech is not None:
+            checks.append(self.speech.info.remote())
         try:
-            await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
+            answers = await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
         except Exception:  # a timeout (no replica ready yet) or a failed engine
             return False
+        if self.speech is not None:
+            self.speech_window_s = answers[-1].get("window_s")
         self._ready_at = time.monotonic()
         return True
 
@@ -258,13 +278,11 @@ class Router:
     async def models(self) -> Any:
         if (refused := await self.not_ready()) is not None:
             return refused
-        card = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "realtime-pd",
-        }
-        return {"object": "list", "data": [card]}
+        names = [self.config.model_name]
+        if self.speech is not None and self.config.speech.model_name:  # listed as vLLM lists a speech model
+            names.append(self.config.speech.model_name)
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "realtime-pd"} for name in names]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatBody))
     async def chat_completions(self, request: Request) -> Response:

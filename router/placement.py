@@ -12,6 +12,8 @@ goes to it; a new request goes to the replica it `prefer`s if it can (a continua
 else to the replica with the fewest active streams, never to one in `avoid` (the replica an answer is being
 resumed from).
 
+The speech pool's `SpeechRouter` sends a REST session's audio to the one replica that holds its turn's audio.
+
 Each router registers itself in `POOLS` (serve_app/placement.py) by deployment name, so that the ingress can
 read the replicas' last routing stats (their load) for admission control (router/admission.py) without a call
 of its own.
@@ -76,3 +78,20 @@ class DecodeRouter(_Registered):
             ranked = sorted(candidates, key=lambda r: r.routing_stats.get("active_streams", 0))
             return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
         return await super().choose_replicas(candidates, pending_request)
+
+
+class SpeechRouter(_Registered):
+    """The speech pool: a REST session's audio calls (`session_id`) go to the replica the id hashes to among the
+    live ones (speech/sessions.py holds the turn's audio there); transcriptions of audio the caller holds (the
+    realtime socket's) take power-of-two choices."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        session_id = kwargs.get("session_id")
+        if isinstance(session_id, str) and candidate_replicas:
+            return [[rendezvous(session_id, candidate_replicas)]]
+        return await super().choose_replicas(candidate_replicas, pending_request)

@@ -65,6 +65,7 @@ from router.realtime_events import (
 )
 from router.realtime_response import EarlyRead, ResponseStream
 from router.tasks import detached
+from router.voice.realtime_audio import AudioInput
 from serve_app import metrics
 from serve_app.protocol import error_status
 
@@ -113,6 +114,8 @@ class RealtimeConnection:
             self.modalities_key: ["text"],
         }
         self.buffer = ""
+        self.audio = AudioInput(self)  # input_audio_buffer.*, the VAD and transcription (router/voice/)
+        self.items: set[str] = set()  # the conversation's item ids (conversation.item.truncate names one)
         self.last_item_id: str | None = None
         self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
         self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
@@ -157,7 +160,9 @@ class RealtimeConnection:
         return result
 
     def session_object(self) -> dict[str, Any]:
-        return {"id": self.session_id, "object": "realtime.session", "type": "realtime", **self.settings}
+        kind = "transcription" if self.audio.transcription_only else "realtime"
+        audio = self.audio.settings.shown(self.beta, self.audio.speech_model)
+        return {"id": self.session_id, "object": "realtime.session", "type": kind, **self.settings, **audio}
 
     @staticmethod
     def sampling(settings: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -283,6 +288,7 @@ class RealtimeConnection:
                 watch.unregister(self)
             if self.early is not None:
                 self.early.close()
+            self.audio.close()
             if self.response is not None:
                 self.response.task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
@@ -376,7 +382,12 @@ class RealtimeConnection:
 
     # --- client events -----------------------------------------------------------------------------
     async def session_update(self, event: SessionUpdate) -> None:
+        if event.model is not None and event.session is None:  # vLLM's realtime client (router/voice/)
+            self.audio.use_vllm_flow(event.model)
+            await self.send("session.updated", session=self.session_object())
+            return
         session = event.session or Sampling()
+        voice = self.audio.configure(session)
         modalities = self.text_only(session, "session")
         settings = {**self.settings, **session.given()}
         if modalities is not None:
@@ -393,6 +404,8 @@ class RealtimeConnection:
         preemptive = {"preemptive": session.preemptive} if session.preemptive is not None else {}
         if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
+            if voice is not None:
+                self.audio.apply(voice)
             await self.send("session.updated", session=self.session_object())
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
                 self.read_early(turns)  # (answering: once its response ends)
@@ -455,6 +468,7 @@ class RealtimeConnection:
     async def announce(self, item: dict[str, Any]) -> None:
         """An item the conversation took: `conversation.item.created` (beta), `.added` and `.done` (GA)."""
         previous, self.last_item_id = self.last_item_id, item["id"]
+        self.items.add(item["id"])
         await self.send("conversation.item.created", previous_item_id=previous, item=item)
         if not self.beta:
             await self.send("conversation.item.added", previous_item_id=previous, item=item)
@@ -475,11 +489,20 @@ class RealtimeConnection:
         if not self.buffer:
             await self.error("the input text buffer is empty", "input_text_buffer_empty")
             return
-        if await self.call("session_buffer", op="commit"):
-            item_id = new_id("item")
-            text, self.buffer = self.buffer, ""
-            await self.send("input_text_buffer.committed", previous_item_id=self.last_item_id, item_id=item_id)
-            await self.announce_item(item_id, "user", [{"type": "input_text", "text": text}])
+        parts = [{"type": "input_text", "text": self.buffer}]
+        await self.commit_input(new_id("item"), parts, "input_text_buffer.committed")
+
+    async def commit_input(self, item_id: str, parts: list[dict[str, Any]], committed: str | None = None) -> bool:
+        """The input text becomes the user's turn: a text or an audio item (`parts` as the item shows it), after
+        the `committed` event if given."""
+        async with self.audio.lock:  # (not while a transcript revises it)
+            if not await self.call("session_buffer", op="commit"):
+                return False
+            self.buffer = ""
+        if committed is not None:
+            await self.send(committed, previous_item_id=self.last_item_id, item_id=item_id)
+        await self.announce_item(item_id, "user", parts)
+        return True
 
     async def buffer_clear(self, event: BufferClear) -> None:
         if await self.call("session_buffer", op="clear"):
@@ -534,6 +557,10 @@ HANDLERS: dict[str, Handler] = {
     "input_text_buffer.clear": RealtimeConnection.buffer_clear,
     "response.create": RealtimeConnection.response_create,
     "response.cancel": RealtimeConnection.response_cancel,
+    "input_audio_buffer.append": lambda c, e: c.audio.append(e),
+    "input_audio_buffer.commit": lambda c, e: c.audio.commit(e),
+    "input_audio_buffer.clear": lambda c, e: c.audio.clear(e),
+    "conversation.item.truncate": lambda c, e: c.audio.truncate(e),
 }
 
 

@@ -1,6 +1,6 @@
 """The client events of `/v1/realtime`, validated: one pydantic model per event type, GA and beta shapes.
 
-Fields this server does not implement (voice, audio, tracing, ...) are ignored, as clients written for
+Fields this server does not implement (audio output, tracing, ...) are ignored, as clients written for
 OpenAI send them; a field it does implement must have the right type and range, or the whole event is refused
 (`InvalidEvent`, naming the field in `param`) before anything is applied. Types are strict: `"5"` is not a
 number and `true` is not an integer.
@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from router.schemas import is_unicode
+from router.voice.settings import AudioSettings, Transcription, TurnDetection
 
 
 class InvalidEvent(Exception):
@@ -74,10 +75,21 @@ class Sampling(_Model):
     # This server's extension (sessions only): start the answer while the user may still be typing
     # (prefill/preemptive.py), checked in full by the session's owner.
     preemptive: dict[str, Any] | None = None
+    # Audio input (sessions only; router/voice/settings.py): GA `type` and `audio.input`, beta flat fields.
+    # `turn_detection: null` turns the VAD off: whether a field was given at all is `model_fields_set`.
+    type: Literal["realtime", "transcription"] | None = None
+    audio: AudioSettings | None = None
+    input_audio_format: Any = None
+    input_audio_transcription: Transcription | None = None
+    turn_detection: TurnDetection | None = None
+
+    AUDIO: ClassVar[frozenset[str]] = frozenset(
+        {"type", "audio", "input_audio_format", "input_audio_transcription", "turn_detection"}
+    )
 
     def given(self) -> dict[str, Any]:
-        """The settings this event sets, by their GA names (modalities and preemptive answers apart)."""
-        exclude = {"output_modalities", "preemptive"}
+        """The settings this event sets, by their GA names (modalities, preemptive answers and audio apart)."""
+        exclude = {"output_modalities", "preemptive", *self.AUDIO}
         return {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
 
 
@@ -133,7 +145,8 @@ class ClientEvent(_Model):
 
 
 class SessionUpdate(ClientEvent):
-    session: Sampling
+    session: Sampling | None = None
+    model: str | None = None  # vLLM's realtime client names the model here, with no `session`
 
 
 class ConversationItemCreate(ClientEvent):
@@ -160,6 +173,24 @@ class BufferClear(ClientEvent):
     pass
 
 
+class AudioAppend(ClientEvent):
+    audio: str  # base64 (checked when decoded: its error names the field)
+
+
+class AudioCommit(ClientEvent):
+    final: bool | None = None  # vLLM's realtime client flow: `false` starts the transcription, `true` ends it
+
+
+class AudioClear(ClientEvent):
+    pass
+
+
+class ItemTruncate(ClientEvent):
+    item_id: str = Field(min_length=1, max_length=256)
+    content_index: int = Field(0, ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
 class ResponseCreate(ClientEvent):
     response: Sampling | None = None
 
@@ -177,6 +208,10 @@ EVENTS: dict[str, type[ClientEvent]] = {
     "input_text_buffer.clear": BufferClear,
     "response.create": ResponseCreate,
     "response.cancel": ResponseCancel,
+    "input_audio_buffer.append": AudioAppend,
+    "input_audio_buffer.commit": AudioCommit,
+    "input_audio_buffer.clear": AudioClear,
+    "conversation.item.truncate": ItemTruncate,
 }
 
 
@@ -221,11 +256,14 @@ def parse(event: dict[str, Any]) -> ClientEvent:
     if model is None:
         raise InvalidEvent(f"unknown event type {event['type']!r}", "unknown_event", "type")
     try:
-        return model.model_validate(event)
+        parsed = model.model_validate(event)
     except ValidationError as e:
         first = e.errors()[0]
         param = _param(first["loc"])
         raise InvalidEvent(f"invalid {event['type']}: {param or 'event'}: {first['msg']}", param=param) from None
+    if isinstance(parsed, SessionUpdate) and parsed.session is None and parsed.model is None:
+        raise InvalidEvent("invalid session.update: session: Field required", param="session")
+    return parsed
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:

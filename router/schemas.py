@@ -52,6 +52,14 @@ class CompletionBody(_Open):
     prompt: str | list[Any]
 
 
+class SessionAudio(BaseModel):
+    """A REST session's audio chunks (`modality: "audio"`): base64 16-bit mono PCM at `rate` Hz."""
+
+    model_config = ConfigDict(extra="forbid")
+    rate: Literal[8000, 16000, 22050, 24000, 32000, 44100, 48000] = 16000
+    language: str | None = Field(default=None, min_length=2, max_length=8)
+
+
 class CreateSessionBody(_Open):
     """`POST /v1/streaming_input/sessions`: a chat (`messages`) or completion (`prompt`) request whose input
     is still to come, with the session's own settings (checked in full by the prefill replica)."""
@@ -67,6 +75,8 @@ class CreateSessionBody(_Open):
     # Start the answer while the user may still be talking (prefill/preemptive.py): `{after_idle_ms, max_tokens,
     # max_input_tokens, max_attempts, stream}`, checked in full by the prefill replica.
     preemptive: dict[str, Any] | None = None
+    # Its audio chunks' format (`modality: "audio"`); 16 kHz if not given.
+    audio: SessionAudio | None = None
 
 
 class ChunkBody(BaseModel):
@@ -74,7 +84,8 @@ class ChunkBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     sequence_id: int = Field(ge=0, le=2**63 - 1)
-    modality: Literal["text"] = "text"
+    # "audio": `payload` is base64 PCM16 at the session's `audio.rate`, transcribed into the turn (router/voice/).
+    modality: Literal["text", "audio"] = "text"
     payload: str
     end_of_input: bool = False
     # Update mode: "replace" swaps the current turn's input from character `offset` (default 0) for `payload`.

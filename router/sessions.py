@@ -1,7 +1,7 @@
 """REST streaming-input sessions (the streaming-input RFC's multi-request mode).
 
     POST   /v1/streaming_input/sessions               {model, prompt | messages, sampling..., start_policy}
-    POST   /v1/streaming_input/sessions/{id}/chunks    {sequence_id, modality: "text", payload, end_of_input}
+    POST   /v1/streaming_input/sessions/{id}/chunks    {sequence_id, modality: "text" | "audio", payload, end_of_input}
     POST   /v1/streaming_input/sessions/{id}/finish    (idempotent)
     POST   /v1/streaming_input/sessions/{id}/cancel    stop the answer in progress
     GET    /v1/streaming_input/sessions/{id}/events    SSE: the chat (or completion) chunks, [DONE]
@@ -32,11 +32,13 @@ from router.answers import AnswerReader
 from router.owner import session_call
 from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
+from router.tasks import detached
+from router.voice import session_audio
 from serve_app.protocol import error_body, error_response, error_status, sse, streaming_response
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
-SESSION_FIELDS = ("start_policy", "limits", "instructions", "close_after_answer", "preemptive")
+SESSION_FIELDS = ("start_policy", "limits", "instructions", "close_after_answer", "preemptive", "audio")
 
 
 def _ingress(request: Request) -> Any:
@@ -56,7 +58,8 @@ def session_spec(body: dict[str, Any]) -> dict[str, Any]:
         policy = {"type": policy, **({"min_tokens": body["min_tokens"]} if "min_tokens" in body else {})}
     request = {k: v for k, v in body.items() if k not in (*SESSION_FIELDS, "min_tokens", "stream")}
     spec = {"request": request, "start_policy": policy, "limits": body.get("limits"), "instructions": None}
-    return {**spec, "close_after_answer": bool(body.get("close_after_answer")), "preemptive": body.get("preemptive")}
+    extra = {"preemptive": body.get("preemptive"), "audio": body.get("audio")}
+    return {**spec, "close_after_answer": bool(body.get("close_after_answer")), **extra}
 
 
 @api.post("", status_code=201, openapi_extra=openapi_body(CreateSessionBody))
@@ -71,6 +74,8 @@ async def create_session(request: Request) -> Response:
     ingress.check_max_tokens(body)
     if (refused := tool_calls.refusal(body)) is not None:
         return error_response(refused)
+    if body.get("audio") is not None and getattr(ingress, "speech", None) is None:
+        return error_response(error_body(400, session_audio.NO_SPEECH, "audio"))
     if isinstance(ticket := admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body), abandoned=ticket.release)
@@ -78,6 +83,8 @@ async def create_session(request: Request) -> Response:
         ticket.release()
         return _reply(result)
     bind_session(ingress, result["session_id"], ticket, result.get("expires_in"))  # until deleted, answered or idle
+    if body.get("audio") is not None:
+        session_audio.remember(result["session_id"], body["audio"])
     return JSONResponse(
         {"object": "streaming_input.session", **result, "session_id": result["session_id"]}, status_code=201
     )
@@ -91,6 +98,8 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         chunk = ChunkBody.model_validate(body)
     except ValidationError as e:
         return error_response(validation_error(e))
+    if chunk.modality == "audio":  # transcribed by the speech role into the turn (router/voice/session_audio.py)
+        return _reply(await session_audio.audio_chunk(ingress, session_id, chunk), 202)
     # An empty end chunk may release a preemptive answer a reader here holds, before the owner has the chunk
     # (router/provisional.py); the owner refusing the chunk revokes it.
     held = ingress.feeds.held.get(session_id) if chunk.end_of_input and not chunk.payload else None
@@ -164,6 +173,7 @@ async def result(
 @api.delete("/{session_id}")
 async def delete(session_id: str, request: Request) -> Response:
     release_session(_ingress(request), session_id)
+    detached(session_audio.close(_ingress(request), session_id))
     return _reply(await session_call(_ingress(request), "session_delete", session_id=session_id))
 
 

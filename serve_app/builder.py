@@ -11,9 +11,11 @@ from prefill.server import PrefillServer
 from router.app import Router
 from serve_app.config import AppConfig
 from serve_app.serve_env import replica_options
+from speech.server import SpeechServer
 
 SESSION_ROUTER = "router.placement:SessionAffinityRouter"
 DECODE_ROUTER = "router.placement:DecodeRouter"
+SPEECH_ROUTER = "router.placement:SpeechRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -25,7 +27,8 @@ def build_app(args: dict[str, Any]) -> Application:
         LOCAL_MODELS[config.model]()
     # Replicas get the config without deployment options, so that scaling (num_replicas, autoscaling) is a
     # lightweight update in Serve rather than a restart of every replica.
-    payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in ("router", "prefill", "decode")})
+    roles = ("router", "prefill", "decode", "speech")
+    payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in roles})
     decode_router = {"request_router_class": DECODE_ROUTER, "request_routing_stats_period_s": 1.0}
     decode_options = replica_options({"request_router_config": decode_router, **config.decode.deployment})
     decode = DecodeServer.options(**decode_options).bind(payload)
@@ -36,4 +39,14 @@ def build_app(args: dict[str, Any]) -> Application:
     drain_budget = {"graceful_shutdown_timeout_s": config.prefill.drain_timeout_s + 30}
     prefill_options = {"request_router_config": router_config, **drain_budget, **config.prefill.deployment}
     prefill = PrefillServer.options(**replica_options(prefill_options)).bind(payload, decode)
-    return Router.options(**replica_options(config.router.deployment)).bind(prefill, decode, payload)
+    # The speech role, when the config names a speech model: an engine of its own (speech/server.py).
+    speech = None
+    if config.speech.model is not None:
+        from speech.local_model import SPEECH_MODELS
+
+        if config.speech.model in SPEECH_MODELS:
+            SPEECH_MODELS[config.speech.model]()  # made once here, as the LLM's
+        speech_router = {"request_router_class": SPEECH_ROUTER, "request_routing_stats_period_s": 1.0}
+        speech_options = {"request_router_config": speech_router, **config.speech.deployment}
+        speech = SpeechServer.options(**replica_options(speech_options)).bind(payload)
+    return Router.options(**replica_options(config.router.deployment)).bind(prefill, decode, payload, speech)

@@ -104,6 +104,31 @@ class PrefillConfig(RoleConfig):
     drain_timeout_s: float = Field(default=30.0, gt=0)
 
 
+class SpeechConfig(RoleConfig):
+    """The speech role (speech/): a speech-to-text engine of its own, beside the LLM's prefill and decode pools.
+
+    It transcribes what clients say (`input_audio_buffer.append` on `/v1/realtime`, audio chunks of REST
+    sessions, `/v1/audio/transcriptions`); the transcript enters the session's streaming input as typed text
+    does. An encoder-decoder model (Whisper) cannot take a KV connector, so it is an engine of its own, with its
+    own replicas. `model: null`: no speech role, and audio input is refused (`audio_not_supported`). Its engine
+    settings are its own (`speech.engine`), not merged over the LLM's `engine`."""
+
+    model: str | None = None  # a Whisper-family model (hub id or path), or `local:tiny-whisper`
+    served_model_name: str | None = None
+    language: str | None = "en"  # None: the model detects it (a second engine pass per transcription)
+    # How much new audio a growing utterance needs before it is transcribed again (its partial transcript,
+    # prefilled as it changes); a pause in the speech is transcribed at once whatever this is.
+    partial_every_ms: int = Field(default=300, ge=50)
+    max_transcript_tokens: int | None = Field(default=None, ge=1)  # one transcription's output (None: the model's)
+    # What a client may send: audio seconds in one turn (an input buffer before its commit) and in a session.
+    max_turn_audio_s: float = Field(default=120.0, gt=0)
+    max_session_audio_s: float = Field(default=3600.0, gt=0)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.served_model_name or self.model
+
+
 class DisaggregationConfig(_Strict):
     """Which whole-prompt requests go through a prefill replica (router/disaggregation.py). Sessions always do."""
 
@@ -190,7 +215,7 @@ class RouterConfig(_Strict):
 
 
 class AppConfig(_Strict):
-    """The whole application: one model, a router, a prefill pool and a decode pool."""
+    """The whole application: one model, a router, a prefill pool and a decode pool (and a speech pool)."""
 
     model: str = LOCAL_MODEL
     served_model_name: str | None = None
@@ -200,6 +225,7 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     prefill: PrefillConfig = Field(default_factory=PrefillConfig)
     decode: RoleConfig = Field(default_factory=RoleConfig)
+    speech: SpeechConfig = Field(default_factory=SpeechConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")

@@ -84,6 +84,17 @@ REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by
 TOOL_CALLS = "rtpd_tool_calls_total"  # router: tool calls in answers, by surface (chat, completion, session, realtime)
 ADMISSION_LIMIT = "rtpd_admission_limit"  # router: its adaptive limit on admitted work in flight, per replica
 ADMISSION_IN_FLIGHT = "rtpd_admission_in_flight"  # router: admitted sessions and requests in flight, per replica
+# Voice (router/voice/, speech/). The router: audio seconds clients sent, by surface; how far a transcript lags the
+# audio it covers (from the last audio sample it covers to the text's arrival); turns the VAD ended; barge-ins
+# (speech that cancelled a response). The speech replicas: audio seconds transcribed (an utterance is transcribed
+# again as it grows) and one transcription's time; their load is `record_autoscaling_stats`.
+VOICE_AUDIO_SECONDS = "rtpd_voice_audio_seconds_total"
+VOICE_TRANSCRIPT_DELAY = "rtpd_voice_transcript_delay_seconds"
+VOICE_TURNS = "rtpd_voice_turns_total"
+VOICE_BARGE_INS = "rtpd_voice_barge_ins_total"
+SPEECH_AUDIO_SECONDS = "rtpd_speech_audio_seconds_total"
+SPEECH_LATENCY = "rtpd_speech_transcription_seconds"
+SPEECH_IN_FLIGHT = "rtpd_speech_in_flight"
 
 ALL = [
     SESSIONS_OPEN,

@@ -33,11 +33,14 @@ def for_tests(args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def app_args() -> dict[str, Any]:
+def app_args(speech: bool = False) -> dict[str, Any]:
     """The default config's args (what `make run` serves), so the tests exercise the shipped config (engines
-    eager: `for_tests`)."""
+    eager: `for_tests`). Without its speech role unless asked: a third engine starts only for the voice tests."""
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
-    return for_tests(config["applications"][0]["args"])
+    args = config["applications"][0]["args"]
+    if not speech:
+        args.pop("speech", None)
+    return for_tests(args)
 
 
 def wait_healthy(base: str, timeout: float) -> None:
@@ -93,6 +96,48 @@ def deploy_app(name: str, prefix: str, args: dict[str, Any], deployments: list[d
         "deployments": deployments,
     }
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
+TOOLS_APP, TOOLS_PREFIX = "tools", "/tools"
+APP_START_S = 300
+
+
+def tools_args() -> dict[str, Any]:
+    """A second app: `local:tiny-llama-tools` (fitted to call tools, serve_app/local_fit.py) and the default
+    config's speech role (`local:tiny-whisper`, fitted to the clips in speech/samples/), so that a spoken question
+    can end in a tool call. Decode computes every plain request's prompt itself (the main app disaggregates them;
+    sessions always are)."""
+    args = app_args(speech=True)
+    args["model"] = "local:tiny-llama-tools"
+    args["router"]["disaggregation"]["min_prompt_tokens"] = 1_000_000
+    return args
+
+
+def wait_app(base: str, name: str, timeout: float = APP_START_S) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"{name} never became healthy: {serve.status()}"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def tools_app(server: str) -> Iterator[str]:
+    """The tools-and-voice app (`tools_args`), for the tool-call and voice tests; started by the first of them."""
+    from serve_app.local_model import make_local_model
+    from speech.local_model import make_speech_model
+
+    make_local_model("tiny-llama-tools")  # (once, here, rather than by both engines at once)
+    make_speech_model()
+    deploy_app(TOOLS_APP, TOOLS_PREFIX, tools_args(), [])
+    base = f"{server}{TOOLS_PREFIX}"
+    wait_app(base, TOOLS_APP)
+    yield base
+    serve.delete(TOOLS_APP, _blocking=False)
 
 
 @pytest.fixture(scope="session")

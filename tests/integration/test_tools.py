@@ -10,11 +10,9 @@ with Hermes `<tool_call>` text, which vLLM's `hermes` parser (configs/config.yam
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,16 +22,13 @@ from ray import serve
 
 from router.tool_calls import merge_deltas
 from serve_app.local_fit import PARIS, TOOLS, WEATHER_RESULT
-from serve_app.local_model import make_local_model
 from serve_app.protocol import parse_sse
-from tests.integration.conftest import app_args, deploy_app
+from tests.integration.conftest import TOOLS_APP as APP
 from tests.integration.test_metrics import scrape
 from tests.integration.test_streaming_input import SESSIONS, TEXT
 
 pytestmark = pytest.mark.integration
 
-APP, PREFIX = "tools", "/tools"
-START_S = 300
 # Bounded arguments: a random model fills a free string until max_tokens; an enum makes the call end.
 FORCED_TOOLS = [
     {
@@ -140,32 +135,6 @@ def test_bad_tools_are_refused_naming_the_field(server) -> None:
 
 
 # --- the fitted model: tool_choice "auto" ----------------------------------------------------------------------
-def tools_args() -> dict[str, Any]:
-    args = copy.deepcopy(app_args())
-    args["model"] = "local:tiny-llama-tools"
-    # Decode computes every plain request's prompt itself (the main app disaggregates them; sessions always are).
-    args["router"]["disaggregation"]["min_prompt_tokens"] = 1_000_000
-    return args
-
-
-@pytest.fixture(scope="module")
-def tools_app(server: str) -> Iterator[str]:
-    make_local_model("tiny-llama-tools")  # (once, here, rather than by both engines at once)
-    deploy_app(APP, PREFIX, tools_args(), [])
-    base = f"{server}{PREFIX}"
-    deadline = time.time() + START_S
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=10).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, f"{APP} never became healthy: {serve.status()}"
-        time.sleep(1)
-    yield base
-    serve.delete(APP, _blocking=False)  # (its replicas finish stopping beside the next tests)
-
-
 def tools_stats(role: str, prefix: str | None = None) -> dict[str, Any]:
     return serve.get_deployment_handle(role, app_name=APP).stats.remote(prefix).result(timeout_s=60)
 

@@ -53,7 +53,7 @@ def client(keys: list[str], tokens_per_minute: int | None = None) -> TestClient:
     async def models() -> dict[str, str]:
         return {"object": "list"}
 
-    config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits)
+    config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits, speech=AppConfig().speech)
     budgets = TokenBudgets(tokens_per_minute)
     app.state.ingress = SimpleNamespace(api_keys=APIKeys(keys), config=config, prefill=FakePrefill(), budgets=budgets)
     return TestClient(app)

@@ -1,6 +1,6 @@
 """Dependencies that must go one way: the shared engine (serve_app/engine.py) imports nothing of the prefill
 role that starts its scheduler but the scheduler's config, and router/ and prefill/ do not import each other (the
-session -> replica mapping lives in serve_app/placement.py)."""
+session -> replica mapping lives in serve_app/placement.py); speech/ imports no other role."""
 
 from __future__ import annotations
 
@@ -35,3 +35,11 @@ def test_router_and_prefill_do_not_import_each_other() -> None:
         for path in (ROOT / package).rglob("*.py"):
             crossing = {m for m in imports(path) if m == other or m.startswith(other + ".")}
             assert not crossing, f"{path.relative_to(ROOT)} imports {crossing}"
+
+
+def test_the_speech_role_imports_no_other_role() -> None:
+    """speech/ (its replicas, and the utterance client the router uses) stands alone: the router imports it, not
+    the other way round."""
+    for path in (ROOT / "speech").rglob("*.py"):
+        crossing = {m for m in imports(path) if m.split(".")[0] in ("router", "prefill", "decode")}
+        assert not crossing, f"{path.relative_to(ROOT)} imports {crossing}"

@@ -77,7 +77,9 @@ class FakePrefill:
 def make_client(prefill: FakePrefill, **limits: Any) -> TestClient:
     app = FastAPI()
     app.include_router(realtime.api)
-    config = SimpleNamespace(model_name=MODEL, limits=AppConfig().limits.model_copy(update=limits))
+    config = SimpleNamespace(
+        model_name=MODEL, limits=AppConfig().limits.model_copy(update=limits), speech=AppConfig().speech
+    )
     app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=prefill)
     return TestClient(app)
 

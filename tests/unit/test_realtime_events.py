@@ -31,6 +31,10 @@ def test_every_client_event_type_has_a_model() -> None:
         "input_text_buffer.clear",
         "response.create",
         "response.cancel",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "conversation.item.truncate",
     }
     for type_, model in EVENTS.items():
         required = (
@@ -38,6 +42,8 @@ def test_every_client_event_type_has_a_model() -> None:
             "conversation.item.create",
             "input_text_buffer.append",
             "input_text_buffer.replace",
+            "input_audio_buffer.append",
+            "conversation.item.truncate",
         )
         if type_ not in required:
             assert isinstance(parse({"type": type_}), model)  # everything else is optional

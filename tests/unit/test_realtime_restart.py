@@ -44,7 +44,7 @@ def serving(prefill: FakePrefill, admission: Any = None) -> Iterator[tuple[TestC
 
     app = FastAPI(lifespan=lifespan)
     app.include_router(realtime.api)
-    config = SimpleNamespace(model_name=MODEL, limits=AppConfig().limits)
+    config = SimpleNamespace(model_name=MODEL, limits=AppConfig().limits, speech=AppConfig().speech)
     app.state.ingress = SimpleNamespace(
         api_keys=APIKeys([]), config=config, prefill=prefill, restart=watch, admission=admission
     )

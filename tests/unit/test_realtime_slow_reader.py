@@ -70,7 +70,8 @@ async def test_a_slow_reader_gets_coalesced_deltas_and_all_the_text(monkeypatch:
 
     monkeypatch.setattr(realtime_response, "AnswerReader", Reader)
     ingress = SimpleNamespace(
-        config=SimpleNamespace(model_name=MODEL, limits=AppConfig().limits), prefill=FakePrefill()
+        config=SimpleNamespace(model_name=MODEL, limits=AppConfig().limits, speech=AppConfig().speech),
+        prefill=FakePrefill(),
     )
     socket = SlowSocket()
     connection = realtime.RealtimeConnection(socket, ingress, MODEL, beta=False)  # type: ignore[arg-type]

@@ -159,3 +159,22 @@ def test_prefill_body_keeps_the_schedulers_keys_out_of_client_hands():
 
     body = {"prompt": "x", "vllm_xargs": {"rtpd_arrival": "0", "rtpd_session": "sess_other", "mine": 1}}
     assert prefill_body(body)["vllm_xargs"] == {"mine": 1}
+
+
+def test_a_transcript_chunk_replaces_the_turns_last_transcript_after_the_typed_text():
+    """REST audio chunks reach the owner as `mode: "transcript"`: the turn's transcript so far, each in place of
+    the one before, after what the turn had when its audio began; a journal replay (or a held chunk) the same."""
+    s = session()
+    s.add_chunk(0, "Note: ", False)
+    s.add_chunk(1, "what is", False, "transcript")
+    s.add_chunk(2, "what time is it", False, "transcript")
+    assert s.buffer == "Note: what time is it"
+    s.add_chunk(4, "What time is it in Tokyo?", True, "transcript")  # held out of order, then applied
+    s.add_chunk(3, "what time is it in", False, "transcript")
+    assert s.buffer == "Note: What time is it in Tokyo?"
+    assert s.payload_bytes == len(s.buffer.encode())
+    s.commit_buffer()
+    assert s.transcript_at is None
+    s.input_ended = False
+    s.add_chunk(5, "Goodbye.", False, "transcript")
+    assert s.buffer == "Goodbye."

@@ -1,0 +1,431 @@
+"""A realtime connection's audio input: `input_audio_buffer.*`, server VAD, transcription into the session's input.
+
+Audio is resampled to 16 kHz as it arrives (router/voice/audio.py) and, with `turn_detection`, goes through the
+connection's VAD (router/voice/vad.py). From speech start the turn's audio is an `Utterance`
+(router/voice/utterance.py), transcribed again as it grows; each transcript revises the session's input text
+through the update mode (`session_buffer` append or replace at the first changed character: only the changed
+suffix is prefilled again), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio is
+transcribed at once; a session with preemptive answers starts its answer in the silence that follows, and when the
+VAD's silence window confirms the end of the turn (`speech_stopped`, `committed`), the answer is already made.
+
+Events, as OpenAI's: `input_audio_buffer.speech_started` / `speech_stopped` / `committed` / `cleared` /
+`timeout_triggered`, `conversation.item.created` (an `input_audio` content part with its transcript),
+`conversation.item.input_audio_transcription.delta` (text two successive transcripts agree on, so deltas are not
+taken back) / `.completed` (the final transcript, with usage) / `.failed`. Speech that starts while a response
+streams cancels it (`interrupt_response`). A transcription-only session (GA `session.type: "transcription"`, or
+vLLM's client flow: `session.update` with a top-level `model`, `commit` then `commit` with `final: true`, answered
+with vLLM's `transcription.delta` / `transcription.done`) transcribes and answers nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from router.realtime_events import (
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    InvalidEvent,
+    ItemTruncate,
+    ResponseCreate,
+    Sampling,
+    new_id,
+)
+from router.voice.audio import MODEL_RATE, AudioError, AudioFormat, Resampler, b64decode, parse_format
+from router.voice.settings import OPENAI_TRANSCRIBE_MODELS, TurnDetection, VoiceSettings
+from router.voice.vad import PAUSE_MS, SpeechDetector, VadEvent
+from serve_app import metrics
+from speech.utterance import TranscriptionFailed, Utterance
+
+if TYPE_CHECKING:
+    from router.realtime import RealtimeConnection
+
+logger = logging.getLogger(__name__)
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def stable_prefix(a: str, b: str) -> str:
+    """What two successive transcripts agree on, up to the last whole word (LocalAgreement-2)."""
+    n = common_prefix(a, b)
+    if n == len(a) == len(b):
+        return a
+    cut = a.rfind(" ", 0, n + 1)
+    return a[:cut] if cut > 0 else ""
+
+
+class AudioInput:
+    """The audio side of one `RealtimeConnection`."""
+
+    def __init__(self, connection: RealtimeConnection) -> None:
+        self.conn = connection
+        self.settings = VoiceSettings()
+        self.vllm_flow = False  # vLLM's realtime client: `transcription.delta` / `transcription.done`
+        self._resampler: Resampler | None = None
+        self._detector: SpeechDetector | None = None
+        self.history: deque[np.ndarray] = deque()  # recent audio while nobody speaks (the prefix padding)
+        self.history_start = 0  # its first sample's position on the clock
+        self.clock = 0  # 16 kHz samples received
+        self.turn: Utterance | None = None
+        self.turn_start = 0  # where on the clock the turn's audio starts
+        self.item_id: str | None = None
+        self.offset = 0  # where the turn's transcript starts in the session's input text
+        self.shown = ""  # transcript text sent as deltas
+        self.previous = ""  # the transcript before the latest (for the deltas' agreement)
+        self.session_seconds = 0.0
+        self.idle_samples = 0  # audio with no speech since the last turn or response (idle_timeout_ms)
+        self.lock = asyncio.Lock()  # the session's input text: transcripts and client events in turn
+
+    # --- settings ----------------------------------------------------------------------------------
+    @property
+    def speech(self) -> Any:
+        return getattr(self.conn.ingress, "speech", None)
+
+    @property
+    def speech_model(self) -> str | None:
+        return self.conn.ingress.config.speech.model_name
+
+    @property
+    def transcription_only(self) -> bool:
+        return self.settings.transcription_only or self.vllm_flow
+
+    def configure(self, session: Sampling, where: str = "session") -> VoiceSettings | None:
+        """The settings `session.update` asks for, checked whole (`InvalidEvent`); None if it sets none."""
+        given = session.model_fields_set & Sampling.AUDIO
+        if not given:
+            return None
+        new = VoiceSettings()
+        new.__dict__.update(self.settings.__dict__)
+        audio_input = session.audio.input if session.audio is not None else None
+        ga = audio_input.model_fields_set if audio_input is not None else set()
+        try:
+            if "format" in ga and audio_input is not None:
+                new.format = parse_format(audio_input.format, f"{where}.audio.input.format")
+            if "input_audio_format" in given:
+                new.format = parse_format(session.input_audio_format, f"{where}.input_audio_format")
+        except AudioError as e:
+            raise InvalidEvent(e.message, e.code, e.param) from None
+        if "turn_detection" in ga and audio_input is not None:
+            new.turn_detection = audio_input.turn_detection
+        if "turn_detection" in given:
+            new.turn_detection = session.turn_detection
+        transcription = audio_input.transcription if audio_input is not None else None
+        if "input_audio_transcription" in given:
+            transcription = session.input_audio_transcription
+        if transcription is not None:
+            param = (
+                f"{where}.audio.input.transcription.model"
+                if "transcription" in ga
+                else f"{where}.input_audio_transcription.model"
+            )
+            self.check_model(transcription.model, param)
+            new.transcription = transcription
+        if session.type is not None:
+            new.transcription_only = session.type == "transcription"
+        if self.turn is not None and new.format != self.settings.format:
+            raise InvalidEvent(
+                "the input audio format cannot change while a turn's audio is buffered",
+                param=f"{where}.audio.input.format",
+            )
+        return new
+
+    def check_model(self, model: str | None, param: str) -> None:
+        if model is None or model == self.speech_model or model in OPENAI_TRANSCRIBE_MODELS:
+            return
+        raise InvalidEvent(
+            f"unknown transcription model {model!r}: this server transcribes with {self.speech_model!r}",
+            "model_not_found",
+            param,
+        )
+
+    def apply(self, settings: VoiceSettings) -> None:
+        format_changed = settings.format != self.settings.format
+        detection_changed = settings.turn_detection != self.settings.turn_detection
+        self.settings = settings
+        if format_changed:
+            self._resampler = None
+        if detection_changed:
+            self._detector = None
+
+    def use_vllm_flow(self, model: str) -> None:
+        """vLLM's realtime client: `session.update` with a top-level `model`; the client commits."""
+        self.check_model(model if model != self.conn.settings["model"] else None, "model")
+        self.vllm_flow = True
+        self.settings.turn_detection = None
+        self.settings.format = AudioFormat("pcm16", MODEL_RATE)  # vLLM's: PCM16 at 16 kHz
+        self._resampler, self._detector = None, None
+
+    # --- client events -----------------------------------------------------------------------------
+    def _refuse_without_speech(self) -> None:
+        if self.speech is None:
+            raise InvalidEvent(
+                "this server has no speech model (`speech.model` in its config): audio input is not supported",
+                "audio_not_supported",
+                "audio",
+            )
+
+    async def append(self, event: AudioAppend) -> None:
+        self._refuse_without_speech()
+        try:
+            raw = b64decode(event.audio)
+            if self._resampler is None:
+                self._resampler = Resampler(self.settings.format)
+            seconds = self.settings.format.seconds(len(raw))
+            limits = self.conn.ingress.config.speech
+            if self.session_seconds + seconds > limits.max_session_audio_s:
+                message = f"the session's audio would exceed {limits.max_session_audio_s:g} s"
+                raise AudioError(f"{message} (speech.max_session_audio_s): it was not taken", "audio_limit_exceeded")
+            if self.turn is not None and self.turn.seconds + seconds > limits.max_turn_audio_s:
+                message = f"the turn's audio would exceed {limits.max_turn_audio_s:g} s (speech.max_turn_audio_s)"
+                hint = "commit or clear the input audio buffer; this audio was not taken"
+                raise AudioError(f"{message}: {hint}", "audio_limit_exceeded")
+            x = self._resampler(raw)
+        except AudioError as e:
+            raise InvalidEvent(e.message, e.code, e.param) from None
+        self.session_seconds += seconds
+        metrics.inc(metrics.VOICE_AUDIO_SECONDS, seconds, "audio seconds received", surface="realtime")
+        await self.take(x)
+
+    async def take(self, x: np.ndarray) -> None:
+        """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD."""
+        start = self.clock
+        self.clock += len(x)
+        detection = self.settings.turn_detection
+        if self.turn is not None:
+            self.turn.extend(x)
+        elif detection is None:  # the client commits: all audio is the turn's
+            self.begin(start)
+            assert self.turn is not None
+            self.turn.extend(x)
+        if detection is None:
+            return
+        self.history.append(x)
+        keep = (detection.prefix_padding_ms + 1000) * MODEL_RATE // 1000
+        while self.history and self.clock - self.history_start - len(self.history[0]) > keep:
+            self.history_start += len(self.history.popleft())
+        if self._detector is None:
+            self._detector = SpeechDetector(detection.vad())
+            self._detector.samples = start  # (the detector's clock is the connection's)
+        for vad in self._detector.feed(x):  # (~0.1 ms a 32 ms frame)
+            await self.on_vad(vad, detection)
+        if self.turn is None and not self.conn.responding:
+            await self.idle(len(x), detection)
+
+    def recent(self, start: int) -> np.ndarray:
+        audio = np.concatenate(list(self.history)) if self.history else np.zeros(0, np.float32)
+        return audio[max(0, start - self.history_start) :]
+
+    def begin(self, start: int) -> None:
+        self.turn_start = start
+        self.item_id = new_id("item")
+        self.offset = len(self.conn.buffer)
+        self.shown = self.previous = ""
+        speech = self.conn.ingress.config.speech
+        window = getattr(self.conn.ingress, "speech_window_s", None)
+        self.turn = Utterance(
+            self.speech,
+            self.on_text,
+            language=self.settings.transcription.language or speech.language,
+            prompt=self.settings.transcription.prompt or "",
+            every_ms=speech.partial_every_ms,
+            window_s=window,
+        )
+
+    async def on_vad(self, vad: VadEvent, detection: TurnDetection) -> None:
+        tail = min(PAUSE_MS, detection.vad().silence_duration_ms) * MODEL_RATE // 1000
+        if vad.kind == "started":
+            self.idle_samples = 0
+            if self.turn is None:
+                self.begin(vad.sample)
+                assert self.turn is not None
+                self.turn.extend(self.recent(vad.sample))
+            await self.conn.send("input_audio_buffer.speech_started", audio_start_ms=vad.ms, item_id=self.item_id)
+            if detection.interrupt_response and self.conn.responding and not self.transcription_only:
+                metrics.inc(metrics.VOICE_BARGE_INS, 1, "responses cancelled by speech")
+                assert self.conn.response is not None
+                await self.conn.response.cancel()
+        elif self.turn is None:
+            return
+        elif vad.kind == "paused":  # transcribe the turn as it is now: it may be its end
+            end = vad.sample - self.turn_start
+            self.turn.pauses.append(end)
+            self.turn.ask(end + tail)
+        elif vad.kind == "stopped":
+            speech_end = vad.sample - detection.vad().silence_duration_ms * MODEL_RATE // 1000
+            await self.conn.send("input_audio_buffer.speech_stopped", audio_end_ms=vad.ms, item_id=self.item_id)
+            metrics.inc(metrics.VOICE_TURNS, 1, "turns the VAD ended")
+            await self.end_turn(speech_end + tail - self.turn_start, respond=detection.create_response)
+
+    async def idle(self, samples: int, detection: TurnDetection) -> None:
+        if detection.idle_timeout_ms is None:
+            return
+        self.idle_samples += samples
+        if self.idle_samples * 1000 // MODEL_RATE < detection.idle_timeout_ms:
+            return
+        self.idle_samples = 0
+        end_ms = self.clock * 1000 // MODEL_RATE
+        item_id = new_id("item")
+        await self.conn.send(
+            "input_audio_buffer.timeout_triggered",
+            audio_start_ms=end_ms - detection.idle_timeout_ms,
+            audio_end_ms=end_ms,
+            item_id=item_id,
+        )
+        if detection.create_response and not self.transcription_only:
+            await self.conn.response_create(ResponseCreate(type="response.create"))
+
+    async def commit(self, event: AudioCommit) -> None:
+        self._refuse_without_speech()
+        if self.vllm_flow and event.final is False:
+            return  # (vLLM's "start": transcription already runs as audio arrives)
+        if self.turn is None or self.turn.length == 0:
+            if self.vllm_flow:
+                await self.conn.send("transcription.done", text="", usage=None)
+                return
+            await self.conn.error("the input audio buffer is empty", "input_audio_buffer_commit_empty")
+            return
+        if self._detector is not None:  # a manual commit ends the turn the VAD was in
+            self._detector.speaking = False
+        if self._resampler is not None:
+            self.turn.extend(self._resampler.flush())
+            self._resampler = None
+        await self.end_turn(self.turn.length, respond=False)
+
+    async def clear(self, event: AudioClear) -> None:
+        turn, self.turn = self.turn, None
+        if turn is not None:
+            turn.close()
+            if not self.transcription_only:
+                await self.revise("")  # the turn's text leaves the session's input
+        if self._detector is not None:
+            self._detector.speaking = False
+        self.history.clear()
+        self.history_start = self.clock
+        await self.conn.send("input_audio_buffer.cleared")
+
+    async def truncate(self, event: ItemTruncate) -> None:
+        """Barge-in's other half: the assistant's answer, as heard. With text output there is no audio to cut;
+        the item is acknowledged as OpenAI's server does, and an item this session does not know is an error."""
+        if event.item_id not in self.conn.items:
+            raise InvalidEvent(f"no conversation item {event.item_id!r}", "item_not_found", "item_id")
+        await self.conn.send(
+            "conversation.item.truncated",
+            item_id=event.item_id,
+            content_index=event.content_index,
+            audio_end_ms=event.audio_end_ms,
+        )
+
+    # --- the turn ----------------------------------------------------------------------------------
+    async def on_text(self, text: str, delay: float) -> None:
+        """A new transcript of the turn so far: the session's input revised, agreed text sent as deltas."""
+        if self.turn is None:
+            return
+        if not self.transcription_only:
+            await self.revise(text)
+        agreed = stable_prefix(self.previous, text)
+        self.previous = text
+        await self.delta(agreed)
+
+    async def delta(self, text: str) -> None:
+        if len(text) <= len(self.shown) or not text.startswith(self.shown):
+            return
+        delta, self.shown = text[len(self.shown) :], text
+        if self.vllm_flow:
+            await self.conn.send("transcription.delta", delta=delta)
+        else:
+            await self.conn.send(
+                "conversation.item.input_audio_transcription.delta", item_id=self.item_id, content_index=0, delta=delta
+            )
+
+    async def revise(self, text: str) -> None:
+        """The turn's part of the session's input text becomes `text` (only what changed is sent)."""
+        async with self.lock:
+            current = self.conn.buffer[self.offset :]
+            joined = text if not self.conn.buffer[: self.offset] or not text else " " + text  # (after typed text)
+            if current == joined:
+                return
+            n = common_prefix(current, joined)
+            if n == len(current):
+                ok = await self.conn.call("session_buffer", op="append", text=joined[n:])
+            else:
+                ok = await self.conn.call("session_buffer", op="replace", text=joined[n:], offset=self.offset + n)
+            if ok:
+                self.conn.buffer = self.conn.buffer[: self.offset] + joined
+
+    async def end_turn(self, end: int, respond: bool) -> None:
+        """The turn's audio up to `end` is final: its transcript, the committed item, and the answer."""
+        turn, item_id = self.turn, self.item_id
+        assert turn is not None and item_id is not None
+        self.turn = None
+        self.idle_samples = 0
+        try:
+            text = await turn.final(end)
+        except TranscriptionFailed as e:
+            turn.close()
+            await self.failed(item_id, e)
+            return
+        turn.close()
+        await self.delta(text)
+        usage = {"type": "tokens", **{k: turn.usage[k] for k in ("input_tokens", "output_tokens")}}
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        if self.vllm_flow:
+            await self.conn.send(
+                "transcription.done",
+                text=text,
+                usage={
+                    "prompt_tokens": usage["input_tokens"],
+                    "completion_tokens": usage["output_tokens"],
+                    "total_tokens": usage["total_tokens"],
+                },
+            )
+            return
+        await self.conn.send("input_audio_buffer.committed", previous_item_id=self.conn.last_item_id, item_id=item_id)
+        part = {"type": "input_audio", "transcript": text}
+        committed = True
+        if not self.transcription_only:
+            self.previous = text
+            await self.revise(text)
+            if self.conn.buffer.strip():
+                committed = await self.conn.commit_input(item_id, [part])
+            else:
+                await self.conn.announce_item(item_id, "user", [part])
+                respond = False  # nothing was said: nothing to answer
+        else:
+            await self.conn.announce_item(item_id, "user", [part])
+        await self.conn.send(
+            "conversation.item.input_audio_transcription.completed",
+            item_id=item_id,
+            content_index=0,
+            transcript=text,
+            usage=usage,
+        )
+        if respond and committed and not self.transcription_only:
+            await self.conn.response_create(ResponseCreate(type="response.create"))
+
+    async def failed(self, item_id: str, e: TranscriptionFailed) -> None:
+        """The recognizer failed: the turn's audio is not lost silently: the client hears of it, and the session
+        and every other turn go on. Its text so far leaves the session's input."""
+        if not self.transcription_only:
+            await self.revise("")
+        error = {"type": "server_error", "code": e.code, "message": e.message, "param": None}
+        if self.vllm_flow:
+            await self.conn.send("error", error=e.message, code=e.code)
+            return
+        await self.conn.send(
+            "conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0, error=error
+        )
+
+    def close(self) -> None:
+        if self.turn is not None:
+            self.turn.close()

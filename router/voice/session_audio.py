@@ -1,0 +1,97 @@
+"""REST sessions' audio chunks (`modality: "audio"`): transcribed by the speech role into the session's input.
+
+The chunk's audio goes to the speech replica that holds the session's audio turn (speech/sessions.py, chosen by
+session id); its answer, the turn's transcript so far, goes to the session's owner as a `transcript` chunk with the
+client's sequence id (prefill/session.py: it replaces the turn's last transcript, and only the changed suffix is
+prefilled again). The end chunk carries the whole turn's final transcript. The 202's body adds `transcript`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from router.owner import session_call
+from router.schemas import ChunkBody
+from router.voice.audio import AudioError, b64decode
+from serve_app import metrics
+from serve_app.protocol import error_body, error_status
+
+NO_SPEECH = "this server has no speech model (`speech.model` in its config): audio input is not supported"
+_RATES: OrderedDict[str, dict[str, Any]] = OrderedDict()  # session id -> its audio settings (read from its owner)
+_RATES_KEPT = 10_000
+
+
+async def audio_settings(ingress: Any, session_id: str) -> dict[str, Any] | None:
+    """The session's `audio` settings as created (any router replica may get its chunks: read once from the
+    owner, then kept here); None if the session is not there."""
+    if (known := _RATES.get(session_id)) is not None:
+        return known
+    info = await session_call(ingress, "session_info", session_id=session_id)
+    if "error" in info:
+        return None
+    remember(session_id, info.get("audio") or {})
+    return _RATES[session_id]
+
+
+def remember(session_id: str, audio: dict[str, Any]) -> None:
+    _RATES[session_id] = {"rate": 16000, **(audio or {})}
+    while len(_RATES) > _RATES_KEPT:
+        _RATES.popitem(last=False)
+
+
+async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[str, Any]:
+    """One audio chunk: the owner's reply to its transcript chunk (with `transcript`), or an error body."""
+    speech = getattr(ingress, "speech", None)
+    if speech is None:
+        return error_body(
+            400,
+            "this server has no speech model (`speech.model` in its config): audio chunks are not supported",
+            "modality",
+        )
+    if chunk.mode != "append" or chunk.role != "user":
+        return error_body(400, "an audio chunk appends the user's speech: mode must be append, role user", "mode")
+    try:
+        raw = b64decode(chunk.payload, "payload")
+    except AudioError as e:
+        return error_body(400, e.message, e.param)
+    if len(raw) % 2:
+        return error_body(400, f"`payload` holds {len(raw)} bytes: 16-bit PCM needs an even count", "payload")
+    settings = await audio_settings(ingress, session_id)
+    if settings is None:  # the owner's own error says why (not found, closed)
+        return await session_call(ingress, "session_info", session_id=session_id)
+    metrics.inc(
+        metrics.VOICE_AUDIO_SECONDS, len(raw) / 2 / settings["rate"], "audio seconds received", surface="session"
+    )
+    heard = await speech.session_audio.remote(
+        session_id=session_id,
+        sequence_id=chunk.sequence_id,
+        pcm16=raw,
+        rate=settings["rate"],
+        end_of_input=chunk.end_of_input,
+        language=settings.get("language"),
+    )
+    if "error" in heard:
+        return heard
+    result = await session_call(
+        ingress,
+        "session_chunk",
+        session_id=session_id,
+        sequence_id=chunk.sequence_id,
+        payload=heard["text"],
+        end_of_input=chunk.end_of_input,
+        mode="transcript",
+        audio_start=bool(heard.get("start")),
+    )
+    if "error" in result and error_status(result) == 409 and heard.get("start"):  # the turn's audio was lost
+        await speech.session_audio_close.remote(session_id=session_id)
+    if "error" in result:
+        return result
+    return {**result, "transcript": heard["text"], "transcript_final": bool(heard.get("final"))}
+
+
+async def close(ingress: Any, session_id: str) -> None:
+    """The session is gone: so is its audio turn, if one is open."""
+    _RATES.pop(session_id, None)
+    if (speech := getattr(ingress, "speech", None)) is not None:
+        await speech.session_audio_close.remote(session_id=session_id)

@@ -1,0 +1,388 @@
+"""`local:tiny-whisper`: the project's generated speech-to-text model, fitted at build time to the sample clips.
+
+A Whisper checkpoint (`WhisperForConditionalGeneration`, Hugging Face format) small enough to build on a laptop
+in about a minute: 2 encoder + 2 decoder layers, 64 wide, 5 s audio windows, a byte-level BPE tokenizer trained on
+the sample sentences with Whisper's special tokens. vLLM serves it with the code that serves any Whisper model;
+users name a real one (e.g. openai/whisper-small) in the config instead.
+
+Nothing downloadable can recognize speech here, so the model is trained from seeded weights until greedy decoding
+transcribes every clip in speech/samples/ exactly, with a logit margin, also as the serving side cuts them: with
+0-400 ms of silence (or faint noise) before, 0-700 ms after, a little of an edge cut off. Silence or faint noise
+alone transcribes to "" (the decoder ends at once). Anything else gives one of the sentences or garbage.
+
+Transcripts follow Whisper's convention: a leading space (" What is the weather in Paris?"); callers `.strip()`.
+The decoder prompt is vLLM's: `<|startoftranscript|><|en|><|transcribe|><|notimestamps|>` (`DECODER_PROMPT`).
+
+    python -m speech.local_model [--out DIR] [--force]
+
+From code: `make_speech_model()`, or by config name `SPEECH_MODELS["local:tiny-whisper"]()`; both return the
+model's directory, built on first use (models/tiny-whisper) and reused while its stamp matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+import wave
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve_app.local_model import MODELS_DIR
+
+log = logging.getLogger(__name__)
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+SENTENCES: dict[str, str] = json.loads((SAMPLES_DIR / "sentences.json").read_text())
+DEFAULT_DIR = MODELS_DIR / "tiny-whisper"
+VERSION = 1  # bump when the recipe changes, so stale copies are rebuilt
+RATE = 16_000  # Hz: Whisper's, and the sample clips'
+DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+SEED = 1234
+MAX_STEPS = 600
+MIN_MARGIN = 3.0  # logits: every target token beats every rival by this much, so vLLM's kernels decode the same
+
+
+@dataclass(frozen=True)
+class SpeechModelSpec:
+    """The model's shape, tokenizer size and fitting recipe (all of it goes in the stamp)."""
+
+    d_model: int = 64
+    ffn_dim: int = 256
+    layers: int = 2  # encoder and decoder each
+    heads: int = 2  # 64 / 2 = 32 per head: a head size vLLM's CPU attention supports
+    num_mel_bins: int = 80
+    # Seconds per window. vLLM reserves `max_source_positions` = 50 per second encoder positions per request, and
+    # every request encodes a whole padded window: 5 s instead of Whisper's 30 s is ~10x less encoder work.
+    chunk_length: int = 5
+    max_target_positions: int = 64
+    bpe_vocab: int = 512  # byte-level BPE, before the special tokens
+    train_copies: int = 5  # per clip: the clip as is and shifted/padded/cut copies
+    heldout_copies: int = 3  # per clip, other offsets, only to verify
+    lr: float = 3e-3
+    version: int = VERSION
+
+    @property
+    def max_source_positions(self) -> int:
+        return self.chunk_length * 50  # 100 mel frames a second, halved by the encoder's stride-2 conv
+
+
+SPEC = SpeechModelSpec()
+
+
+def load_sample(slug: str) -> np.ndarray:
+    """The clip `speech/samples/<slug>.wav` as float32 samples at 16 kHz in [-1, 1]."""
+    with wave.open(str(SAMPLES_DIR / f"{slug}.wav")) as w:
+        if (w.getframerate(), w.getnchannels(), w.getsampwidth()) != (RATE, 1, 2):
+            raise ValueError(f"{slug}.wav is not 16 kHz mono 16-bit PCM")
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    return (pcm / 32768.0).astype(np.float32)
+
+
+def _samples_digest() -> str:
+    """What the fit saw: the sentences and the clips' bytes (regenerated clips must rebuild the model)."""
+    h = hashlib.sha256(json.dumps(SENTENCES, sort_keys=True).encode())
+    for slug in sorted(SENTENCES):
+        h.update((SAMPLES_DIR / f"{slug}.wav").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _special_tokens() -> list[str]:
+    """Whisper's special tokens, in Whisper's order: transformers' tokenizer finds a language's token by its offset
+    from `<|startoftranscript|>`, and vLLM looks up the `<|xx|>` of each of its 57 languages (all in this list)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return [
+        "<|endoftext|>",
+        "<|startoftranscript|>",
+        *(f"<|{code}|>" for code in LANGUAGES),
+        "<|translate|>",
+        "<|transcribe|>",
+        "<|startoflm|>",
+        "<|startofprev|>",
+        "<|nocaptions|>",
+        "<|notimestamps|>",
+    ]
+
+
+def _make_tokenizer(spec: SpeechModelSpec):  # -> transformers.WhisperTokenizer
+    """A byte-level BPE trained on the sentences (each word one token: short targets fit fast) and a little of
+    Python's own English documentation (so other text gets ordinary merges), as a `WhisperTokenizer`."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import WhisperTokenizer
+
+    english = [text for _, text in sorted(pydoc_data.topics.topics.items())][:40]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.bpe_vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator([" " + s for s in SENTENCES.values()] * 50 + english, trainer=trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    tokenizer = WhisperTokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]])
+    eot, *others = _special_tokens()  # (`<|endoftext|>` is already there: WhisperTokenizer's bos/eos/unk)
+    tokenizer.add_special_tokens({"additional_special_tokens": others})
+    tokenizer.model_max_length = spec.max_target_positions
+    return tokenizer
+
+
+def _feature_extractor(spec: SpeechModelSpec):  # -> transformers.WhisperFeatureExtractor
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(
+        feature_size=spec.num_mel_bins, sampling_rate=RATE, hop_length=160, n_fft=400, chunk_length=spec.chunk_length
+    )
+
+
+def features(extractor: Any, audio: list[np.ndarray]):  # -> torch.Tensor [batch, mels, frames]
+    """Log-mel features as vLLM computes them (its Whisper processor calls the same extractor this way)."""
+    return extractor(audio, sampling_rate=RATE, truncation=True, return_tensors="pt").input_features
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How one copy of a clip sits in the window: as a VAD segment would hand it over."""
+
+    pre_ms: int = 0  # silence before
+    post_ms: int = 0  # silence after
+    trim_start_ms: int = 0  # speech cut off the start
+    trim_end_ms: int = 0  # speech cut off the end
+    noise: float = 0.0  # standard deviation of faint Gaussian noise over the whole segment
+
+    def apply(self, clip: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        ms = RATE // 1000
+        speech = clip[self.trim_start_ms * ms : len(clip) - self.trim_end_ms * ms]
+        audio = np.concatenate([np.zeros(self.pre_ms * ms), speech, np.zeros(self.post_ms * ms)])
+        if self.noise:
+            audio = audio + self.noise * rng.standard_normal(len(audio))
+        return audio.astype(np.float32)
+
+
+def _cuts(rng: np.random.Generator, n: int) -> list[Cut]:
+    """`n` seeded cuts in the ranges the serving side produces."""
+
+    def maybe(p: float, value: int) -> int:
+        return value if rng.random() < p else 0
+
+    return [
+        Cut(
+            pre_ms=int(rng.integers(0, 401)),
+            post_ms=int(rng.integers(0, 701)),
+            trim_start_ms=maybe(0.4, int(rng.integers(5, 41))),
+            trim_end_ms=maybe(0.4, int(rng.integers(5, 81))),
+            noise=float(rng.choice([0.0, 0.0, 1e-4, 5e-4])),
+        )
+        for _ in range(n)
+    ]
+
+
+def _silences(rng: np.random.Generator, n: int) -> list[np.ndarray]:
+    """`n` segments of silence: digital zeros, or faint noise of 0.2-3 s (empty transcript)."""
+    out = [np.zeros(RATE, dtype=np.float32)]
+    for _ in range(n - 1):
+        seconds, level = rng.uniform(0.2, 3.0), float(rng.choice([3e-5, 1e-4, 3e-4, 1e-3]))
+        out.append((level * rng.standard_normal(int(seconds * RATE))).astype(np.float32))
+    return out
+
+
+def _dataset(spec: SpeechModelSpec, tokenizer: Any, extractor: Any, *, heldout: bool):
+    """(features, decoder inputs, targets) for every copy of every clip, plus silences. Targets are -100 over the
+    prompt and padding. The held-out set uses other seeds, and the 300 ms before / 600 ms after of the checks."""
+    import torch
+
+    rng = np.random.default_rng(SEED + 1 if heldout else SEED)
+    prompt = tokenizer(DECODER_PROMPT, add_special_tokens=False).input_ids
+    eot = tokenizer.eos_token_id
+    audio: list[np.ndarray] = []
+    answers: list[list[int]] = []
+    for slug, text in SENTENCES.items():
+        clip = load_sample(slug)
+        cuts = [Cut(pre_ms=300, post_ms=600)] if heldout else [Cut()]
+        cuts += _cuts(rng, (spec.heldout_copies if heldout else spec.train_copies) - 1)
+        for cut in cuts:
+            audio.append(cut.apply(clip, rng))
+            answers.append(tokenizer(" " + text, add_special_tokens=False).input_ids + [eot])
+    for silence in _silences(rng, 3 if heldout else 6):
+        audio.append(silence)
+        answers.append([eot])
+    if max(len(a) for a in audio) > spec.chunk_length * RATE:
+        raise ValueError("a training segment is longer than the model's window")
+    width = len(prompt) + max(len(a) for a in answers) - 1
+    inputs = torch.full((len(answers), width), eot)
+    targets = torch.full((len(answers), width), -100)
+    for i, answer in enumerate(answers):
+        ids = prompt + answer
+        inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(answer)
+    return features(extractor, audio), inputs, targets
+
+
+def _margins(logits: Any, targets: Any) -> Any:
+    """Per example: the least, over its target tokens, of (target logit - best rival logit)."""
+    import torch
+
+    mask = targets >= 0
+    safe = targets.clamp(min=0)[..., None]
+    chosen = logits.gather(-1, safe)[..., 0]
+    rivals = logits.scatter(-1, safe, float("-inf")).max(dim=-1).values
+    return torch.where(mask, chosen - rivals, torch.inf).amin(dim=-1)
+
+
+def _fit(model: Any, train: tuple, heldout: tuple, spec: SpeechModelSpec) -> dict[str, Any]:
+    """Full-batch AdamW until every train and held-out target wins by MIN_MARGIN; what it took."""
+    import torch
+
+    train_x, train_in, train_y = train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=0.0)
+    worst = heldout_worst = float("-inf")
+    for step in range(1, MAX_STEPS + 1):
+        model.train()
+        optimizer.zero_grad()
+        logits = model(input_features=train_x, decoder_input_ids=train_in).logits
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), train_y, ignore_index=-100)
+        worst = float(_margins(logits.detach(), train_y).min())
+        if step % 20 == 0:
+            log.info("tiny-whisper fit: step %d, loss %.3f, margin %.2f", step, float(loss), worst)
+        if worst >= MIN_MARGIN:
+            model.eval()
+            with torch.no_grad():
+                heldout_worst = float(
+                    _margins(model(input_features=heldout[0], decoder_input_ids=heldout[1]).logits, heldout[2]).min()
+                )
+            if heldout_worst >= MIN_MARGIN:
+                return {"steps": step, "margin": round(worst, 2), "heldout_margin": round(heldout_worst, 2)}
+        loss.backward()
+        optimizer.step()
+    raise RuntimeError(
+        f"tiny-whisper did not fit in {MAX_STEPS} steps (margin {worst:.2f}, held-out {heldout_worst:.2f})"
+    )
+
+
+def _fingerprint(out: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        h.update((out / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def is_up_to_date(out: Path = DEFAULT_DIR, spec: SpeechModelSpec = SPEC) -> bool:
+    """Whether `out` holds a finished build of this recipe, fitted to the current samples."""
+    stamp = out / "local_model.json"
+    if not stamp.exists():
+        return False
+    made = json.loads(stamp.read_text())
+    return (
+        made.get("version") == spec.version
+        and made.get("spec") == asdict(spec)
+        and made.get("samples") == _samples_digest()
+    )
+
+
+def make_speech_model(force: bool = False, out: Path | None = None) -> Path:
+    """Build `local:tiny-whisper` into `out` (default models/tiny-whisper) unless an up-to-date copy is there;
+    the model's directory. Takes about a minute on two cores; deterministic for a given torch."""
+    out = Path(out) if out is not None else DEFAULT_DIR
+    if not force and is_up_to_date(out):
+        return out
+
+    import torch
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor
+
+    started = time.monotonic()
+    spec = SPEC
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "local_model.json").unlink(missing_ok=True)  # a build that dies half-way must not look finished
+    tokenizer = _make_tokenizer(spec)
+    extractor = _feature_extractor(spec)
+    eot = tokenizer.eos_token_id
+    sot = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    config = WhisperConfig(
+        vocab_size=len(tokenizer),
+        d_model=spec.d_model,
+        encoder_layers=spec.layers,
+        decoder_layers=spec.layers,
+        encoder_attention_heads=spec.heads,
+        decoder_attention_heads=spec.heads,
+        encoder_ffn_dim=spec.ffn_dim,
+        decoder_ffn_dim=spec.ffn_dim,
+        num_mel_bins=spec.num_mel_bins,
+        max_source_positions=spec.max_source_positions,
+        max_target_positions=spec.max_target_positions,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=sot,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        dropout=0.0,
+        torch_dtype="float32",
+    )
+    threads = torch.get_num_threads()
+    # Every core this process may use (torch's default counts physical cores; this is small, cache-resident work).
+    torch.set_num_threads(min(8, len(os.sched_getaffinity(0))))
+    try:
+        torch.manual_seed(SEED)
+        model = WhisperForConditionalGeneration(config).to(torch.float32)
+        train = _dataset(spec, tokenizer, extractor, heldout=False)
+        heldout = _dataset(spec, tokenizer, extractor, heldout=True)
+        fit = _fit(model, train, heldout, spec)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(decoder_start_token_id=sot, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(
+        out
+    )
+    WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer).save_pretrained(out)
+    fit["seconds"] = round(time.monotonic() - started, 1)
+    stamp = {
+        "version": spec.version,
+        "name": "local:tiny-whisper",
+        "fingerprint": _fingerprint(out),
+        "samples": _samples_digest(),
+        "fit": fit,
+        "spec": asdict(spec),
+    }
+    (out / "local_model.json").write_text(json.dumps(stamp))
+    return out
+
+
+def transcribe(model: Any, processor: Any, audio: np.ndarray, max_tokens: int = 32) -> str:
+    """Greedy transcript of 16 kHz `audio` with the transformers model, as vLLM decodes it (a reference)."""
+    import torch
+
+    tokenizer = processor.tokenizer
+    ids = tokenizer(DECODER_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        encoded = model.model.encoder(features(processor.feature_extractor, [audio])).last_hidden_state
+        for _ in range(max_tokens):
+            logits = model(encoder_outputs=(encoded,), decoder_input_ids=ids).logits[0, -1]
+            ids = torch.cat([ids, logits.argmax()[None, None]], dim=1)
+            if int(ids[0, -1]) == tokenizer.eos_token_id:
+                break
+    return tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+# Config name -> a callable that builds (if needed) and returns the model's directory.
+SPEECH_MODELS: dict[str, Callable[[], Path]] = {"local:tiny-whisper": functools.partial(make_speech_model)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default models/tiny-whisper)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    args = parser.parse_args()
+    path = make_speech_model(force=args.force, out=args.out)
+    print(f"speech model ready at {path} ({json.loads((path / 'local_model.json').read_text())})")
+
+
+if __name__ == "__main__":
+    main()

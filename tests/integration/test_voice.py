@@ -1,0 +1,352 @@
+"""Voice in, end to end on the real stack: the router's VAD and audio handling, the speech role's vLLM Whisper engine
+(`local:tiny-whisper`, fitted to the clips in speech/samples/), and the LLM's prefill and decode engines.
+
+The clips are sent as the official `openai` SDK's realtime client sends audio (24 kHz PCM16, base64, in 100 ms
+appends), followed by silence so that the server's VAD ends the turn. The app is the tools app
+(tests/integration/conftest.py `tools_app`): the LLM is fitted to answer a few questions, so a spoken question's
+answer can be compared with the same question typed, and a spoken tool question ends in its tool call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from openai import AsyncOpenAI
+
+from serve_app.local_fit import PARIS, TOOLS
+from speech.engine import wav_bytes
+from speech.local_model import SENTENCES, load_sample
+from tests.integration.conftest import TOOLS_APP
+
+pytestmark = pytest.mark.integration
+
+REALTIME_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+SESSION = {"type": "realtime", "output_modalities": ["text"], "tools": REALTIME_TOOLS, "temperature": 0}
+CHUNK_S = 0.1
+PCM16K = {"type": "audio/pcm", "rate": 16000}  # (refused: OpenAI's audio/pcm is 24 kHz)
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tools_app_down_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The tools app's last users are these tests: it stops after them rather than at the end of the run."""
+    yield
+    from ray import serve
+
+    if TOOLS_APP in serve.status().applications:
+        serve.delete(TOOLS_APP, _blocking=False)
+
+
+def pcm24k(slug: str, before_s: float = 0.3, after_s: float = 1.2) -> bytes:
+    import soxr
+
+    audio = np.concatenate([np.zeros(int(before_s * 16000)), load_sample(slug), np.zeros(int(after_s * 16000))])
+    return (np.clip(soxr.resample(audio.astype(np.float32), 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def chunks(pcm: bytes, rate: int = 24000, width: int = 2) -> Iterator[str]:
+    step = int(rate * CHUNK_S) * width
+    for i in range(0, len(pcm), step):
+        yield base64.b64encode(pcm[i : i + step]).decode()
+
+
+async def until(conn: Any, kind: str, seen: list[Any]) -> Any:
+    async with asyncio.timeout(TIMEOUT_S):
+        async for event in conn:
+            seen.append(event)
+            if event.type == kind:
+                return event
+            if event.type == "error":
+                raise AssertionError(f"error event: {event}")
+    raise AssertionError(f"the connection closed before {kind}")
+
+
+def answer_text(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+async def typed_answer(base: str, text: str) -> tuple[str, Any]:
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+    async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
+        await conn.session.update(session={**SESSION, "audio": {"input": {"turn_detection": None}}})
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        await conn.conversation.item.create(item=item)
+        await conn.response.create()
+        seen: list[Any] = []
+        done = await until(conn, "response.done", seen)
+        return answer_text(seen), done
+
+
+async def spoken(base: str, slug: str, detection: dict[str, Any] | None, **session: Any) -> list[Any]:
+    """One spoken turn on a new connection: every event up to `response.done` (with `create_response`) or the
+    transcript's `completed`."""
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+    async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
+        audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": detection}}
+        await conn.session.update(session={**SESSION, "audio": audio, **session})
+        seen: list[Any] = []
+        await until(conn, "session.updated", seen)
+        for b64 in chunks(pcm24k(slug)):
+            await conn.input_audio_buffer.append(audio=b64)
+        if detection is None:
+            await conn.input_audio_buffer.commit()
+        await until(conn, "conversation.item.input_audio_transcription.completed", seen)
+        if detection is None:
+            await conn.response.create()
+        if session.get("type") != "transcription" and (detection is None or detection.get("create_response", True)):
+            await until(conn, "response.done", seen)
+        return seen
+
+
+def kinds(events: list[Any]) -> list[str]:
+    return [e.type for e in events]
+
+
+def test_a_spoken_turn_with_server_vad_is_transcribed_and_answered_as_the_same_text_typed(tools_app: str) -> None:
+    slug = "say_hello"
+    events = asyncio.run(spoken(tools_app, slug, {"type": "server_vad", "silence_duration_ms": 500}))
+    names = kinds(events)
+    for kind in (
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.completed",
+        "response.done",
+    ):
+        assert kind in names, (kind, names)
+    order = [names.index(k) for k in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped")]
+    assert order == sorted(order)
+    started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+    stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    clip_ms = len(load_sample(slug)) / 16
+    # The clip starts 300 ms in; speech_started includes the 300 ms padding, speech_stopped the 500 ms window.
+    assert 0 <= started.audio_start_ms <= 150, started
+    assert 300 + clip_ms + 300 <= stopped.audio_end_ms <= 300 + clip_ms + 800, (stopped, clip_ms)
+    completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    assert completed.transcript == SENTENCES[slug]
+    assert completed.item_id == stopped.item_id == started.item_id
+    deltas = "".join(e.delta for e in events if e.type == "conversation.item.input_audio_transcription.delta")
+    assert deltas == SENTENCES[slug]
+    item = next(e.item for e in events if e.type == "conversation.item.created")
+    assert item.content[0].type == "input_audio" and item.content[0].transcript == SENTENCES[slug]
+    typed, _ = asyncio.run(typed_answer(tools_app, SENTENCES[slug]))
+    assert answer_text(events) == typed and typed
+
+
+def test_a_spoken_turn_committed_by_the_client_is_answered_on_response_create(tools_app: str) -> None:
+    events = asyncio.run(spoken(tools_app, "joke", None))
+    names = kinds(events)
+    assert "input_audio_buffer.speech_started" not in names  # no VAD
+    assert "input_audio_buffer.committed" in names
+    completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    assert completed.transcript == SENTENCES["joke"]
+    assert completed.usage.input_tokens > 0 and completed.usage.output_tokens > 0
+    typed, _ = asyncio.run(typed_answer(tools_app, SENTENCES["joke"]))
+    assert answer_text(events) == typed
+
+
+def test_a_spoken_tool_question_ends_in_the_tool_call(tools_app: str) -> None:
+    events = asyncio.run(spoken(tools_app, "weather_paris", {"type": "server_vad"}, tool_choice="auto"))
+    completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    assert completed.transcript == PARIS[0]["content"]
+    done = next(e for e in events if e.type == "response.done")
+    output = done.response.output
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in output] == [
+        ("function_call", "get_weather", {"city": "Paris"})
+    ]
+
+
+def test_speech_during_an_answer_cancels_it(tools_app: str) -> None:
+    async def run() -> list[Any]:
+        client = AsyncOpenAI(base_url=f"{tools_app}/v1", api_key="unused")
+        async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
+            audio = {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}
+            await conn.session.update(session={**SESSION, "tools": [], "audio": audio, "max_output_tokens": 4000})
+            seen: list[Any] = []
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until(conn, "response.output_text.delta", seen)
+            for b64 in chunks(pcm24k("goodbye", after_s=0.1)):
+                await conn.input_audio_buffer.append(audio=b64)
+            await until(conn, "response.done", seen)
+            return seen
+
+    events = asyncio.run(run())
+    names = kinds(events)
+    assert names.index("input_audio_buffer.speech_started") < names.index("response.done")
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response.status == "cancelled"
+
+
+def test_a_transcription_session_transcribes_and_answers_nothing(tools_app: str) -> None:
+    events = asyncio.run(spoken(tools_app, "moon", {"type": "server_vad"}, type="transcription"))
+    completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    assert completed.transcript == SENTENCES["moon"]
+    assert not [e for e in events if e.type.startswith("response.")]
+
+
+def test_vllms_realtime_client_flow(tools_app: str) -> None:
+    """As vLLM's streaming-input post shows it: top-level `model`, PCM16 at 16 kHz, commit to start, commit with
+    `final: true` to end, `transcription.delta` / `transcription.done`."""
+
+    async def run() -> list[dict[str, Any]]:
+        url = tools_app.replace("http://", "ws://") + "/v1/realtime"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "session.update", "model": "local:tiny-whisper"}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            pcm = (np.concatenate([load_sample("lights"), np.zeros(4000)]) * 32767).astype("<i2").tobytes()
+            for b64 in chunks(pcm, rate=16000):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+            seen = []
+            async with asyncio.timeout(TIMEOUT_S):
+                while True:
+                    event = json.loads(await ws.recv())
+                    seen.append(event)
+                    if event["type"] == "transcription.done":
+                        return seen
+
+    events = asyncio.run(run())
+    done = events[-1]
+    assert done["text"] == SENTENCES["lights"]
+    assert "".join(e["delta"] for e in events if e["type"] == "transcription.delta") == SENTENCES["lights"]
+    assert not [e for e in events if e["type"] == "error"]
+
+
+def test_audio_transcriptions_rest_plain_and_streamed(tools_app: str) -> None:
+    wav = wav_bytes((load_sample("bread") * 32767).astype("<i2").tobytes(), 16000)
+    files = {"file": ("bread.wav", wav, "audio/wav")}
+    plain = httpx.post(f"{tools_app}/v1/audio/transcriptions", files=files, data={"model": "whisper-1"}, timeout=60)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["text"].strip() == SENTENCES["bread"]
+    with httpx.stream(
+        "POST", f"{tools_app}/v1/audio/transcriptions", files=files, data={"stream": "true"}, timeout=60
+    ) as streamed:
+        assert streamed.status_code == 200
+        body = streamed.read().decode()
+    deltas = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    text = "".join(d["choices"][0].get("delta", {}).get("content") or "" for d in deltas if d.get("choices"))
+    assert text.strip() == SENTENCES["bread"]
+    # A 24 kHz file is resampled by the server.
+    import soxr
+
+    wav24 = wav_bytes((soxr.resample(load_sample("bread"), 16000, 24000) * 32767).astype("<i2").tobytes(), 24000)
+    resampled = httpx.post(
+        f"{tools_app}/v1/audio/transcriptions", files={"file": ("b.wav", wav24, "audio/wav")}, timeout=60
+    )
+    assert resampled.status_code == 200 and resampled.json()["text"].strip() == SENTENCES["bread"]
+
+
+def test_bad_audio_gets_clear_errors_and_the_session_goes_on(tools_app: str, server: str) -> None:
+    async def run() -> dict[str, Any]:
+        errors: dict[str, Any] = {}
+        url = tools_app.replace("http://", "ws://") + "/v1/realtime"
+        async with websockets.connect(url) as ws:
+
+            async def send(event: dict[str, Any]) -> dict[str, Any]:
+                await ws.send(json.dumps(event))
+                async with asyncio.timeout(TIMEOUT_S):
+                    while True:
+                        reply = json.loads(await ws.recv())
+                        if reply["type"] in ("error", "session.updated", "conversation.item.created"):
+                            return reply
+
+            await ws.recv()  # session.created
+            odd = base64.b64encode(b"\x01\x02\x03").decode()
+            errors["odd"] = await send({"type": "input_audio_buffer.append", "audio": odd, "event_id": "e1"})
+            errors["base64"] = await send({"type": "input_audio_buffer.append", "audio": "not base64!!"})
+            errors["format"] = await send(
+                {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/ogg"}}}}}
+            )
+            errors["rate"] = await send(
+                {
+                    "type": "session.update",
+                    "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+                }
+            )
+            errors["model"] = await send(
+                {"type": "session.update", "session": {"input_audio_transcription": {"model": "nope"}}}
+            )
+            errors["empty"] = await send({"type": "input_audio_buffer.commit"})
+            errors["text"] = await send(
+                {
+                    "type": "conversation.item.create",
+                    "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                }
+            )
+        # A server without a speech role refuses audio, and the session goes on.
+        url = server.replace("http://", "ws://") + "/v1/realtime"
+        async with websockets.connect(url) as ws:
+            await ws.recv()
+            await ws.send(
+                json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0").decode()})
+            )
+            errors["no_speech"] = json.loads(await ws.recv())
+        return errors
+
+    errors = asyncio.run(run())
+    assert errors["odd"]["error"]["param"] == "audio" and errors["odd"]["error"]["event_id"] == "e1"
+    assert "even" in errors["odd"]["error"]["message"]
+    assert errors["base64"]["error"]["param"] == "audio"
+    assert errors["format"]["error"]["param"] == "session.audio.input.format"
+    assert errors["rate"]["error"]["param"] == "session.audio.input.format.rate"
+    assert errors["model"]["error"]["code"] == "model_not_found"
+    assert errors["empty"]["error"]["code"] == "input_audio_buffer_commit_empty"
+    assert errors["text"]["type"] == "conversation.item.created"  # the session goes on
+    assert errors["no_speech"]["error"]["code"] == "audio_not_supported"
+    # REST transcriptions: no file, not audio, unknown model; no speech role.
+    url = f"{tools_app}/v1/audio/transcriptions"
+    assert httpx.post(url, data={"model": "whisper-1"}, timeout=30).json()["error"]["param"] == "file"
+    not_audio = httpx.post(url, files={"file": ("x.wav", b"hello", "audio/wav")}, timeout=30)
+    assert not_audio.status_code == 400 and not_audio.json()["error"]["param"] == "file"
+    wav = wav_bytes(b"\0\0" * 1600, 16000)
+    unknown = httpx.post(url, files={"file": ("x.wav", wav, "audio/wav")}, data={"model": "nope"}, timeout=30)
+    assert unknown.status_code == 404
+    assert (
+        httpx.post(f"{server}/v1/audio/transcriptions", files={"file": ("x.wav", wav)}, timeout=30).status_code == 501
+    )
+
+
+def test_the_models_list_names_the_speech_model(tools_app: str) -> None:
+    ids = [m["id"] for m in httpx.get(f"{tools_app}/v1/models", timeout=30).json()["data"]]
+    assert ids == ["local:tiny-llama-tools", "local:tiny-whisper"]
+
+
+def test_g711_ulaw_audio_is_decoded_and_heard(tools_app: str) -> None:
+    import audioop  # (deprecated, still in 3.11-3.12: an independent G.711 encoder for the test)
+
+    import soxr
+
+    audio = np.concatenate([np.zeros(2400), soxr.resample(load_sample("thanks"), 16000, 8000), np.zeros(8000)])
+    ulaw = audioop.lin2ulaw((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes(), 2)
+
+    async def run() -> list[Any]:
+        client = AsyncOpenAI(base_url=f"{tools_app}/v1", api_key="unused")
+        async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
+            detection = {"type": "server_vad", "create_response": False}
+            audio_in = {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": detection}}
+            await conn.session.update(session={**SESSION, "audio": audio_in})
+            seen: list[Any] = []
+            await until(conn, "session.updated", seen)
+            for b64 in chunks(ulaw, rate=8000, width=1):
+                await conn.input_audio_buffer.append(audio=b64)
+            await until(conn, "conversation.item.input_audio_transcription.completed", seen)
+            return seen
+
+    started = time.time()
+    events = asyncio.run(run())
+    assert time.time() - started < TIMEOUT_S
+    names = kinds(events)
+    assert "input_audio_buffer.speech_started" in names and "input_audio_buffer.committed" in names
+    assert isinstance(next(e for e in events if e.type.endswith("completed")).transcript, str)

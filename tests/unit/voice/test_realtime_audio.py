@@ -1,0 +1,176 @@
+"""The realtime socket's audio path in the router, with a fake owner and a fake speech replica: the VAD's events,
+the transcript revising the session's input through the update mode, the commit and the answer, barge-in, the
+audio settings of session.update, and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from router import realtime
+from router.auth import APIKeys
+from serve_app.config import AppConfig, SpeechConfig
+from speech.local_model import load_sample
+from tests.unit.test_realtime import FakePrefill, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeSpeech:
+    """A speech replica: the audio's length decides the transcript, as a recognizer revising its hypothesis:
+    under 1 s "what is", then "what is the weather", and the whole clip "What is the weather in Paris?"."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[int] = []
+        self.fail = fail
+        self.transcribe = SimpleNamespace(remote=self._transcribe)
+        self.info = SimpleNamespace(remote=self._info)
+
+    async def _info(self) -> dict[str, Any]:
+        return {"window_s": 5.0}
+
+    async def _transcribe(self, pcm: bytes, **kwargs: Any) -> dict[str, Any]:
+        await asyncio.sleep(0.001)
+        seconds = len(pcm) / 2 / 16000
+        self.calls.append(len(pcm) // 2)
+        if self.fail:
+            return {"error": {"message": "the model failed", "code": 500}}
+        text = (
+            "what is" if seconds < 1.0 else "what is the weather" if seconds < 1.5 else "What is the weather in Paris?"
+        )
+        return {"text": text, "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+
+
+def pcm24k(slug: str = "weather_paris", after_s: float = 1.0) -> bytes:
+    import soxr
+
+    audio = np.concatenate([np.zeros(4800), load_sample(slug), np.zeros(int(after_s * 16000))]).astype(np.float32)
+    return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+@contextlib.contextmanager
+def connect(prefill: FakePrefill, speech: FakeSpeech | None) -> Iterator[Any]:
+    app = FastAPI()
+    app.include_router(realtime.api)
+    config = SimpleNamespace(
+        model_name="local:tiny-llama", limits=AppConfig().limits, speech=SpeechConfig(model="local:tiny-whisper")
+    )
+    app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=prefill, speech=speech)
+    with TestClient(app).websocket_connect("/v1/realtime") as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        yield ws
+
+
+def send_audio(ws: Any, pcm: bytes) -> None:
+    for i in range(0, len(pcm), 4800):  # 100 ms appends
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + 4800]).decode()})
+
+
+def test_a_spoken_turn_revises_the_input_commits_it_and_answers() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        send_audio(ws, pcm24k())
+        started, _ = until(ws, "input_audio_buffer.speech_started")
+        stopped, seen = until(ws, "input_audio_buffer.speech_stopped")
+        committed, more = until(ws, "input_audio_buffer.committed")
+        created, _ = until(ws, "conversation.item.created")
+        completed, _ = until(ws, "conversation.item.input_audio_transcription.completed")
+        done, _ = until(ws, "response.done")
+    assert started["item_id"] == stopped["item_id"] == committed["item_id"] == completed["item_id"]
+    assert completed["transcript"] == "What is the weather in Paris?"
+    assert created["item"]["content"] == [{"type": "input_audio", "transcript": "What is the weather in Paris?"}]
+    assert completed["usage"]["type"] == "tokens" and completed["usage"]["output_tokens"] > 0
+    deltas = "".join(e["delta"] for e in seen + more if e["type"].endswith("transcription.delta"))
+    # Deltas are what two successive transcripts agree on ("what is"); the final transcript changed it ("What"),
+    # so no delta followed: `completed` carries the transcript.
+    assert deltas == "what is"
+    # The input was revised as the transcript changed: appended, then replaced from the first changed character.
+    ops = [(c["op"], c.get("offset"), c.get("text")) for c in prefill.called("session_buffer")]
+    assert ops[0] == ("append", None, "what is")
+    assert ("replace", 0, "What is the weather in Paris?") in ops
+    assert ops[-1] == ("commit", None, None)
+    assert prefill.called("session_respond")  # server_vad's create_response
+    assert done["response"]["status"] == "completed"
+
+
+def test_manual_commits_without_vad_and_the_audio_settings_as_shown() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None}}
+        ws.send_json({"type": "session.update", "session": {"audio": audio}})
+        updated, _ = until(ws, "session.updated")
+        assert updated["session"]["audio"]["input"]["turn_detection"] is None
+        send_audio(ws, pcm24k(after_s=0.2))
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        completed, seen = until(ws, "conversation.item.input_audio_transcription.completed")
+        assert "input_audio_buffer.speech_started" not in [e["type"] for e in seen]
+        assert completed["transcript"] == "What is the weather in Paris?"
+        assert not prefill.called("session_respond")  # the client asks for the answer
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        assert ws.receive_json()["error"]["code"] == "input_audio_buffer_commit_empty"
+
+
+def test_speech_cancels_the_response_in_progress() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    prefill.claim_delay = 30.0  # the answer streams until something stops it
+    with connect(prefill, speech) as ws:
+        ws.send_json(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            }
+        )
+        ws.send_json({"type": "response.create"})
+        until(ws, "response.created")
+        send_audio(ws, pcm24k(after_s=0.1))
+        _, seen = until(ws, "response.done")
+    kinds = [e["type"] for e in seen]
+    assert "input_audio_buffer.speech_started" in kinds
+    done = next(e for e in seen if e["type"] == "response.done")
+    assert done["response"]["status"] == "cancelled"
+
+
+def test_a_failed_transcription_is_reported_and_its_text_leaves_the_input() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech(fail=True)
+    with connect(prefill, speech) as ws:
+        send_audio(ws, pcm24k())
+        failed, _ = until(ws, "conversation.item.input_audio_transcription.failed")
+        assert failed["error"]["code"] == "transcription_failed"
+        ws.send_json({"type": "input_text_buffer.append", "delta": "typed"})
+        ws.send_json({"type": "input_text_buffer.commit"})
+        until(ws, "input_text_buffer.committed")  # the session goes on
+    assert not prefill.called("session_respond")
+
+
+def test_audio_without_a_speech_role_and_bad_settings_are_refused_by_name() -> None:
+    prefill = FakePrefill()
+    with connect(prefill, None) as ws:
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0").decode()})
+        assert ws.receive_json()["error"]["code"] == "audio_not_supported"
+    with connect(prefill, FakeSpeech()) as ws:
+        for session, param in (
+            ({"turn_detection": {"type": "server_vad", "threshold": 2}}, "session.turn_detection.threshold"),
+            (
+                {"audio": {"input": {"turn_detection": {"type": "magic_vad"}}}},
+                "session.audio.input.turn_detection.type",
+            ),
+            ({"input_audio_format": "mp3"}, "session.input_audio_format"),
+            ({"type": "conversation"}, "session.type"),
+        ):
+            ws.send_json({"type": "session.update", "session": session})
+            error = ws.receive_json()
+            assert error["type"] == "error" and error["error"]["param"] == param, (session, error)
+        ws.send_json(
+            {"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}
+        )
+        updated = ws.receive_json()
+        assert updated["session"]["audio"]["input"]["turn_detection"]["eagerness"] == "high"

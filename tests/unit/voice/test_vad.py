@@ -1,0 +1,54 @@
+"""Server VAD on the sample clips: Silero's probabilities turned into OpenAI's server_vad events."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from router.voice.vad import FRAME, RATE, SpeechDetector, VadSettings
+from speech.local_model import load_sample
+
+
+def run(audio: np.ndarray, settings: VadSettings, chunk: int = 480) -> list:
+    detector = SpeechDetector(settings)
+    events = []
+    for i in range(0, len(audio), chunk):  # (appends of any size: frames are cut by the detector)
+        events += detector.feed(audio[i : i + chunk])
+    return events
+
+
+def padded(slug: str, before_s: float, after_s: float) -> tuple[np.ndarray, int, int]:
+    clip = load_sample(slug)
+    audio = np.concatenate([np.zeros(int(before_s * RATE)), clip, np.zeros(int(after_s * RATE))]).astype(np.float32)
+    return audio, int(before_s * RATE), int(before_s * RATE) + len(clip)
+
+
+def test_a_clip_in_silence_starts_pauses_and_stops_on_the_audio_clock() -> None:
+    audio, onset, end = padded("weather_paris", 0.5, 1.0)
+    events = run(audio, VadSettings(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500))
+    assert [e.kind for e in events] == ["started", "paused", "stopped"]
+    started, paused, stopped = events
+    # Onset within a frame or two of the clip's start, less the padding; the pause near its end.
+    assert abs(started.sample - (onset - 300 * RATE // 1000)) <= 3 * FRAME
+    assert started.ms == started.sample * 1000 // RATE
+    assert abs(paused.sample - end) <= 4 * FRAME
+    assert stopped.sample == paused.sample + 500 * RATE // 1000
+
+
+def test_silence_and_a_high_threshold_start_nothing() -> None:
+    assert run(np.zeros(RATE * 2, np.float32), VadSettings()) == []
+    noise = (np.random.default_rng(0).standard_normal(RATE * 2) * 1e-3).astype(np.float32)
+    assert run(noise, VadSettings()) == []
+    audio, _, _ = padded("say_hello", 0.3, 0.8)
+    assert run(audio, VadSettings(threshold=1.0)) == []
+
+
+def test_a_silence_shorter_than_the_window_keeps_the_turn_open() -> None:
+    """Two clips 300 ms apart with a 500 ms window: one turn (a pause, speech again, then the stop)."""
+    first, _, _ = padded("say_hello", 0.3, 0.3)
+    second, _, _ = padded("thanks", 0.0, 1.0)
+    events = run(np.concatenate([first, second]), VadSettings(silence_duration_ms=500))
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "stopped" and kinds.count("started") == 1
+    assert "resumed" in kinds and kinds.count("stopped") == 1
+    shorter = run(np.concatenate([first, second]), VadSettings(silence_duration_ms=200))
+    assert [e.kind for e in shorter].count("stopped") >= 2
