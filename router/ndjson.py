@@ -2,7 +2,8 @@
 
 With `X-Streaming-Input: true`, the request body is NDJSON sent with `Transfer-Encoding: chunked`:
 the first line is an ordinary chat-completions request (its last user message may be partial, and it may
-carry `start_policy`); every later line is `{"payload": "<text>"}` appended to the user's turn, and
+carry `start_policy`, and `audio: {"rate"}` for audio lines); every later line is `{"payload": "<text>"}` appended
+to the user's turn, or `{"modality": "audio", "payload": "<base64 PCM16>"}` transcribed into it (router/voice/), and
 `{"end_of_input": true}` (on such a line or alone) or the end of the body ends the input. Each line is
 prefilled as it arrives; the response is what the same request sent whole would get (SSE or JSON).
 """
@@ -22,9 +23,10 @@ from router import tool_calls
 from router.admission import Refusal, admit_session
 from router.answers import AnswerReader
 from router.owner import create_session, session_call
-from router.schemas import CreateSessionBody, is_unicode, validation_error
+from router.schemas import ChunkBody, CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
 from router.tasks import detached
+from router.voice import session_audio
 from serve_app.protocol import error_body, error_response, streaming_response
 
 NDJSON_IDLE_S = 30.0  # a request body silent for this long is over (408), and its session with it
@@ -83,6 +85,8 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     ingress.check_max_tokens(first)
     if (refused := tool_calls.refusal(first)) is not None:
         return error_response(refused)
+    if first.get("audio") is not None and getattr(ingress, "speech", None) is None:
+        return error_response(error_body(400, session_audio.NO_SPEECH, "audio"))
     stream = bool(first.get("stream"))
     messages = first.setdefault("messages", [])
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
@@ -102,10 +106,17 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         return error_response(created)
     session_id = created["session_id"]
 
-    async def chunk(seq: int, payload: str, end: bool) -> None:
-        result = await session_call(
-            ingress, "session_chunk", session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
-        )
+    if first.get("audio") is not None:
+        session_audio.remember(session_id, first["audio"])
+
+    async def chunk(seq: int, payload: str, end: bool, modality: str = "text") -> None:
+        if modality == "audio":
+            body = ChunkBody(sequence_id=seq, modality="audio", payload=payload, end_of_input=end)
+            result = await session_audio.audio_chunk(ingress, session_id, body)
+        else:
+            result = await session_call(
+                ingress, "session_chunk", session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
+            )
         if "error" in result:
             raise InputError(result)
 
@@ -126,7 +137,10 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
                 if not isinstance(payload, str):
                     raise InputError(error_body(400, 'each NDJSON line is {"payload": str}', "payload"))
                 ended = bool(line.get("end_of_input"))
-                await chunk(seq, payload, ended)
+                modality = line.get("modality", "text")
+                if modality not in ("text", "audio"):
+                    raise InputError(error_body(400, 'an NDJSON line\'s modality is "text" or "audio"', "modality"))
+                await chunk(seq, payload, ended, modality)
                 seq += 1
                 if ended:
                     break

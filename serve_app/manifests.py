@@ -32,7 +32,7 @@ RAY_VERSION = "2.60.0"  # must match the image's Ray (pyproject pins ray[serve]=
 APP_LABEL = "realtime-pd"
 SECRET_NAME, SECRET_KEY = "hf-token", "token"
 SERVE_PORT = 8000
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "speech")
 
 # Pod sizing: host resources per GPU of a worker pod, and of the head pod (Serve controller, proxy, routers).
 CPU_PER_GPU = 8
@@ -203,7 +203,9 @@ def render(config_path: Path, image: str = DEFAULT_IMAGE) -> str:
                 },
                 "headGroupSpec": head_group(name, router, image),
                 "workerGroupSpecs": [
-                    worker_group(name, role, replica_shape(args[role]["deployment"]), image) for role in ROLES
+                    worker_group(name, role, replica_shape(args[role]["deployment"]), image)
+                    for role in ROLES
+                    if role in args and (role != "speech" or args[role].get("model"))  # (no speech model: no pool)
                 ],
             },
         },

@@ -20,7 +20,7 @@ from serve_app.config import AppConfig
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted((REPO / "k8s").glob("*.yaml"))
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "speech")  # (speech: the GPU configs name a Whisper model)
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
