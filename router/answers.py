@@ -270,17 +270,25 @@ class AnswerReader:
             item: Any = self._first
             while item is not _END:
                 forward, deltas = self._absorb(item, keep_usage)
+                end = ""
                 if SSE_DONE in forward:
-                    if not await self._claimed():  # a released answer the owner did not confirm: not the answer
-                        forward = forward.replace(SSE_DONE, "") + self._withdrawal()
-                    # The outcome is whole: the owner hears it before the client does, so that the client's
-                    # next input never finds the answer still in progress.
-                    await self.settle(self.outcome.status)
+                    # Only the stream's end waits for the owner, never its text: a preemptive answer made whole
+                    # before the turn ended (its max_tokens, or a stop) comes in one item, [DONE] included.
+                    at = forward.index(SSE_DONE)
+                    forward, end = forward[:at], forward[at:]
                 self._streamed = self._streamed or bool(deltas) or bool(self.outcome.tool_calls)
                 if (replica := getattr(self._stream, "replica", None)) != self._registered:
                     self._registered = replica  # resumed on another decode replica (router/resume.py)
                     detached(self._register(self._stream))
-                yield forward, deltas
+                if forward or deltas:
+                    yield forward, deltas
+                if end:
+                    if not await self._claimed():  # a released answer the owner did not confirm: not the answer
+                        end = end.replace(SSE_DONE, "") + self._withdrawal()
+                    # The outcome is whole: the owner hears it before the client does, so that the client's
+                    # next input never finds the answer still in progress.
+                    await self.settle(self.outcome.status)
+                    yield end, []
                 if (now := time.monotonic()) - alive_at > READER_ALIVE_S:  # a long answer: still being read
                     alive_at = now
                     detached(self._alive())

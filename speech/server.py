@@ -36,6 +36,9 @@ class SpeechServer(AudioSessions):
         await self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.in_flight = 0
+        self.audio_seconds = 0.0  # audio transcribed (an utterance counts again each time it is transcribed)
+        self.transcriptions = 0
+        self.busy_s = 0.0  # time spent transcribing (one transcription at a time: the replica's load)
 
     def info(self) -> dict[str, Any]:
         """What the router needs to know of the model: its sample rate and window (seconds of audio one
@@ -63,6 +66,11 @@ class SpeechServer(AudioSessions):
         elapsed = time.perf_counter() - started
         if hasattr(result, "error"):
             return error_payload(result)
+        self.audio_seconds, self.transcriptions, self.busy_s = (
+            self.audio_seconds + seconds,
+            self.transcriptions + 1,
+            self.busy_s + elapsed,
+        )
         metrics.inc(metrics.SPEECH_AUDIO_SECONDS, seconds, "audio seconds transcribed", replica=self.replica)
         metrics.observe(metrics.SPEECH_LATENCY, elapsed, "time one transcription took", replica=self.replica)
         usage = result.usage.model_dump(mode="json") if getattr(result, "usage", None) else None
@@ -95,10 +103,12 @@ class SpeechServer(AudioSessions):
             self.in_flight -= 1
 
     def record_autoscaling_stats(self) -> dict[str, float]:
+        metrics.set_gauge(metrics.SPEECH_IN_FLIGHT, self.in_flight, "transcriptions in flight", replica=self.replica)
         return {ACTIVE_STREAMS: float(self.in_flight)}
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.totals.as_dict(), "in_flight": self.in_flight, "replica": self.replica}
+        counts = {"audio_seconds": self.audio_seconds, "transcriptions": self.transcriptions, "busy_s": self.busy_s}
+        return {**self.engine.totals.as_dict(), **counts, "in_flight": self.in_flight, "replica": self.replica}
 
     def pid(self) -> dict[str, Any]:
         import os

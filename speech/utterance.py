@@ -62,7 +62,7 @@ class Utterance:
         self.text = ""  # the latest transcript of the whole utterance
         self.covered = 0  # the end (sample) the latest transcript covers
         self.failed: TranscriptionFailed | None = None
-        self.usage = {"input_tokens": 0, "output_tokens": 0, "seconds": 0.0}
+        self.usage = {"transcriptions": 0, "seconds": 0.0}  # the work: audio seconds sent (again as it grows)
         self._asked = 0  # the end of the newest transcription asked for
         self._last_asked = 0
         self._wake = asyncio.Event()
@@ -194,9 +194,7 @@ class Utterance:
                 continue
             if "error" in result:
                 raise TranscriptionFailed(str(result["error"].get("message")), "transcription_failed")
-            usage = result.get("usage") or {}
-            self.usage["input_tokens"] += int(usage.get("prompt_tokens") or 0)
-            self.usage["output_tokens"] += int(usage.get("completion_tokens") or 0)
+            self.usage["transcriptions"] += 1
             self.usage["seconds"] += (end - start) / MODEL_RATE
             latency = time.perf_counter() - asked
             metrics.observe(metrics.VOICE_TRANSCRIPT_DELAY, latency, "transcript behind audio", surface=self.surface)

@@ -377,18 +377,10 @@ class AudioInput:
             return
         turn.close()
         await self.delta(text)
-        usage = {"type": "tokens", **{k: turn.usage[k] for k in ("input_tokens", "output_tokens")}}
-        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        # As vLLM's Whisper serving reports it (OpenAI's `duration` usage): the turn's audio seconds.
+        usage = {"type": "duration", "seconds": round(end / MODEL_RATE, 3)}
         if self.vllm_flow:
-            await self.conn.send(
-                "transcription.done",
-                text=text,
-                usage={
-                    "prompt_tokens": usage["input_tokens"],
-                    "completion_tokens": usage["output_tokens"],
-                    "total_tokens": usage["total_tokens"],
-                },
-            )
+            await self.conn.send("transcription.done", text=text, usage=usage)
             return
         await self.conn.send("input_audio_buffer.committed", previous_item_id=self.conn.last_item_id, item_id=item_id)
         part = {"type": "input_audio", "transcript": text}

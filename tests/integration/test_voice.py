@@ -150,7 +150,7 @@ def test_a_spoken_turn_committed_by_the_client_is_answered_on_response_create(to
     assert "input_audio_buffer.committed" in names
     completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
     assert completed.transcript == SENTENCES["joke"]
-    assert completed.usage.input_tokens > 0 and completed.usage.output_tokens > 0
+    assert completed.usage.type == "duration" and completed.usage.seconds > len(load_sample("joke")) / 16000
     typed, _ = asyncio.run(typed_answer(tools_app, SENTENCES["joke"]))
     assert answer_text(events) == typed
 

@@ -62,7 +62,7 @@ async def test_it_is_transcribed_again_as_it_grows_and_the_final_reuses_a_transc
     assert speech.calls[-1] == 16000
     assert await utterance.final(16000) == "1000ms"  # covered: no new transcription
     assert len(speech.calls) == before
-    assert utterance.usage["output_tokens"] == 2 * len(speech.calls)
+    assert utterance.usage["transcriptions"] == len(speech.calls)
     utterance.close()
 
 

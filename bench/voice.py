@@ -1,0 +1,345 @@
+"""Spoken turns: end of speech → first answer token, this system's voice path against the cascade on the same stack.
+
+Each turn is one of the embedded speech model's clips (speech/samples/), sent as a microphone would: 24 kHz PCM16
+in 20 ms frames paced at the audio's own rate, with silence before and after. "End of speech" is the moment the
+clip's last sample was spoken (the frame holding it is sent at most 20 ms later). Systems, in the same run on the
+same app (the default config's, as `make run` serves it), alternating turn by turn:
+
+- `voice`: the realtime socket with `server_vad` (`--silence-ms`) and `create_response`: the turn is transcribed
+  and prefilled while it is spoken, and answered when the VAD confirms its end;
+- `voice+preemptive`: the same with preemptive answers (`after_idle_ms` `--after-idle-ms`, `stream`: the
+  `rtpd.response.provisional.done` events say whether the answer made in the silence was delivered);
+- `cascade`: what a user would otherwise build on this stack: the client finds the end of speech with the same
+  VAD (Silero, the same threshold and silence window, router/voice/vad.py), then `POST /v1/audio/transcriptions`
+  of the whole utterance, then one streamed `/v1/chat/completions` of its transcript.
+
+Reported: end of speech → first token P50/P95/P99; how long the transcript lags the end of speech (the
+`completed` event, or the cascade's transcription reply); the share of turns answered preemptively; whether each
+voice answer is the cascade's answer for the same transcript (greedy: the same text); and the work per turn (audio
+seconds transcribed, LLM prompt tokens computed on prefill and decode, tokens generated). At `--voices 1` and at
+many voices at once.
+
+    .venv/bin/python bench/voice.py [--quick] [--voices 1 4] [--turns 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import random
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import systems
+import websockets
+import yaml
+from clients import pct_ms
+from tqdm import tqdm
+
+from router.voice.vad import SpeechDetector, VadSettings
+from speech.engine import wav_bytes
+from speech.local_model import SENTENCES, load_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+FRAME_S = 0.02
+SYSTEMS = ("voice", "voice+preemptive", "cascade")
+
+
+def turn_audio(slug: str, lead_s: float, tail_s: float) -> tuple[np.ndarray, float]:
+    """The clip at 16 kHz with silence around it, and where (seconds) its speech ends."""
+    clip = load_sample(slug)
+    audio = np.concatenate([np.zeros(int(lead_s * 16000)), clip, np.zeros(int(tail_s * 16000))]).astype(np.float32)
+    return audio, lead_s + len(clip) / 16000
+
+
+def pcm24k(audio: np.ndarray) -> bytes:
+    import soxr
+
+    return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def paced(frames: list[Any], send: Any) -> float:
+    """Send `frames` (one per FRAME_S of audio) as a microphone makes them; returns the start time."""
+    start = time.perf_counter()
+    for i, frame in enumerate(frames):
+        delay = start + (i + 1) * FRAME_S - time.perf_counter()  # a frame leaves once it has been spoken
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await send(frame)
+    return start
+
+
+async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive: bool) -> dict[str, Any]:
+    audio, speech_end = turn_audio(slug, args.lead_s, args.tail_s)
+    pcm = pcm24k(audio)
+    step = int(24000 * FRAME_S) * 2
+    frames = [base64.b64encode(pcm[i : i + step]).decode() for i in range(0, len(pcm), step)]
+    url = base.replace("http://", "ws://") + "/v1/realtime"
+    detection = {"type": "server_vad", "silence_duration_ms": args.silence_ms, "create_response": True}
+    session: dict[str, Any] = {
+        "output_modalities": ["text"],
+        "temperature": 0,
+        "max_output_tokens": args.max_tokens,
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": detection}},
+    }
+    if preemptive:
+        session["preemptive"] = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
+    out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.recv()  # session.created
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        while json.loads(await ws.recv())["type"] != "session.updated":
+            pass
+        times: dict[str, float] = {}
+        text: list[str] = []
+
+        async def read() -> None:
+            async for raw in ws:
+                event = json.loads(raw)
+                kind, now = event["type"], time.perf_counter()
+                times.setdefault(kind, now)
+                if kind == "conversation.item.input_audio_transcription.completed":
+                    out["transcript"] = event["transcript"]
+                elif kind == "response.output_text.delta":
+                    text.append(event["delta"])
+                elif kind == "rtpd.response.provisional.done":
+                    out["preemptive"] = event.get("status")
+                elif kind == "error":
+                    out["error"] = event["error"]
+                elif kind == "response.done":
+                    out["status"] = event["response"]["status"]
+                    return
+
+        reader = asyncio.create_task(read())
+        start = await paced(frames, lambda f: ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": f})))
+        try:
+            await asyncio.wait_for(reader, 60)
+        except TimeoutError:
+            out["error"] = "no response.done within 60 s"
+    eos = start + speech_end
+    out["answer"] = "".join(text)
+    if "response.output_text.delta" in times:
+        out["eos_to_first_s"] = times["response.output_text.delta"] - eos
+    if "conversation.item.input_audio_transcription.completed" in times:
+        out["transcript_lag_s"] = times["conversation.item.input_audio_transcription.completed"] - eos
+    if "input_audio_buffer.speech_stopped" in times:
+        out["eos_to_stopped_s"] = times["input_audio_buffer.speech_stopped"] - eos
+    return out
+
+
+async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: httpx.AsyncClient) -> dict[str, Any]:
+    """Client-side VAD on the same frames, then transcription of the utterance, then one chat completion."""
+    audio, speech_end = turn_audio(slug, args.lead_s, args.tail_s)
+    step = int(16000 * FRAME_S)
+    frames = [audio[i : i + step] for i in range(0, len(audio), step)]
+    vad = SpeechDetector(VadSettings(silence_duration_ms=args.silence_ms))
+    onset: list[int] = []
+    stopped = asyncio.Event()
+    end_sample: list[int] = []
+
+    async def send(frame: np.ndarray) -> None:
+        for event in vad.feed(frame):
+            if event.kind == "started" and not onset:
+                onset.append(event.sample)
+            elif event.kind == "stopped" and not stopped.is_set():
+                end_sample.append(event.sample)
+                stopped.set()
+
+    out: dict[str, Any] = {"slug": slug, "system": "cascade"}
+    start = await paced(frames, send)
+    eos = start + speech_end
+    if not stopped.is_set():
+        return {**out, "error": "the VAD did not end the turn"}
+    utterance = audio[onset[0] : end_sample[0]]
+    wav = wav_bytes((np.clip(utterance, -1, 1) * 32767).astype("<i2").tobytes(), 16000)
+    files = {"file": ("turn.wav", wav, "audio/wav")}
+    heard = await client.post(f"{base}/v1/audio/transcriptions", files=files, timeout=60)
+    out["transcript_lag_s"] = time.perf_counter() - eos
+    transcript = heard.json().get("text", "").strip()
+    out["transcript"] = transcript
+    body = {
+        "messages": [{"role": "user", "content": transcript}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    text: list[str] = []
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") if "choices" in line else None
+            if delta:
+                out.setdefault("eos_to_first_s", time.perf_counter() - eos)
+                text.append(delta)
+    out["answer"] = "".join(text)
+    out["status"] = "completed"
+    return out
+
+
+def work(handles: dict[str, Any]) -> dict[str, float]:
+    """Running totals of the engines' work (prefill + decode prompt tokens computed, tokens generated, audio
+    seconds transcribed)."""
+    prefill = handles["prefill"].stats.remote().result(timeout_s=60)
+    decode = handles["decode"].stats.remote().result(timeout_s=60)
+    speech = handles["speech"].stats.remote().result(timeout_s=60)
+    return {
+        "llm_prompt_tokens": prefill["prompt_tokens_computed_total"] + decode["prompt_tokens_computed_total"],
+        "llm_generated_tokens": decode["generation_tokens"] + prefill["generation_tokens"],
+        "audio_s_transcribed": speech["audio_seconds"],
+        "transcriptions": speech["transcriptions"],
+    }
+
+
+async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[str, Any]) -> dict[str, Any]:
+    rng = random.Random(voices)
+    slugs = list(SENTENCES)
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    spent: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
+    bar = tqdm(total=args.turns * len(SYSTEMS) * voices, desc=f"{voices} voice(s)", unit="turn")
+    async with httpx.AsyncClient() as client:
+        for _ in range(args.turns):
+            order = list(SYSTEMS)
+            rng.shuffle(order)
+            for system in order:
+                turn_slugs = [rng.choice(slugs) for _ in range(voices)]
+                before = await asyncio.to_thread(work, handles)
+                if system == "cascade":
+                    runs = [cascade_turn(args, base, s, client) for s in turn_slugs]
+                else:
+                    runs = [voice_turn(args, base, s, system == "voice+preemptive") for s in turn_slugs]
+                done = await asyncio.gather(*runs)
+                after = await asyncio.to_thread(work, handles)
+                for key in after:
+                    spent[system][key] = spent[system].get(key, 0.0) + after[key] - before[key]
+                results[system] += done
+                bar.update(voices)
+                await asyncio.sleep(0.5)  # (the engines settle between systems)
+    bar.close()
+    return {"voices": voices, "summary": summarise(results, spent, args), "turns": results}
+
+
+def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[str, float]], args: Any) -> dict:
+    summary: dict[str, Any] = {}
+    cascade_answer = {(r["transcript"]): r["answer"] for r in results["cascade"] if r.get("transcript")}
+    for system, turns in results.items():
+        ok = [r for r in turns if "eos_to_first_s" in r and "error" not in r]
+        first = [r["eos_to_first_s"] for r in ok]
+        lag = [r["transcript_lag_s"] for r in ok if "transcript_lag_s" in r]
+        n = max(len(turns), 1)
+        same = [r for r in ok if r.get("transcript") in cascade_answer]
+        row = {
+            "turns": len(turns),
+            "answered": len(ok),
+            **{f"p{q}_ms": pct_ms(first, q) for q in (50, 95, 99)},
+            "over_silence_p50_ms": (pct_ms(first, 50) or 0) - args.silence_ms if first else None,
+            "transcript_lag_p50_ms": pct_ms(lag, 50),
+            "transcripts_exact": sum(r.get("transcript") == SENTENCES[r["slug"]] for r in turns) / n,
+            "preemptive_delivered": sum(r.get("preemptive") == "confirmed" for r in turns) / n,
+            "same_answer_as_cascade": (
+                sum(r["answer"] == cascade_answer[r["transcript"]] for r in same) / len(same) if same else None
+            ),
+            **{f"{k}_per_turn": v / n for k, v in spent[system].items()},
+        }
+        summary[system] = row
+    return summary
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
+    lines = [
+        "# Spoken turns: end of speech → first answer token",
+        "",
+        f"`python bench/voice.py --voices {' '.join(map(str, args.voices))} --turns {args.turns}` ({stamp}); "
+        f"the default config (`local:tiny-llama`, `local:tiny-whisper`); server_vad silence "
+        f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
+        f"preemptive after_idle_ms {args.after_idle_ms}; audio paced in {FRAME_S * 1000:.0f} ms frames",
+        "",
+        "| voices | system | P50 / P95 / P99 ms | P50 over silence | transcript lag P50 | exact transcripts "
+        "| preemptive delivered | same answer as cascade | audio s / turn | LLM prompt tok / turn | generated / turn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in record["runs"]:
+        for system, row in run["summary"].items():
+            same = "-" if row["same_answer_as_cascade"] is None else f"{row['same_answer_as_cascade']:.0%}"
+            lines.append(
+                f"| {run['voices']} | {system} | {_ms(row['p50_ms'])} / {_ms(row['p95_ms'])} / {_ms(row['p99_ms'])} "
+                f"| {_ms(row['over_silence_p50_ms'])} | {_ms(row['transcript_lag_p50_ms'])} "
+                f"| {row['transcripts_exact']:.0%} | {row['preemptive_delivered']:.0%} | {same} "
+                f"| {row.get('audio_s_transcribed_per_turn', 0):.1f} | {row.get('llm_prompt_tokens_per_turn', 0):.0f} "
+                f"| {row.get('llm_generated_tokens_per_turn', 0):.0f} |"
+            )
+    decode_step = record.get("decode_step_ms")
+    if decode_step:
+        lines += ["", f"Decode step (median inter-token time of a plain streamed chat here): {decode_step:.1f} ms."]
+    return "\n".join(lines) + "\n"
+
+
+async def decode_step_ms(base: str) -> float:
+    """The median gap between a streamed chat's tokens: one decode step on this machine, now."""
+    gaps: list[float] = []
+    async with httpx.AsyncClient() as client:
+        for _ in range(3):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "stream": True}
+            last = None
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+    return statistics.median(gaps) * 1000 if gaps else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 turns, 1 and 2 voices")
+    parser.add_argument("--voices", type=int, nargs="+", default=[1, 4], help="voices at once")
+    parser.add_argument("--turns", type=int, default=8, help="turns per voice and system")
+    parser.add_argument("--silence-ms", type=int, default=500, help="server_vad's silence window (OpenAI's default)")
+    parser.add_argument("--after-idle-ms", type=int, default=150, help="voice+preemptive: after_idle_ms")
+    parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
+    parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
+    parser.add_argument("--tail-s", type=float, default=1.0, help="silence after it (more than the window)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "config.yaml"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.voices, args.turns = [1, 2], 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
+    assert app_args.get("speech", {}).get("model"), "the config has no speech role"
+    with systems.app(app_args) as app:
+        from ray import serve
+
+        handles = {
+            role: serve.get_deployment_handle(role, app_name=systems.APP_NAME)
+            for role in ("prefill", "decode", "speech")
+        }
+        step = asyncio.run(decode_step_ms(app.base))
+        runs = [asyncio.run(level(args, app.base, voices, handles)) for voices in args.voices]
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
+    record["decode_step_ms"] = step
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"voice-{stamp}.json").write_text(json.dumps(record, indent=2))
+    text = report(record, args, stamp)
+    (args.out / "voice.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
