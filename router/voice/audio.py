@@ -1,7 +1,7 @@
 """Audio as clients send it, made what the speech model and the VAD take: mono float32 at 16 kHz.
 
 The OpenAI Realtime formats: 16-bit little-endian PCM at 24 kHz (GA `{"type": "audio/pcm", "rate": 24000}`, beta
-`"pcm16"`), and G.711 μ-law and A-law at 8 kHz (GA `audio/pcmu`, `audio/pcma`; beta `g711_ulaw`, `g711_alaw`).
+`"pcm16"`; GA's `rate` may also be another common rate here), and G.711 μ-law and A-law at 8 kHz (GA `audio/pcmu`, `audio/pcma`; beta `g711_ulaw`, `g711_alaw`).
 REST sessions name their PCM rate at create (`audio: {"rate": ...}`). Resampled with libsoxr's streaming
 resampler (one per connection, so that chunk edges leave no clicks), decoded with G.711's own tables.
 """
@@ -64,10 +64,13 @@ def parse_format(value: Any, param: str) -> AudioFormat:
         if kind in _GA:
             return _GA[kind]
         if kind == "audio/pcm":
+            # OpenAI's API takes 24 kHz only; other common rates are this server's extension (vLLM's clients
+            # send 16 kHz), resampled like the rest.
             rate = value.get("rate", 24000)
-            if rate != 24000:  # (OpenAI's API takes 24 kHz only; a client that says otherwise would be misheard)
-                raise AudioError("audio/pcm is 24000 Hz: `rate` must be 24000", "invalid_value", f"{param}.rate")
-            return PCM24K
+            if type(rate) is not int or rate not in PCM_RATES:
+                rates = ", ".join(map(str, PCM_RATES))
+                raise AudioError(f"audio/pcm `rate` must be one of {rates}", "invalid_value", f"{param}.rate")
+            return AudioFormat("pcm16", rate)
     known = '{"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcmu"}, {"type": "audio/pcma"}'
     raise AudioError(f"unknown audio format {value!r}: one of {known}, or (beta) {', '.join(_BETA)}", param=param)
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 REALTIME_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 SESSION = {"type": "realtime", "output_modalities": ["text"], "tools": REALTIME_TOOLS, "temperature": 0}
 CHUNK_S = 0.1
-PCM16K = {"type": "audio/pcm", "rate": 16000}  # (refused: OpenAI's audio/pcm is 24 kHz)
+PCM11K = {"type": "audio/pcm", "rate": 11025}  # (refused: not a rate this server takes)
 TIMEOUT_S = 60
 
 
@@ -272,7 +272,7 @@ def test_bad_audio_gets_clear_errors_and_the_session_goes_on(tools_app: str, ser
             errors["rate"] = await send(
                 {
                     "type": "session.update",
-                    "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+                    "session": {"audio": {"input": {"format": PCM11K}}},
                 }
             )
             errors["model"] = await send(

@@ -13,6 +13,7 @@ from router.voice.audio import PCM24K, AudioError, AudioFormat, Resampler, b64de
     [
         ({"type": "audio/pcm", "rate": 24000}, PCM24K),
         ({"type": "audio/pcm"}, PCM24K),
+        ({"type": "audio/pcm", "rate": 16000}, AudioFormat("pcm16", 16000)),
         ("pcm16", PCM24K),
         ({"type": "audio/pcmu"}, AudioFormat("ulaw", 8000)),
         ("g711_alaw", AudioFormat("alaw", 8000)),
@@ -24,7 +25,7 @@ def test_formats_ga_and_beta(value, expected) -> None:
 
 @pytest.mark.parametrize(
     ("value", "param"),
-    [({"type": "audio/pcm", "rate": 16000}, "f.rate"), ({"type": "audio/ogg"}, "f"), ("wav", "f"), (3, "f")],
+    [({"type": "audio/pcm", "rate": 11025}, "f.rate"), ({"type": "audio/ogg"}, "f"), ("wav", "f"), (3, "f")],
 )
 def test_unknown_formats_are_refused_naming_the_field(value, param) -> None:
     with pytest.raises(AudioError) as e:
