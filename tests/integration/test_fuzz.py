@@ -15,6 +15,7 @@ Generated valid requests are capped at a few tokens (fuzzing.cap_generation). Re
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import time
@@ -881,6 +882,8 @@ BAD_JSON_FRAMES = ["{not json", "", " ", "{", "[]", "null", "0", '"x"', "true", 
 @st.composite
 def bad_step(draw: Any, family: str, conv: RealtimeFuzz, huge_left: list[int]) -> Step:
     eid = draw(st.one_of(st.just(None), st.builds(lambda i: f"evt_bad_{i}", st.integers(0, 999))))
+    if family == "audio":  # (tests/integration/test_voice.py runs it on the app with a speech role)
+        return bad_audio_step(draw, eid)
     if family == "json":
         choice = draw(st.integers(0, 4))
         if choice == 0:
@@ -1098,6 +1101,68 @@ def bad_step(draw: Any, family: str, conv: RealtimeFuzz, huge_left: list[int]) -
         return Step(f"huge append ({where})", [frame], event_id=eid)
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "z" * HUGE}]}
     return Step(f"huge item ({where})", [ev_ordered("conversation.item.create", eid, leading, item=item)], event_id=eid)
+
+
+def bad_audio_step(draw: Any, eid: Any) -> Step:
+    """A bad `input_audio_buffer.*` event, audio setting or truncate: refused whole, naming the field."""
+    choice = draw(st.integers(0, 5))
+    if choice == 0:
+        audio = draw(
+            st.one_of(
+                st.sampled_from([5, None, [], {}, True, "not base64!", "AAA", "\u00e9\u00e9"]),
+                st.binary(min_size=1, max_size=9)
+                .filter(lambda b: len(b) % 2 == 1)
+                .map(lambda b: base64.b64encode(b).decode()),
+            )
+        )
+        return Step(
+            f"append audio={shorten(audio, 40)!r}", [ev("input_audio_buffer.append", eid, audio=audio)], event_id=eid
+        )
+    if choice == 1:
+        fmt = draw(
+            st.sampled_from(
+                [
+                    {"type": "audio/ogg"},
+                    {"type": "audio/pcm", "rate": 11025},
+                    {"type": "audio/pcm", "rate": "24000"},
+                    "mp3",
+                    5,
+                    {"rate": 24000},
+                ]
+            )
+        )
+        session = {"audio": {"input": {"format": fmt}}} if not isinstance(fmt, str) else {"input_audio_format": fmt}
+        return Step(f"format {fmt!r}", [ev("session.update", eid, session=session)], event_id=eid)
+    if choice == 2:
+        detection = draw(
+            st.sampled_from(
+                [
+                    {"type": "magic_vad"},
+                    {"type": "server_vad", "threshold": 1.5},
+                    {"type": "server_vad", "threshold": "high"},
+                    {"type": "server_vad", "silence_duration_ms": -1},
+                    {"type": "server_vad", "prefix_padding_ms": 10**9},
+                    {"type": "server_vad", "create_response": "yes"},
+                    {"type": "server_vad", "idle_timeout_ms": 5},
+                    {"type": "semantic_vad", "eagerness": "very"},
+                    "server_vad",
+                ]
+            )
+        )
+        session = draw(
+            st.sampled_from([{"turn_detection": detection}, {"audio": {"input": {"turn_detection": detection}}}])
+        )
+        return Step(f"turn_detection {detection!r}", [ev("session.update", eid, session=session)], event_id=eid)
+    if choice == 3:
+        transcription = draw(st.sampled_from([{"model": "nope"}, {"language": 5}, {"prompt": ["x"]}, "whisper-1"]))
+        session = {"input_audio_transcription": transcription}
+        return Step(f"transcription {transcription!r}", [ev("session.update", eid, session=session)], event_id=eid)
+    if choice == 4:
+        return Step("commit an empty audio buffer", [ev("input_audio_buffer.commit", eid)], event_id=eid)
+    truncate = draw(
+        st.sampled_from([{"item_id": "item_unknown", "audio_end_ms": 5}, {"item_id": 5}, {"audio_end_ms": -1}])
+    )
+    return Step(f"truncate {truncate!r}", [ev("conversation.item.truncate", eid, **truncate)], event_id=eid)
 
 
 def check_step(step: Step, seen: list[dict[str, Any]], conv: RealtimeFuzz) -> None:

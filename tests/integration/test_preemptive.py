@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.conftest import engine_stats, wait_idle
+from tests.integration.conftest import METRICS_PORT, engine_stats, wait_idle
 from tests.integration.test_streaming_input import (
     SESSIONS,
     TEXT,
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.integration
 SYSTEM = {"role": "system", "content": "Answer from the context."}
 OPTIONS = {"after_idle_ms": 200, "max_tokens": 6}  # fewer than the answer: it goes on past the cap on adoption
 ANSWER_TOKENS = 16
+SHORT = 12  # an answer below the preemptive cap (its default, 64): decode makes it whole while the user pauses
 
 
 @pytest.fixture(autouse=True)
@@ -331,3 +332,79 @@ def test_realtime_typing_with_a_pause_then_commit(server, model_name):
     stats = engine_stats("prefill", sid)
     assert stats["prompt_tokens_computed_by_kind"].get("preemptive", 0) > 0
     assert stats["prompt_tokens_computed_by_kind"].get("handoff", 0) == 0  # the answer was the preemptive one
+
+
+def released_reads() -> float:
+    """Answers read from a preemptive answer released on its router (`rtpd_preemptive_read_total{how="released"}`)."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("ray_rtpd_preemptive_read_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'how="released"' in line)
+
+
+def made_whole(sid: str) -> bool:
+    """The session's preemptive answer was computed on decode, and decode runs nothing any more."""
+    return engine_stats("decode", sid)["prompt_tokens_computed"] > 0 and engine_stats("decode")["num_requests"] == 0
+
+
+def test_an_answer_made_whole_before_the_turn_ends_is_released_at_its_end_chunk(server):
+    """The answer's max_tokens below `preemptive.max_tokens`: decode makes the whole answer, its end included, while
+    the user pauses. The empty end chunk releases it on the reader's router all the same (Server-Timing
+    `released`): the text of one request over the same input, ended at its max_tokens as that request's is, and
+    the conversation has it."""
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], SHORT)
+    options = {"after_idle_ms": OPTIONS["after_idle_ms"]}
+    sid = create(server, messages=[SYSTEM], max_tokens=SHORT, temperature=0, preemptive=options)["session_id"]
+    reader = EarlyReader(server, sid)
+    chunks = split_inside_words(TEXT, 4)
+    for seq, piece in enumerate(chunks):
+        assert send_chunk(server, sid, seq, piece).status_code == 202
+    assert wait_for(lambda: made_whole(sid)), info(server, sid)
+    assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202
+    text, timing = reader.result()
+    assert text == expected["choices"][0]["message"]["content"]
+    assert "released" in timing and "held" in timing, timing
+    finish = [c["finish_reason"] for f in reader.frames for c in f.get("choices") or [] if c.get("finish_reason")]
+    assert finish == [expected["choices"][0]["finish_reason"]]
+    after = info(server, sid)
+    assert after["preemptive"]["delivered"] == 1 and after["preemptive"]["discarded_tokens"] == 0, after
+    answer = after["answers"][-1]
+    assert (answer["status"], answer["text"], answer["finish_reason"]) == ("completed", text, finish[0]), answer
+    assert answer["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
+    wait_idle("decode")
+
+
+def test_realtime_response_create_releases_the_held_answer(server, model_name):
+    """`response.create` with nothing of its own, after the commit: the connection's router releases the held
+    preemptive answer at once (no call to the owner before its first delta; metric `how="released"`), the owner's
+    reply confirming it. The same text as one request, and the conversation records it."""
+    before = released_reads()
+
+    async def run() -> tuple[str, dict, dict]:
+        async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
+            rt = Realtime(ws)
+            created, _ = await rt.until("session.created")
+            sid = created["session"]["id"]
+            update = {"instructions": SYSTEM["content"], "temperature": 0, "max_output_tokens": SHORT}
+            update["preemptive"] = {"after_idle_ms": OPTIONS["after_idle_ms"]}
+            await rt.send(type="session.update", session=update)
+            await rt.until("session.updated")
+            for piece in split_inside_words(TEXT, 4):
+                await rt.send(type="input_text_buffer.append", delta=piece)
+            assert await asyncio.to_thread(wait_for, lambda: made_whole(sid)), info(server, sid)
+            await rt.send(type="input_text_buffer.commit")
+            await rt.send(type="response.create")
+            done, seen = await rt.until("response.done")
+            text = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+            return text, done["response"], await asyncio.to_thread(info, server, sid)
+
+    text, response, after = asyncio.run(run())
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], SHORT)
+    assert text == expected["choices"][0]["message"]["content"]
+    if expected["choices"][0]["finish_reason"] == "length":
+        assert response["status"] == "incomplete", response
+    assert after["preemptive"]["delivered"] == 1, after
+    answer = after["answers"][-1]
+    assert (answer["status"], answer["text"]) == ("completed", text), answer  # the conversation has it
+    assert wait_for(lambda: released_reads() > before, timeout=30), "not released on the router"
+    wait_idle("decode")

@@ -95,7 +95,8 @@ async def spoken(base: str, slug: str, detection: dict[str, Any] | None, **sessi
         await conn.session.update(session={**SESSION, "audio": audio, **session})
         seen: list[Any] = []
         await until(conn, "session.updated", seen)
-        for b64 in chunks(pcm24k(slug)):
+        # (the client commits: the turn is all it sent, within the trailing silence the model was fitted to)
+        for b64 in chunks(pcm24k(slug, after_s=0.5 if detection is None else 1.2)):
             await conn.input_audio_buffer.append(audio=b64)
         if detection is None:
             await conn.input_audio_buffer.commit()
@@ -350,3 +351,21 @@ def test_g711_ulaw_audio_is_decoded_and_heard(tools_app: str) -> None:
     names = kinds(events)
     assert "input_audio_buffer.speech_started" in names and "input_audio_buffer.committed" in names
     assert isinstance(next(e for e in events if e.type.endswith("completed")).transcript, str)
+
+
+def test_bad_audio_events_fuzzed_are_refused_and_the_session_goes_on(tools_app: str) -> None:
+    """The realtime fuzzer's `audio` family (tests/integration/test_fuzz.py) on the app with a speech role: bad
+    audio events interleaved with valid ones, each refused with an `error` naming its event; at the end a valid
+    conversation is answered."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.integration.fuzzing import fuzz_settings
+    from tests.integration.test_fuzz import realtime_episode, run_hypothesis
+
+    @settings(**fuzz_settings(16))
+    @given(data=st.data())
+    def fuzz(data: Any) -> None:
+        asyncio.run(realtime_episode(tools_app, "audio", data))
+
+    run_hypothesis(fuzz)

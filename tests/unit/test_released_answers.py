@@ -45,6 +45,8 @@ class Owner:
     def __init__(self, final: dict[str, Any]) -> None:
         self.final = final
         self.has_end = asyncio.Event()
+        self.reports_land = asyncio.Event()  # (cleared: a report takes until the test lets it land)
+        self.reports_land.set()
         self.claims: list[dict[str, Any]] = []
         self.reports: list[dict[str, Any]] = []
         self.session_claim = Remote(self._claim)
@@ -59,6 +61,7 @@ class Owner:
         return self.final
 
     async def _done(self, **kwargs: Any) -> dict[str, Any]:
+        await self.reports_land.wait()
         self.reports.append(kwargs)
         return {"turn": kwargs["turn"], **kwargs["outcome"]}
 
@@ -145,3 +148,55 @@ async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: st
     assert (STREAM in ingress.decode.stopped) == (how != "over before")  # stopped on decode (unless it ended)
     # Nothing reported as this answer's outcome; the claimed other answer is given back for its next reader.
     assert [(r["turn"], r["outcome"]["status"]) for r in ingress.prefill.reports] == [(0, "released")]
+
+
+# The whole answer made before the turn ended (its own max_tokens, below `preemptive.max_tokens`, ended it, or a
+# stop): the reader's first item carries its [DONE] too.
+
+
+async def test_a_released_answer_made_whole_streams_its_text_before_the_owner_replies() -> None:
+    """Its text goes out at the end chunk, as an answer cut off by its cap does; only its [DONE] waits for the owner
+    to confirm it (a withdrawal still ends it with an error frame, not [DONE])."""
+    final = {"turn": 0, "endpoint": "chat", "include_usage": False, "timing": {}, "adopt": ADOPT, "request": REQUEST}
+    ingress, reader, opening = await held_reader(final)
+    await ingress.decode.batches.put(({STREAM: "".join(CHAT_ITEMS[2:])}, {STREAM: None}, {}))
+    await asyncio.sleep(0.01)
+    assert ingress.feeds.held[SESSION].release(5)
+    assert await asyncio.wait_for(opening, 1) is None
+    items = reader.items()
+    forward, deltas = await asyncio.wait_for(anext(items), 1)  # (the owner has not replied)
+    assert deltas == ["Hel", "lo", ", world"] and "[DONE]" not in forward and not ingress.prefill.reports
+
+    ingress.prefill.has_end.set()
+    rest = [item async for item in items]
+    await ingress.decode.batches.put(StopAsyncIteration())
+    await reported()
+    assert "".join(f for f, _ in rest).endswith("data: [DONE]\n\n") and not any(d for _, d in rest)
+    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.prefill.reports] == [
+        (0, "completed", "Hello, world")
+    ]
+
+
+async def test_a_held_answer_made_whole_streams_its_text_before_its_end_is_reported() -> None:
+    """Confirmed by the owner's reply (realtime's `response.create`, `/finish`): its text goes out at once; the
+    end of the stream waits for the owner to have the outcome, the text does not."""
+    final = {"turn": 0, "endpoint": "chat", "include_usage": False, "timing": {}, "adopt": ADOPT, "request": REQUEST}
+    ingress, reader, opening = await held_reader(final)
+    await ingress.decode.batches.put(({STREAM: "".join(CHAT_ITEMS[2:])}, {STREAM: None}, {}))
+    await asyncio.sleep(0.01)
+    ingress.prefill.reports_land.clear()
+    ingress.prefill.has_end.set()
+    assert await asyncio.wait_for(opening, 1) is None
+    assert "held" in reader.server_timing and "released" not in reader.server_timing
+    items = reader.items()
+    forward, deltas = await asyncio.wait_for(anext(items), 1)  # (its report has not landed)
+    assert deltas == ["Hel", "lo", ", world"] and "[DONE]" not in forward
+
+    ending = asyncio.ensure_future(anext(items))
+    await asyncio.sleep(0.01)
+    assert not ending.done()  # [DONE] only once the owner has the outcome
+    ingress.prefill.reports_land.set()
+    forward, deltas = await asyncio.wait_for(ending, 1)
+    assert forward == "data: [DONE]\n\n" and deltas == [] and len(ingress.prefill.reports) == 1
+    await ingress.decode.batches.put(StopAsyncIteration())
+    await reported()

@@ -174,3 +174,30 @@ def test_audio_without_a_speech_role_and_bad_settings_are_refused_by_name() -> N
         )
         updated = ws.receive_json()
         assert updated["session"]["audio"]["input"]["turn_detection"]["eagerness"] == "high"
+
+
+def test_idle_timeout_triggers_once_per_idle_stretch_and_answers() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        detection = {"type": "server_vad", "idle_timeout_ms": 1000}
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}})
+        until(ws, "session.updated")
+        silence = b"\0\0" * 24000 * 3  # 3 s of silence at 24 kHz: one trigger a second of it
+        send_audio(ws, silence)
+        timeout, _ = until(ws, "input_audio_buffer.timeout_triggered")
+        assert timeout["audio_end_ms"] - timeout["audio_start_ms"] == 1000
+        until(ws, "response.done")
+    assert prefill.called("session_respond")
+
+
+def test_truncate_names_a_known_item() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        ws.send_json({"type": "conversation.item.truncate", "item_id": "item_x", "audio_end_ms": 10})
+        assert ws.receive_json()["error"]["code"] == "item_not_found"
+        item = {"id": "item_a", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        ws.send_json({"type": "conversation.item.create", "item": item})
+        until(ws, "conversation.item.created")
+        ws.send_json({"type": "conversation.item.truncate", "item_id": "item_a", "audio_end_ms": 10})
+        truncated, _ = until(ws, "conversation.item.truncated")
+        assert truncated["item_id"] == "item_a" and truncated["audio_end_ms"] == 10
