@@ -123,6 +123,18 @@ class SpeechConfig(RoleConfig):
     # What a client may send: audio seconds in one turn (an input buffer before its commit) and in a session.
     max_turn_audio_s: float = Field(default=120.0, gt=0)
     max_session_audio_s: float = Field(default=3600.0, gt=0)
+    # Preemptive answers (prefill/preemptive.py) for realtime sessions that speak and did not set `preemptive`
+    # themselves: the pause before the VAD's silence window ends starts the answer (bench/voice.py measured
+    # why this is on). `after_idle_ms` must leave the answer time within the window. None: off.
+    preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": 150})
+
+    @model_validator(mode="after")
+    def _preemptive_options(self) -> SpeechConfig:
+        if self.preemptive is not None:
+            from prefill.preemptive import PreemptiveOptions
+
+            PreemptiveOptions.model_validate(self.preemptive)
+        return self
 
     @property
     def model_name(self) -> str | None:

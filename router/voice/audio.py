@@ -1,9 +1,10 @@
 """Audio as clients send it, made what the speech model and the VAD take: mono float32 at 16 kHz.
 
 The OpenAI Realtime formats: 16-bit little-endian PCM at 24 kHz (GA `{"type": "audio/pcm", "rate": 24000}`, beta
-`"pcm16"`; GA's `rate` may also be another common rate here), and G.711 μ-law and A-law at 8 kHz (GA `audio/pcmu`, `audio/pcma`; beta `g711_ulaw`, `g711_alaw`).
-REST sessions name their PCM rate at create (`audio: {"rate": ...}`). Resampled with libsoxr's streaming
-resampler (one per connection, so that chunk edges leave no clicks), decoded with G.711's own tables.
+`"pcm16"`; GA's `rate` may also be another common rate here), and G.711 μ-law and A-law at 8 kHz (GA
+`audio/pcmu`, `audio/pcma`; beta `g711_ulaw`, `g711_alaw`). REST sessions name their PCM rate at create
+(`audio: {"rate": ...}`). Resampled with libsoxr's streaming resampler (one per connection, so that chunk edges
+leave no clicks), decoded with G.711's own tables.
 """
 
 from __future__ import annotations

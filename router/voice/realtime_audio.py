@@ -86,6 +86,7 @@ class AudioInput:
         self.session_seconds = 0.0
         self.idle_samples = 0  # audio with no speech since the last turn or response (idle_timeout_ms)
         self.lock = asyncio.Lock()  # the session's input text: transcripts and client events in turn
+        self.defaulted = False  # the voice defaults (`speech.preemptive`) were looked at
 
     # --- settings ----------------------------------------------------------------------------------
     @property
@@ -195,7 +196,21 @@ class AudioInput:
             raise InvalidEvent(e.message, e.code, e.param) from None
         self.session_seconds += seconds
         metrics.inc(metrics.VOICE_AUDIO_SECONDS, seconds, "audio seconds received", surface="realtime")
+        if not self.defaulted:
+            await self.voice_defaults()
         await self.take(x)
+
+    async def voice_defaults(self) -> None:
+        """A session that speaks answers preemptively (`speech.preemptive`) unless it set `preemptive` itself."""
+        self.defaulted = True
+        default = self.conn.ingress.config.speech.preemptive
+        conn = self.conn
+        if default is None or "preemptive" in conn.settings or self.transcription_only or conn.close_after_answer:
+            return
+        if (updated := await conn.call("session_update", preemptive=default)) is not None:
+            conn.settings["preemptive"] = default
+            if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
+                conn.read_early(turns)
 
     async def take(self, x: np.ndarray) -> None:
         """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD."""
