@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -87,6 +88,7 @@ class PreemptState:
             "discarded": self.discarded,
             "discarded_tokens": self.discarded_tokens,
             "live": self.live is not None,
+            "input": input_tag(self.fingerprint),  # (a realtime connection releases a held answer made from it)
         }
 
 
@@ -97,6 +99,12 @@ async def _notify(session: Any) -> None:
 
 def fingerprint(request: dict[str, Any]) -> str:
     return json.dumps(request, sort_keys=True, separators=(",", ":"))
+
+
+def input_tag(fingerprint: str) -> str:
+    """A short name for a fingerprint: a router compares the input its last call left with the input a held
+    preemptive answer was made from (router/provisional.py `release_input`)."""
+    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest() if fingerprint else ""
 
 
 class Preemptive:
@@ -253,6 +261,9 @@ class Preemptive:
             # An empty end chunk with this sequence id ends the turn with this input: the router that has it
             # may release the answer before this replica does (router/provisional.py). None: chunks are missing.
             "end_sequence_id": None if session.pending else session.next_seq,
+            # A realtime `response.create` that changes nothing releases it likewise when the input its connection
+            # last heard of (each call's reply: `summary`'s `input`) is this one.
+            "input": input_tag(live.fingerprint),
         }
 
     def _preempt_release(self, adopt: dict[str, Any]) -> None:

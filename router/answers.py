@@ -58,6 +58,7 @@ class AnswerReader:
         self._streamed = False  # whether any of the answer reached the client
         self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
         self._registered: str | None = None  # the decode replica the owner was told this answer streams from
+        self.held: Held | None = None  # its hold on the preemptive answer while the turn goes on (Realtime releases it)
         self.server_timing: dict[str, float] = {}  # ms, once open (a live answer's, not a replay's)
 
     def requested(self) -> None:
@@ -76,6 +77,7 @@ class AnswerReader:
         deadline = time.monotonic() + wait_s
         feeds = getattr(self.ingress, "feeds", None)
         held = Held(feeds, self.session_id, self.provisional) if stream and not retried and feeds is not None else None
+        self.held = held or self.held
         early: asyncio.Future[Any] | None = None  # the claim still on its way when the answer was released here
         try:
             while True:  # the owner holds each call a few seconds at most: the long wait is this router's

@@ -12,7 +12,9 @@ one the held answer's input was waiting for comes to this router before the owne
 session's own order, so nothing can have changed the input in between: the reader streams the held answer at
 once, and the owner's reply to its claim, naming the same stream, follows the first frames (the answer's turn
 bookkeeping waits for it; an owner that refuses the chunk, or ends the turn another way, revokes it: the stream
-ends with an error frame, never with another answer's text).
+ends with an error frame, never with another answer's text). Realtime (`release_input`): `response.create` with
+nothing of its own releases it likewise when the owner's reply to the connection's last call (none in flight)
+named the input the held answer was made from; `session_respond` refused revokes it.
 
 Provisional text (the session's `preemptive.stream`): while held, the stream's text goes to `sink` as it arrives,
 marked with its attempt, then whether it was confirmed or discarded; the surface turns these into events of its
@@ -92,7 +94,16 @@ class Held:
     def release(self, sequence_id: int) -> bool:
         """An end chunk `sequence_id` (empty, appended) came to this router: whether it makes the held answer the
         answer (the next sequence id after the input it was made from), which its reader then streams."""
-        if self.stream is None or self.released.done() or self.live.get("end_sequence_id") != sequence_id:
+        return self._release("end_sequence_id", sequence_id)
+
+    def release_input(self, tag: str | None) -> bool:
+        """A realtime `response.create` that changes nothing, on a connection whose calls have all been answered:
+        whether the held answer was made from the input the last of those replies named (`tag`), which makes it
+        the answer as an end chunk does; the owner's reply to its claim confirms it."""
+        return bool(tag) and self._release("input", tag)
+
+    def _release(self, key: str, value: Any) -> bool:
+        if self.stream is None or self.released.done() or self.live.get(key) != value:
             return False
         self.released.set_result(time.time())
         return True

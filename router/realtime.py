@@ -63,7 +63,7 @@ from router.realtime_events import (
     new_id,
     parse,
 )
-from router.realtime_response import EarlyRead, ResponseStream
+from router.realtime_response import EarlyRead, InputSeen, ResponseStream
 from router.tasks import detached
 from router.voice.realtime_audio import AudioInput
 from serve_app import metrics
@@ -119,6 +119,7 @@ class RealtimeConnection:
         self.last_item_id: str | None = None
         self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
         self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
+        self.input_seen = InputSeen()  # the input the owner last named (`response.create` may release `early`)
         self.closing = False
         self.event_id: str | None = None  # the client event being handled: its errors carry this id
         self.opened = self.last_event = time.monotonic()
@@ -149,7 +150,7 @@ class RealtimeConnection:
     async def call(self, method: str, fields: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any] | None:
         """A session call on the owner prefill replica; an `error` event (and None) if it failed (`fields`: the
         owner's names of fields → the event's), and `SessionGone` once the session is over."""
-        result = await session_call(self.ingress, method, session_id=self.session_id, **kwargs)
+        result = await self.input_seen.call(session_call(self.ingress, method, session_id=self.session_id, **kwargs))
         if "error" in result:
             err = result["error"]
             param = (fields or {}).get(err.get("param"), err.get("param"))
@@ -532,11 +533,23 @@ class RealtimeConnection:
         overrides = self.sampling(settings, self.settings)
         if settings["instructions"] != self.settings["instructions"]:
             overrides["instructions"] = settings["instructions"]
-        started = await self.call("session_respond", overrides=overrides)
+        # Nothing of its own, and the held preemptive answer made from the input the owner last named: it streams
+        # now, before the owner has this call, whose reply (its claim's) confirms it (router/provisional.py).
+        early = self.early if not response.given() else None
+        released = early if early is not None and early.release(self.input_seen.tag) else None
+        if released is not None:
+            self.early, self.response = None, ResponseStream(self, released.turn, released)
+        started = None
+        try:
+            started = await self.call("session_respond", overrides=overrides)
+        finally:
+            if released is not None and started is None:  # refused: the response ends with an error, not with it
+                released.revoke({"message": "the response was refused", "type": "invalid_request_error", "code": 409})
         if started is None:
             return
         turn = started["answer"]["turn"]
-        self.response = ResponseStream(self, turn, self.take_early(turn))
+        if released is None:
+            self.response = ResponseStream(self, turn, self.take_early(turn))
         self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
 
     async def response_cancel(self, event: ResponseCancel) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from router.answers import AnswerReader
@@ -29,6 +30,30 @@ class Connection(Protocol):
     last_item_id: str | None
 
     async def send(self, type_: str, **fields: Any) -> None: ...
+
+
+class InputSeen:
+    """The input (prefill/preemptive.py `input_tag`) the owner's reply to a connection's last session call named:
+    `response.create` releases a held preemptive answer made from it (`EarlyRead.release`). None while a call is
+    in flight, and after calls that overlapped (their replies may come in another order than the owner applied
+    them)."""
+
+    def __init__(self) -> None:
+        self.tag: str | None = None
+        self._in_flight = self._calls = 0
+
+    async def call(self, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        alone, self.tag = not self._in_flight, None
+        self._in_flight += 1
+        self._calls += 1
+        mine = self._calls
+        try:
+            result = await call
+        finally:
+            self._in_flight -= 1
+        if alone and mine == self._calls:
+            self.tag = (result.get("preemptive") or {}).get("input")
+        return result
 
 
 class EarlyRead:
@@ -59,6 +84,17 @@ class EarlyRead:
         if not self.opening.done():
             return True
         return not self.opening.cancelled() and self.opening.exception() is None and self.opening.result() is None
+
+    def release(self, tag: str | None) -> bool:
+        """`response.create` with nothing of its own: whether the held preemptive answer was made from the input
+        `tag` names (the owner's reply to the connection's last call), so that it is the answer from now on and
+        its first delta needs no call to the owner (router/provisional.py `release_input`)."""
+        return self.usable() and self.reader.held is not None and self.reader.held.release_input(tag)
+
+    def revoke(self, error: dict[str, Any]) -> None:
+        """The owner refused the `response.create` that released it: the response ends with an error, not it."""
+        if self.reader.held is not None:
+            self.reader.held.revoke(error)
 
     async def open(self) -> dict[str, Any] | None:
         """The reader's `open()`, once the answer is asked for; the provisional events go out before its own."""

@@ -334,11 +334,17 @@ def test_realtime_typing_with_a_pause_then_commit(server, model_name):
     assert stats["prompt_tokens_computed_by_kind"].get("handoff", 0) == 0  # the answer was the preemptive one
 
 
-def released_reads() -> float:
-    """Answers read from a preemptive answer released on its router (`rtpd_preemptive_read_total{how="released"}`)."""
+def released_reads(settled: bool = False) -> float:
+    """Answers read from a preemptive answer released on its router (`rtpd_preemptive_read_total{how="released"}`);
+    `settled`: once the count stood still for 3 s (earlier tests' reads reach the metrics port a few seconds late)."""
     text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
     lines = [line for line in text.splitlines() if line.startswith("ray_rtpd_preemptive_read_total{")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'how="released"' in line)
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'how="released"' in line)
+    while settled:
+        time.sleep(3)
+        now = released_reads()
+        count, settled = now, now != count
+    return count
 
 
 def made_whole(sid: str) -> bool:
@@ -378,7 +384,7 @@ def test_realtime_response_create_releases_the_held_answer(server, model_name):
     """`response.create` with nothing of its own, after the commit: the connection's router releases the held
     preemptive answer at once (no call to the owner before its first delta; metric `how="released"`), the owner's
     reply confirming it. The same text as one request, and the conversation records it."""
-    before = released_reads()
+    before = released_reads(settled=True)
 
     async def run() -> tuple[str, dict, dict]:
         async with websockets.connect(ws_url(server) + f"?model={model_name}") as ws:
