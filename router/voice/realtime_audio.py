@@ -302,8 +302,8 @@ class AudioInput:
 
     async def commit(self, event: AudioCommit) -> None:
         self._refuse_without_speech()
-        if self.vllm_flow and event.final is False:
-            return  # (vLLM's "start": transcription already runs as audio arrives)
+        if self.vllm_flow and not event.final:
+            return  # (vLLM's "start", `final` absent or false: transcription already runs as audio arrives)
         if self.turn is None or self.turn.length == 0:
             if self.vllm_flow:
                 await self.conn.send("transcription.done", text="", usage=None)

@@ -172,7 +172,7 @@ def test_speech_during_an_answer_cancels_it(tools_app: str) -> None:
         client = AsyncOpenAI(base_url=f"{tools_app}/v1", api_key="unused")
         async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
             audio = {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}
-            await conn.session.update(session={**SESSION, "tools": [], "audio": audio, "max_output_tokens": 4000})
+            await conn.session.update(session={**SESSION, "tools": [], "audio": audio, "max_output_tokens": 1500})
             seen: list[Any] = []
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
             await conn.conversation.item.create(item=item)
