@@ -369,3 +369,104 @@ def test_bad_audio_events_fuzzed_are_refused_and_the_session_goes_on(tools_app: 
         asyncio.run(realtime_episode(tools_app, "audio", data))
 
     run_hypothesis(fuzz)
+
+
+def test_an_audio_rest_session_and_an_ndjson_body_are_transcribed_into_the_turn(tools_app: str) -> None:
+    """REST audio chunks (24 kHz PCM16 as created) are transcribed into the session's turn: the end chunk's 202
+    says the final transcript, and the answer is the chat answer for that text. An NDJSON body's audio lines
+    likewise."""
+    import soxr
+
+    slug = "capital_spain"
+    pcm = (np.clip(soxr.resample(load_sample(slug), 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+    sessions = f"{tools_app}/v1/streaming_input/sessions"
+    created = httpx.post(sessions, json={"messages": [], "max_tokens": 12, "temperature": 0, "audio": {"rate": 24000}})
+    assert created.status_code == 201, created.text
+    sid = created.json()["session_id"]
+    seq = 0
+    for b64 in chunks(pcm):
+        reply = httpx.post(f"{sessions}/{sid}/chunks", json={"sequence_id": seq, "modality": "audio", "payload": b64})
+        assert reply.status_code == 202, reply.text
+        seq += 1
+    end = httpx.post(
+        f"{sessions}/{sid}/chunks",
+        json={"sequence_id": seq, "modality": "audio", "payload": "", "end_of_input": True},
+        timeout=60,
+    )
+    assert end.status_code == 202 and end.json()["transcript"] == SENTENCES[slug], end.text
+    answer = httpx.get(f"{sessions}/{sid}/result", timeout=60).json()["choices"][0]["message"]["content"]
+    body = {"messages": [{"role": "user", "content": SENTENCES[slug]}], "max_tokens": 12, "temperature": 0}
+    chat = httpx.post(f"{tools_app}/v1/chat/completions", json=body, timeout=60).json()
+    assert answer == chat["choices"][0]["message"]["content"]
+    httpx.delete(f"{sessions}/{sid}")
+    # Audio chunks are refused by name: bad base64, odd byte counts, a replace.
+    for chunk, param in (
+        ({"modality": "audio", "payload": "!!"}, "payload"),
+        ({"modality": "audio", "payload": base64.b64encode(b"\1\2\3").decode()}, "payload"),
+        ({"modality": "audio", "payload": "AAAA", "mode": "replace"}, "mode"),
+    ):
+        sid = httpx.post(sessions, json={"messages": [], "audio": {"rate": 16000}}).json()["session_id"]
+        refused = httpx.post(f"{sessions}/{sid}/chunks", json={"sequence_id": 0, **chunk})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        httpx.delete(f"{sessions}/{sid}")
+    # NDJSON: the first line a chat request with its audio rate, then audio lines.
+    lines = [json.dumps({**body, "messages": [], "audio": {"rate": 24000}})]
+    lines += [json.dumps({"modality": "audio", "payload": b64}) for b64 in chunks(pcm)]
+    lines.append(json.dumps({"modality": "audio", "payload": "", "end_of_input": True}))
+    ndjson = httpx.post(
+        f"{tools_app}/v1/chat/completions",
+        content="\n".join(lines).encode(),
+        headers={"X-Streaming-Input": "true", "content-type": "application/x-ndjson"},
+        timeout=60,
+    )
+    assert ndjson.status_code == 200, ndjson.text
+    assert ndjson.json()["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
+
+
+def test_a_speech_replica_killed_mid_turn_fails_the_turn_clearly_and_the_session_goes_on(tools_app: str) -> None:
+    """The realtime router holds the turn's audio and asks another replica; with none alive it reports the
+    transcription `failed` (naming why), and the conversation goes on in text."""
+    import os
+    import signal
+
+    from ray import serve
+
+    speech = serve.get_deployment_handle("speech", app_name=TOOLS_APP)
+
+    async def run() -> list[Any]:
+        client = AsyncOpenAI(base_url=f"{tools_app}/v1", api_key="unused")
+        async with client.realtime.connect(model="local:tiny-llama-tools") as conn:
+            await conn.session.update(session={**SESSION, "audio": {"input": {"turn_detection": None}}})
+            seen: list[Any] = []
+            await until(conn, "session.updated", seen)
+            for b64 in chunks(pcm24k("timer", after_s=0.3)):
+                await conn.input_audio_buffer.append(audio=b64)
+            pid = (await speech.pid.remote())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            await conn.input_audio_buffer.commit()
+            async with asyncio.timeout(TIMEOUT_S):
+                async for event in conn:
+                    seen.append(event)
+                    if event.type.startswith(
+                        "conversation.item.input_audio_transcription."
+                    ) and not event.type.endswith(".delta"):
+                        break
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until(conn, "response.done", seen)
+            return seen
+
+    events = asyncio.run(run())
+    ended = next(
+        e
+        for e in events
+        if e.type.startswith("conversation.item.input_audio_transcription.") and not e.type.endswith(".delta")
+    )
+    if ended.type.endswith(".failed"):
+        assert ended.error.code in ("speech_unavailable", "transcription_failed", "timeout")
+        assert ended.error.message
+    else:  # (a new replica came up within the retries: the turn was heard after all)
+        assert ended.transcript == SENTENCES["timer"]
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response.status == "completed" and answer_text(events)
