@@ -68,6 +68,16 @@ class Conversation:
         else:
             self._commit({"role": role, "content": content})
 
+    def truncate_answer(self, chars: int) -> bool:
+        """The last assistant message keeps its first `chars` characters (realtime `conversation.item.truncate`:
+        what the user heard of it); False if there is none, or it is shorter."""
+        messages = [*self._messages(), *self.deferred] if self.endpoint == "chat" else []
+        last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+        if last is None or not isinstance(last.get("content"), str) or len(last["content"]) <= chars:
+            return False
+        last["content"] = last["content"][:chars]
+        return True
+
     def open_tool_calls(self) -> list[str]:
         """The ids of the calls the conversation's last assistant message made that no tool message answered."""
         calls: list[str] = []

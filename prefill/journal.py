@@ -130,6 +130,8 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
             role=record.get("role", "user"),
             tool_call_id=record.get("tool_call_id"),
         )
+    elif op == "truncate":
+        session.truncate_answer(record["chars"])
     elif op == "message":
         session.add_message(record["role"], record["content"], record.get("tool_call_id"), record.get("tool_calls"))
     elif op == "buffer":

@@ -255,6 +255,21 @@ class SessionAPI(HandOff, Failover, Preemptive):
 
     @session_api
     @serialized
+    async def session_truncate(self, *, session_id: str, chars: int) -> dict[str, Any]:
+        """Realtime `conversation.item.truncate` with `text_end`: the last answer keeps what the user heard; the
+        resident KV is cut back to the longest common prefix with the conversation as it now reads."""
+        session = self._get(session_id)
+        session.touch()
+        if session.answering:
+            raise SessionError(409, "the answer is still being generated: cut it once it has ended", "item_id")
+        if session.truncate_answer(chars):
+            await session.record("truncate", chars=chars)
+            await self._prefill_stable(session)
+            self._preempt_rearm(session)
+        return session.describe()
+
+    @session_api
+    @serialized
     async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
         """Realtime `input_text_buffer.*`: append to, replace from `offset`, commit or clear the in-progress
         user text."""

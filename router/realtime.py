@@ -116,6 +116,7 @@ class RealtimeConnection:
         self.buffer = ""
         self.audio = AudioInput(self)  # input_audio_buffer.*, the VAD and transcription (router/voice/)
         self.items: set[str] = set()  # the conversation's item ids (conversation.item.truncate names one)
+        self.answer_item: str | None = None  # the last response's message item (a truncate may cut its text)
         self.last_item_id: str | None = None
         self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
         self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)

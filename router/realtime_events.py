@@ -189,6 +189,9 @@ class ItemTruncate(ClientEvent):
     item_id: str = Field(min_length=1, max_length=256)
     content_index: int = Field(0, ge=0)
     audio_end_ms: int = Field(ge=0)
+    # This server's extension (answers are text): the characters of the answer the user heard (a client's own
+    # speech synthesis knows); the conversation keeps only those.
+    text_end: int | None = Field(None, ge=0)
 
 
 class ResponseCreate(ClientEvent):

@@ -28,6 +28,8 @@ class Connection(Protocol):
     session_id: str | None
     beta: bool
     last_item_id: str | None
+    items: set[str]  # the conversation's item ids (a truncate names one)
+    answer_item: str | None  # the last response's message item (the answer a truncate may cut)
 
     async def send(self, type_: str, **fields: Any) -> None: ...
 
@@ -277,6 +279,8 @@ class Output:
         message.update(status="in_progress", content=[])
         self.items.append(message)
         self.message = message
+        self.connection.items.add(item_id)
+        self.connection.answer_item = item_id
         send = self.connection.send
         await send(
             "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=message
@@ -287,6 +291,7 @@ class Output:
     async def _open_call(self, call: dict[str, Any]) -> None:
         await self._done()
         item = function_call_item(call, new_id("item"), "in_progress")
+        self.connection.items.add(item["id"])
         self.items.append(item)
         self.calls_sent.append(0)
         self.open_call = len(self.calls_sent) - 1

@@ -330,16 +330,19 @@ class AudioInput:
         await self.conn.send("input_audio_buffer.cleared")
 
     async def truncate(self, event: ItemTruncate) -> None:
-        """Barge-in's other half: the assistant's answer, as heard. With text output there is no audio to cut;
-        the item is acknowledged as OpenAI's server does, and an item this session does not know is an error."""
+        """Barge-in's other half: the answer as the user heard it. Answers are text here: with `text_end` (this
+        server's extension, the characters heard) the last answer's text in the conversation is cut there, so the
+        next turn is answered from what the user heard; `audio_end_ms` alone cuts nothing (there is no audio)."""
         if event.item_id not in self.conn.items:
             raise InvalidEvent(f"no conversation item {event.item_id!r}", "item_not_found", "item_id")
-        await self.conn.send(
-            "conversation.item.truncated",
-            item_id=event.item_id,
-            content_index=event.content_index,
-            audio_end_ms=event.audio_end_ms,
-        )
+        if event.text_end is not None:
+            if event.item_id != self.conn.answer_item or self.conn.responding:
+                message = "only the last answer, once it has ended, can be cut (`text_end`)"
+                raise InvalidEvent(message, "invalid_value", "item_id")
+            if await self.conn.call("session_truncate", chars=event.text_end) is None:
+                return
+        fields = {"item_id": event.item_id, "content_index": event.content_index, "audio_end_ms": event.audio_end_ms}
+        await self.conn.send("conversation.item.truncated", **fields)
 
     # --- the turn ----------------------------------------------------------------------------------
     async def on_text(self, text: str, delay: float) -> None:

@@ -181,6 +181,12 @@ def test_speech_during_an_answer_cancels_it(tools_app: str) -> None:
             for b64 in chunks(pcm24k("goodbye", after_s=0.1)):
                 await conn.input_audio_buffer.append(audio=b64)
             await until(conn, "response.done", seen)
+            # The answer as the user heard it: its first characters stay in the conversation.
+            answer = next(e.item.id for e in seen if e.type == "response.output_item.added")
+            await conn.send(
+                {"type": "conversation.item.truncate", "item_id": answer, "audio_end_ms": 300, "text_end": 3}
+            )
+            await until(conn, "conversation.item.truncated", seen)
             return seen
 
     events = asyncio.run(run())

@@ -178,3 +178,18 @@ def test_a_transcript_chunk_replaces_the_turns_last_transcript_after_the_typed_t
     s.input_ended = False
     s.add_chunk(5, "Goodbye.", False, "transcript")
     assert s.buffer == "Goodbye."
+
+
+def test_truncating_the_last_answer_keeps_what_the_user_heard_and_replays_the_same():
+    from prefill.journal import _apply
+
+    s = session()
+    s.add_message("user", "Tell me a story.")
+    s.add_message("assistant", "Once upon a time there was")
+    assert s.truncate_answer(9) and s.full_request()["messages"][-1]["content"] == "Once upon"
+    assert not s.truncate_answer(50)  # (shorter already: nothing to cut)
+    replayed = session()
+    replayed.add_message("user", "Tell me a story.")
+    replayed.add_message("assistant", "Once upon a time there was")
+    _apply(replayed, {"op": "truncate", "chars": 9})
+    assert replayed.full_request()["messages"] == s.full_request()["messages"]

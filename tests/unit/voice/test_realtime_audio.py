@@ -201,3 +201,12 @@ def test_truncate_names_a_known_item() -> None:
         ws.send_json({"type": "conversation.item.truncate", "item_id": "item_a", "audio_end_ms": 10})
         truncated, _ = until(ws, "conversation.item.truncated")
         assert truncated["item_id"] == "item_a" and truncated["audio_end_ms"] == 10
+        assert not prefill.called("session_truncate")  # (no text_end: nothing to cut in a text answer)
+        ws.send_json({"type": "conversation.item.truncate", "item_id": "item_a", "audio_end_ms": 10, "text_end": 2})
+        assert ws.receive_json()["error"]["param"] == "item_id"  # a user item is not an answer
+        ws.send_json({"type": "response.create"})
+        done, seen = until(ws, "response.done")
+        answer = next(e["item"]["id"] for e in seen if e["type"] == "response.output_item.added")
+        ws.send_json({"type": "conversation.item.truncate", "item_id": answer, "audio_end_ms": 900, "text_end": 5})
+        until(ws, "conversation.item.truncated")
+    assert prefill.called("session_truncate")[-1]["chars"] == 5
