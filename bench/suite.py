@@ -54,7 +54,7 @@ from serve_app.config import AppConfig
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MODEL = "local:medium-llama"  # the larger local model: a 3,000-token prefill takes about 1 s on one core
-PARTS = ("append", "update", "pressure", "tokens", "preemptive")
+PARTS = ("append", "update", "pressure", "tokens", "preemptive", "voice")
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -339,6 +339,19 @@ def preemptive_answers(args: argparse.Namespace) -> dict[str, Any] | None:
     return json.loads(made[-1].read_text())
 
 
+def voice_turns(args: argparse.Namespace) -> dict[str, Any] | None:
+    """bench/voice.py in its own process (it starts its own Ray, the default config's speech role too)."""
+    out = args.out / "voice"
+    argv = ["--config", str(args.config), "--out", str(out), *(["--quick"] if args.quick else [])]
+    before = set(out.glob("voice-*.json"))
+    print(f"== voice: bench/voice.py {' '.join(argv)}", flush=True)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "voice.py"), *argv], cwd=ROOT)
+    made = sorted(set(out.glob("voice-*.json")) - before)
+    if done.returncode != 0 or not made:
+        return None
+    return json.loads(made[-1].read_text())
+
+
 def provenance(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from token_path import machine
 
@@ -369,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         "runs": runner.runs,
         "token_streaming": None,
         "preemptive": None,
+        "voice": None,
         "notes": runner.notes,
     }
     traces: dict[str, list[workloads.Trace]] = {}
@@ -430,6 +444,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             raw["preemptive"] = preemptive_answers(args)
             if raw["preemptive"] is None:
                 runner.notes.append("the preemptive-answers part failed: see its output above")
+        if "voice" in args.parts:
+            raw["voice"] = voice_turns(args)
+            if raw["voice"] is None:
+                runner.notes.append("the voice part failed: see its output above")
     except BaseException as e:  # whatever ran is written: a failure late in a 35-minute run keeps the rest
         runner.notes.append(f"the suite stopped early: {type(e).__name__}: {e}"[:300])
         raise

@@ -159,6 +159,23 @@ def preemptive_summary(record: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def voice_summary(record: dict[str, Any] | None) -> dict[str, Any]:
+    """Per number of voices: end of speech -> first token of each system (bench/voice.py), the silence window
+    and decode step they are judged against."""
+    out: dict[str, Any] = {}
+    for run in (record or {}).get("runs") or []:
+        out[str(run["voices"])] = {
+            "voices": run["voices"],
+            "silence_ms": int((record or {}).get("args", {}).get("silence_ms", 500)),
+            "decode_step_ms": (record or {}).get("decode_step_ms"),
+            **{
+                system: {k: row.get(k) for k in ("p50_ms", "p95_ms", "p99_ms", "preemptive_delivered")}
+                for system, row in run["summary"].items()
+            },
+        }
+    return out
+
+
 def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
     """The headline ratios (higher is better, 1.0 parity, None where not measured), the QPS they were taken at,
     the percentiles behind them, provenance and the goals."""
@@ -195,6 +212,7 @@ def summary_json(raw: dict[str, Any]) -> dict[str, Any]:
     out["completion_time_ratio_vs_peer"] = _ratio(peer and peer["completion_s"], mine and mine["completion_s"])
     out["token_streaming"] = token_streaming_summary(raw.get("token_streaming"))
     out["preemptive"] = preemptive_summary(raw.get("preemptive"))
+    out["voice"] = voice_summary(raw.get("voice"))
     prov = raw.get("provenance", {})
     out["provenance"] = {k: prov.get(k) for k in ("command", "commit", "machine", "date")} | {
         "quick": prov.get("quick")
@@ -237,6 +255,34 @@ def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
             worst_low = min(r["goal_ms"] / r["p50_ms"] for r in low if r["p50_ms"])
             goal = "preemptive answers at 1 user: end of turn -> first token P50 <= one decode step + 10 ms (limit/P50)"
             out.append(_goal(goal, ">= 1.0", worst_low, 1.0))
+    out += voice_goals(summary.get("voice") or {})
+    return out
+
+
+def voice_goals(runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/voice.py's goals (lower is better: each as a ratio that must be >= 1)."""
+    out: list[dict[str, Any]] = []
+    one = runs.get("1")
+    if one and one.get("voice+preemptive", {}).get("p50_ms") and one.get("decode_step_ms") is not None:
+        limit = one["silence_ms"] + one["decode_step_ms"] + 10
+        goal = (
+            "voice, 1 voice: end of speech -> first token P50 <= silence window + one decode step + 10 ms (limit/P50)"
+        )
+        out.append(_goal(goal, ">= 1.0", limit / one["voice+preemptive"]["p50_ms"], 1.0))
+        cascade = one.get("cascade", {}).get("p95_ms")
+        if cascade:
+            goal = "voice, 1 voice: P95 at most half the cascade's (cascade P95 / 2 / voice P95)"
+            out.append(_goal(goal, ">= 1.0", cascade / 2 / one["voice+preemptive"]["p95_ms"], 1.0))
+    many = [r for k, r in runs.items() if k != "1"]
+    if many:
+        ratios = [
+            r["cascade"][f"p{q}_ms"] / r["voice+preemptive"][f"p{q}_ms"]
+            for r in many
+            for q in PERCENTILES
+            if r.get("cascade", {}).get(f"p{q}_ms") and r.get("voice+preemptive", {}).get(f"p{q}_ms")
+        ]
+        goal = "voice, many voices: no percentile worse than the cascade (worst cascade/voice shown)"
+        out.append(_goal(goal, ">= 1.0x each", min(ratios) if ratios else None, 1.0))
     return out
 
 

@@ -48,6 +48,9 @@ SYSTEMS = {
     "plain_decode": functools.partial(systems.plain, as_decode=True),  # with the decode engine's per-step extras
     "rayllm": systems.rayllm,
     "rayllm_direct": functools.partial(systems.rayllm, direct=True),  # its direct streaming (behind HAProxy)
+    # The app without its speech role: with it idle, the text path should not change (a third engine shares the
+    # cores; it must not spin while no audio flows).
+    "app_no_speech": lambda app_args: systems.app({k: v for k, v in app_args.items() if k != "speech"}),
 }
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
 
