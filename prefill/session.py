@@ -100,6 +100,7 @@ class Session(Conversation):
         # Where the turn's audio transcript starts in `buffer` (REST audio chunks, `mode: "transcript"`): each such
         # chunk is the whole transcript so far, and replaces the one before from here.
         self.transcript_at: int | None = None
+        self._transcribing = False  # (a transcript chunk's own replace keeps `transcript_at`)
         self.chunk_log: list[dict[str, Any]] = []
         self.next_seq = 0
         self.pending: dict[int, tuple[float, dict[str, Any]]] = {}
@@ -188,6 +189,10 @@ class Session(Conversation):
             if mode != "append":
                 raise SessionError(400, "a tool's result is a whole message: mode must be append", "mode")
             self.check_tool_result(tool_call_id)
+        if mode == "append" and role == "user" and payload and self.transcript_at is not None:
+            raise SessionError(
+                409, "this turn is spoken: end its audio (an audio chunk with end_of_input) before typing", "modality"
+            )
         if mode == "transcript":
             offset = None
             if audio_start and self.transcript_at is not None and seq == self.next_seq:
@@ -222,7 +227,11 @@ class Session(Conversation):
                 if seq != self.next_seq:  # held out of order: its bytes were counted on arrival
                     self.payload_bytes -= len(chunk["payload"].encode())
                 self.transcript_at = self.transcript_offset()
-                self._replace(self.transcript_at, chunk["payload"])
+                self._transcribing = True
+                try:
+                    self._replace(self.transcript_at, chunk["payload"])
+                finally:
+                    self._transcribing = False
             elif chunk.get("mode") == "replace":
                 try:
                     self._check_offset(chunk["offset"])
@@ -285,6 +294,8 @@ class Session(Conversation):
             raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
         self.payload_bytes = held + len(text.encode())
         self.buffer = self.buffer[:offset] + text
+        if self.transcript_at is not None and offset <= self.transcript_at and not self._transcribing:
+            self.transcript_at = None  # (a replace reached the transcript: the turn's next audio starts anew)
 
     def clear_text(self) -> None:
         self.payload_bytes -= len(self.buffer.encode())

@@ -121,7 +121,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             raise InputError(result)
 
     try:
-        seq, ended = 0, False
+        seq, ended, spoken = 0, False, False
         if partial:
             await chunk(seq, partial, False)
             seq += 1
@@ -137,7 +137,9 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
                 if not isinstance(payload, str):
                     raise InputError(error_body(400, 'each NDJSON line is {"payload": str}', "payload"))
                 ended = bool(line.get("end_of_input"))
-                modality = line.get("modality", "text")
+                # (`{"end_of_input": true}` alone after audio lines ends the audio: its final transcript)
+                modality = line.get("modality", "audio" if spoken and ended and not payload else "text")
+                spoken = spoken or modality == "audio"
                 if modality not in ("text", "audio"):
                     raise InputError(error_body(400, 'an NDJSON line\'s modality is "text" or "audio"', "modality"))
                 await chunk(seq, payload, ended, modality)

@@ -384,7 +384,8 @@ class RealtimeConnection:
 
     # --- client events -----------------------------------------------------------------------------
     async def session_update(self, event: SessionUpdate) -> None:
-        if event.model is not None and event.session is None:  # vLLM's realtime client (router/voice/)
+        # vLLM's realtime client (router/voice/): a top-level `model`, the speech model's (not the LLM's)
+        if event.model is not None and event.session is None and event.model != self.settings["model"]:
             self.audio.use_vllm_flow(event.model)
             await self.send("session.updated", session=self.session_object())
             return
@@ -433,6 +434,7 @@ class RealtimeConnection:
     async def item_create(self, event: ConversationItemCreate) -> None:
         item = event.item
         item.check()
+        await self.audio.end_spoken_turn()
         if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
             await self.buffer_commit()
         item_id = item.id or new_id("item")
@@ -476,18 +478,23 @@ class RealtimeConnection:
             await self.send("conversation.item.added", previous_item_id=previous, item=item)
             await self.send("conversation.item.done", previous_item_id=previous, item=item)
 
+    # Typed text: while a spoken turn is in progress its transcript stays at the end of the input, after the typed
+    # text (router/voice/realtime_audio.py `typed`); every change takes the audio's lock, as transcripts do.
     async def buffer_append(self, event: BufferAppend) -> None:
-        if await self.call("session_buffer", op="append", text=event.delta):
-            self.buffer += event.delta
+        async with self.audio.lock:
+            await self.audio.typed(len(self.audio.typed_text()), event.delta)
 
     async def buffer_replace(self, event: BufferReplace) -> None:
         """Update mode: the buffer's text from character `offset` (default 0) on becomes `text`."""
-        if event.offset > len(self.buffer):
-            raise InvalidEvent(f"`offset` must be from 0 to the buffer's length ({len(self.buffer)})", param="offset")
-        if await self.call("session_buffer", op="replace", text=event.text, offset=event.offset):
-            self.buffer = self.buffer[: event.offset] + event.text
+        async with self.audio.lock:
+            typed = self.audio.typed_text()
+            if event.offset > len(typed):
+                message = f"`offset` must be from 0 to the typed text's length ({len(typed)})"
+                raise InvalidEvent(message, param="offset")
+            await self.audio.typed(event.offset, event.text)
 
     async def buffer_commit(self, event: ClientEvent | None = None) -> None:
+        await self.audio.end_spoken_turn()  # (a commit ends the spoken turn in progress: its audio so far)
         if not self.buffer:
             await self.error("the input text buffer is empty", "input_text_buffer_empty")
             return
@@ -507,8 +514,12 @@ class RealtimeConnection:
         return True
 
     async def buffer_clear(self, event: BufferClear) -> None:
-        if await self.call("session_buffer", op="clear"):
-            self.buffer = ""
+        async with self.audio.lock:
+            if self.audio.speaking:  # the typed text goes; the spoken turn's transcript stays
+                cleared = await self.audio.typed(0, "")
+            elif cleared := bool(await self.call("session_buffer", op="clear")):
+                self.buffer = ""
+        if cleared:
             await self.send("input_text_buffer.cleared")
 
     async def response_create(self, event: ResponseCreate) -> None:
@@ -527,6 +538,7 @@ class RealtimeConnection:
             message = f"this API key has used its tokens per minute; retry in {wait} s"
             await self.error(message, "rate_limit_exceeded")
             return
+        await self.audio.end_spoken_turn()
         if self.buffer:  # text typed but not committed is part of the user's turn
             await self.buffer_commit()
         settings = {**self.settings, **response.given()}

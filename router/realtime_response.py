@@ -122,6 +122,7 @@ class ResponseStream:
         self.connection = connection
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
+        self.cancel_reason = "client_cancelled"  # (speech that interrupts it: `turn_detected`)
         self.reader: AnswerReader | None = None
         self.output: Output | None = None
         self.task = asyncio.create_task(self.stream(turn))
@@ -130,8 +131,10 @@ class ResponseStream:
     def done(self) -> bool:
         return self.task.done()
 
-    async def cancel(self) -> None:
-        """response.cancel: the response ends as cancelled (its `response.done` sent) before this returns."""
+    async def cancel(self, reason: str = "client_cancelled") -> None:
+        """response.cancel (or speech, `turn_detected`): the response ends as cancelled (its `response.done`
+        sent) before this returns."""
+        self.cancel_reason = reason
         self.cancel_requested = True  # read before the reading starts, too
         if self.reader is not None:
             self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
@@ -150,7 +153,7 @@ class ResponseStream:
         connection.last_item_id = items[-1]["id"]
         status, details = summary.get("status"), None
         if status == "cancelled":
-            details = {"type": "cancelled", "reason": "client_cancelled"}
+            details = {"type": "cancelled", "reason": self.cancel_reason}
         elif status == "completed" and summary.get("finish_reason") == "length":
             status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         elif status == "failed":

@@ -100,6 +100,8 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         return error_response(validation_error(e))
     if chunk.modality == "audio":  # transcribed by the speech role into the turn (router/voice/session_audio.py)
         return _reply(await session_audio.audio_chunk(ingress, session_id, chunk), 202)
+    if chunk.end_of_input:  # a text end: an audio turn in progress ends with its transcript so far
+        detached(session_audio.close(ingress, session_id, forget=False))
     # An empty end chunk may release a preemptive answer a reader here holds, before the owner has the chunk
     # (router/provisional.py); the owner refusing the chunk revokes it.
     held = ingress.feeds.held.get(session_id) if chunk.end_of_input and not chunk.payload else None
@@ -134,6 +136,7 @@ async def _forward_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dic
 
 @api.post("/{session_id}/finish")
 async def finish(session_id: str, request: Request) -> Response:
+    detached(session_audio.close(_ingress(request), session_id, forget=False))  # (an audio turn: as it stands)
     return _reply(await session_call(_ingress(request), "session_finish", session_id=session_id), 202)
 
 

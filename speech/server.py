@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 @serve.deployment(name="speech", max_ongoing_requests=256, health_check_period_s=10)
-class SpeechServer(AudioSessions):
+class SpeechServer:
     async def __init__(self, app_config: dict[str, Any]) -> None:
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
@@ -39,6 +39,7 @@ class SpeechServer(AudioSessions):
         self.audio_seconds = 0.0  # audio transcribed (an utterance counts again each time it is transcribed)
         self.transcriptions = 0
         self.busy_s = 0.0  # time spent transcribing (one transcription at a time: the replica's load)
+        self.sessions = AudioSessions(self)  # REST sessions' audio turns held here (speech/sessions.py)
 
     def info(self) -> dict[str, Any]:
         """What the router needs to know of the model: its sample rate and window (seconds of audio one
@@ -101,6 +102,22 @@ class SpeechServer(AudioSessions):
                 yield {"response": result.model_dump(mode="json")}
         finally:
             self.in_flight -= 1
+
+    async def session_audio(
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        pcm16: bytes,
+        rate: int,
+        end_of_input: bool = False,
+        language: str | None = None,
+    ) -> dict[str, Any]:
+        """One REST audio chunk into its session's turn (speech/sessions.py); routed here by session id."""
+        return await self.sessions.append(session_id, sequence_id, pcm16, rate, end_of_input, language)
+
+    def session_audio_close(self, *, session_id: str) -> None:
+        self.sessions.close(session_id)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         metrics.set_gauge(metrics.SPEECH_IN_FLIGHT, self.in_flight, "transcriptions in flight", replica=self.replica)

@@ -5,10 +5,12 @@ chunk here, to the replica the session id hashes to (`SpeechRouter`, router/plac
 session's current turn (speech/utterance.py, the same growing-utterance transcription as the realtime socket's)
 and answers the turn's latest transcript; the router hands that to the session's owner as a `transcript` chunk
 (the owner replaces the turn's last transcript with it: only the changed suffix is prefilled again). The end
-chunk waits for the final transcript of the whole turn. Audio chunks of a session are applied in the order of
-their sequence ids as they arrive: a client sends them one after the other, as a microphone makes them.
+chunk waits for the final transcript of the whole turn.
 
-A replica that stops loses the turns it held: the next chunk of such a turn is refused (409, `audio_turn_lost`),
+Audio chunks are applied in the order of their sequence ids as they arrive, so a client sends them one after the
+other, as a microphone makes them. A chunk answered before (a retry) gets the same answer again; one whose
+sequence id is below the last taken and was never answered (sent out of order) is refused (409), never dropped.
+A replica that stops loses the turns it held: the owner refuses the next chunk of such a turn (409), so it is
 never transcribed from half the audio.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,16 +27,18 @@ import numpy as np
 from serve_app.protocol import error_body
 from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance
 
-IDLE_S = 600.0  # a session's audio state with no chunk for this long is dropped (the session idles out first)
+IDLE_S = 600.0  # a turn with no chunk for this long is dropped (its session idles out long before)
+REAP_EVERY_S = 60.0
+ANSWERS_KEPT = 4096  # (session, sequence id) -> the answer given, for retries
 
 
 @dataclass
 class AudioTurn:
     utterance: Utterance
-    rate: int
     last_seq: int
     resampler: Any = None
-    text: str = ""
+    text: str = ""  # the latest transcript
+    failed_end: int | None = None  # its end chunk, whose final transcription failed (a retry tries again)
     touched: float = field(default_factory=time.monotonic)
 
 
@@ -49,88 +54,98 @@ class _Local:
 
 
 class AudioSessions:
-    """Mixin of `SpeechServer`: `session_audio`, per session id."""
+    """The audio turns of the REST sessions this replica holds."""
 
-    config: Any
-    engine: Any
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.config = server.config.speech
+        self.turns: dict[str, AudioTurn] = {}
+        self.answers: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()
+        self._reaper = asyncio.create_task(self._reap())
 
-    def _audio_turns(self) -> dict[str, AudioTurn]:
-        if not hasattr(self, "_turns"):
-            self._turns: dict[str, AudioTurn] = {}
-        return self._turns
+    def _answered(self, session_id: str, seq: int, answer: dict[str, Any]) -> dict[str, Any]:
+        self.answers[(session_id, seq)] = {**answer, "duplicate": True}
+        while len(self.answers) > ANSWERS_KEPT:
+            self.answers.popitem(last=False)
+        return answer
 
-    async def session_audio(
-        self,
-        *,
-        session_id: str,
-        sequence_id: int,
-        pcm16: bytes,
-        rate: int,
-        end_of_input: bool = False,
-        language: str | None = None,
+    async def append(
+        self, session_id: str, seq: int, pcm16: bytes, rate: int, end_of_input: bool, language: str | None
     ) -> dict[str, Any]:
-        """Append one chunk (mono 16-bit PCM at `rate`) to the session's turn: `{"text": <the turn's transcript
-        so far>, "final": end_of_input}`; at the end of input the whole turn's final transcript."""
-        turns = self._audio_turns()
-        self._reap(turns)
-        turn = turns.get(session_id)
-        if turn is not None and sequence_id <= turn.last_seq:  # a retry of a chunk taken: the same answer
-            return {"text": turn.text, "final": False, "duplicate": True}
-        if turn is None and getattr(self, "_ended", {}).get(session_id, -1) >= sequence_id:
-            return {"text": "", "final": True, "duplicate": True}
-        x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        """One chunk (mono 16-bit PCM at `rate`) into the session's turn: `{"text": <the turn's transcript so far>,
+        "final", "start": whether it began the turn}`; with `end_of_input` the whole turn's final transcript."""
+        if (done := self.answers.get((session_id, seq))) is not None:
+            return done  # a retry: the same answer (the owner acknowledges the sequence id as a duplicate)
+        turn = self.turns.get(session_id)
+        if turn is not None and seq == turn.failed_end:  # its audio is in: the final transcription, again
+            return await self._end(session_id, seq, turn, start=False)
+        if turn is not None and seq <= turn.last_seq:
+            message = f"audio chunk {seq} came after chunk {turn.last_seq}: send a session's audio chunks in order"
+            return error_body(409, message, "sequence_id")
         start = turn is None
         if turn is None:
-            speech = self.config.speech
-            utterance = Utterance(
-                _Local(self),
-                self._on_text(session_id),
-                language=language or speech.language,
-                every_ms=speech.partial_every_ms,
-                window_s=self.engine.max_clip_s,
-                surface="session",
-            )
-            turn = turns[session_id] = AudioTurn(utterance, rate, sequence_id)
+            turn = AudioTurn(self._utterance(language), seq)
+            turn.utterance.on_text = self._on_text(turn)
+            self.turns[session_id] = turn
+        x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
         if rate != MODEL_RATE:
             if turn.resampler is None:
                 import soxr
 
                 turn.resampler = soxr.ResampleStream(rate, MODEL_RATE, 1, dtype="float32")
             x = turn.resampler.resample_chunk(x, last=end_of_input)
-        limit = self.config.speech.max_turn_audio_s
+        limit = self.config.max_turn_audio_s
         if turn.utterance.seconds + len(x) / MODEL_RATE > limit:
             message = f"the turn's audio would exceed {limit:g} s (speech.max_turn_audio_s); end the turn first"
             return error_body(413, message, "payload")
-        turn.last_seq, turn.touched = sequence_id, time.monotonic()
+        turn.last_seq, turn.touched = seq, time.monotonic()
         turn.utterance.extend(x)
         if not end_of_input:
-            return {"text": turn.text, "final": False, "start": start, "seconds": turn.utterance.seconds}
-        turns.pop(session_id, None)
-        self._ended = {**getattr(self, "_ended", {}), session_id: sequence_id}
-        try:
+            seconds = turn.utterance.seconds
+            answer = {"text": turn.text, "final": False, "start": start, "seconds": seconds}
+            return self._answered(session_id, seq, answer)
+        return await self._end(session_id, seq, turn, start)
+
+    async def _end(self, session_id: str, seq: int, turn: AudioTurn, start: bool) -> dict[str, Any]:
+        try:  # (the turn stays until its final transcript is made: a retry of a failed end chunk can try again)
             text = await turn.utterance.final(turn.utterance.length)
         except TranscriptionFailed as e:
+            turn.failed_end = seq
             return error_body(502, f"the turn's audio could not be transcribed: {e.message}", "payload")
-        finally:
-            turn.utterance.close()
-        seconds = turn.utterance.seconds
-        return {"text": text, "final": True, "start": start, "seconds": seconds, "usage": turn.utterance.usage}
+        self.turns.pop(session_id, None)
+        turn.utterance.close()
+        answer = {"text": text, "final": True, "start": start, "seconds": turn.utterance.seconds}
+        return self._answered(session_id, seq, {**answer, "usage": turn.utterance.usage})
 
-    def _on_text(self, session_id: str) -> Any:
+    def _utterance(self, language: str | None) -> Utterance:
+        return Utterance(
+            _Local(self.server),
+            self._ignore,
+            language=language or self.config.language,
+            every_ms=self.config.partial_every_ms,
+            window_s=self.server.engine.max_clip_s,
+            surface="session",
+        )
+
+    @staticmethod
+    async def _ignore(text: str, delay: float) -> None:
+        return None
+
+    @staticmethod
+    def _on_text(turn: AudioTurn) -> Any:
         async def on_text(text: str, delay: float) -> None:
-            turn = self._audio_turns().get(session_id)
-            if turn is not None:
-                turn.text = text
+            turn.text = text  # (this turn's own: a late transcript of an ended turn cannot reach the next)
 
         return on_text
 
-    def _reap(self, turns: dict[str, AudioTurn]) -> None:
-        now = time.monotonic()
-        for sid in [sid for sid, t in turns.items() if now - t.touched > IDLE_S]:
-            turns.pop(sid).utterance.close()
-
-    async def session_audio_close(self, *, session_id: str) -> None:
-        turn = self._audio_turns().pop(session_id, None)
-        if turn is not None:
+    def close(self, session_id: str) -> None:
+        """The session ended: its turn, if one is open, goes (its answers age out)."""
+        if (turn := self.turns.pop(session_id, None)) is not None:
             turn.utterance.close()
-        await asyncio.sleep(0)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_EVERY_S)
+            now = time.monotonic()
+            for sid in [sid for sid, t in self.turns.items() if now - t.touched > IDLE_S]:
+                self.close(sid)

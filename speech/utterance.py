@@ -65,6 +65,7 @@ class Utterance:
         self.usage = {"transcriptions": 0, "seconds": 0.0}  # the work: audio seconds sent (again as it grows)
         self._asked = 0  # the end of the newest transcription asked for
         self._last_asked = 0
+        self._held = False  # a pause: no periodic transcription until speech resumes
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._worker: asyncio.Task[None] | None = None
@@ -75,7 +76,7 @@ class Utterance:
             return
         self._chunks.append(audio)
         self.length += len(audio)
-        if self.length - self._last_asked >= self.every:
+        if not self._held and self.length - self._last_asked >= self.every:
             self.ask(self.length)
 
     def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -92,10 +93,19 @@ class Utterance:
     def ask(self, end: int) -> None:
         """Transcribe the utterance up to `end` (the newest ask wins over one not started)."""
         self._last_asked = end
-        self._asked = max(self._asked, min(end, self.length))
+        self._asked = min(end, self.length)
         self._wake.set()
         if self._worker is None:
             self._worker = asyncio.create_task(self._run())
+
+    def hold(self, end: int) -> None:
+        """A pause in the speech (the VAD's): transcribe up to `end` now, and nothing more until `resume`, so that
+        if the pause ends the turn its final transcript is this one, already made."""
+        self.ask(end)
+        self._held = True
+
+    def resume(self) -> None:
+        self._held = False
 
     async def final(self, end: int, timeout: float = TRANSCRIBE_TIMEOUT_S) -> str:
         """The transcript of the utterance up to `end` (what an earlier transcription of the same audio said,

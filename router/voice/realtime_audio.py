@@ -2,7 +2,7 @@
 
 Audio is resampled to 16 kHz as it arrives (router/voice/audio.py) and, with `turn_detection`, goes through the
 connection's VAD (router/voice/vad.py). From speech start the turn's audio is an `Utterance`
-(router/voice/utterance.py), transcribed again as it grows; each transcript revises the session's input text
+(speech/utterance.py), transcribed again as it grows; each transcript revises the session's input text
 through the update mode (`session_buffer` append or replace at the first changed character: only the changed
 suffix is prefilled again), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio is
 transcribed at once; a session with preemptive answers starts its answer in the silence that follows, and when the
@@ -232,7 +232,10 @@ class AudioInput:
         if self._detector is None:
             self._detector = SpeechDetector(detection.vad())
             self._detector.samples = start  # (the detector's clock is the connection's)
-        for vad in self._detector.feed(x):  # (~0.1 ms a 32 ms frame)
+        detector = self._detector
+        # ~0.1-0.2 ms a 32 ms frame: a long append (seconds of audio) runs in a thread, off the replica's loop.
+        found = await asyncio.to_thread(detector.feed, x) if len(x) > 16 * 512 else detector.feed(x)
+        for vad in found:
             await self.on_vad(vad, detection)
         if self.turn is None and not self.conn.responding:
             await self.idle(len(x), detection)
@@ -248,9 +251,14 @@ class AudioInput:
         self.shown = self.previous = ""
         speech = self.conn.ingress.config.speech
         window = getattr(self.conn.ingress, "speech_window_s", None)
-        self.turn = Utterance(
+        turn: Utterance | None = None
+
+        async def on_text(text: str, delay: float) -> None:
+            await self.on_text(text, delay, turn)
+
+        self.turn = turn = Utterance(
             self.speech,
-            self.on_text,
+            on_text,
             language=self.settings.transcription.language or speech.language,
             prompt=self.settings.transcription.prompt or "",
             every_ms=speech.partial_every_ms,
@@ -269,13 +277,15 @@ class AudioInput:
             if detection.interrupt_response and self.conn.responding and not self.transcription_only:
                 metrics.inc(metrics.VOICE_BARGE_INS, 1, "responses cancelled by speech")
                 assert self.conn.response is not None
-                await self.conn.response.cancel()
+                await self.conn.response.cancel("turn_detected")
         elif self.turn is None:
             return
         elif vad.kind == "paused":  # transcribe the turn as it is now: it may be its end
             end = vad.sample - self.turn_start
             self.turn.pauses.append(end)
-            self.turn.ask(end + tail)
+            self.turn.hold(end + tail)  # (and no more until speech resumes: the turn's end reuses this one)
+        elif vad.kind == "resumed":
+            self.turn.resume()
         elif vad.kind == "stopped":
             speech_end = vad.sample - detection.vad().silence_duration_ms * MODEL_RATE // 1000
             await self.conn.send("input_audio_buffer.speech_stopped", audio_end_ms=vad.ms, item_id=self.item_id)
@@ -318,7 +328,8 @@ class AudioInput:
         await self.end_turn(self.turn.length, respond=False)
 
     async def clear(self, event: AudioClear) -> None:
-        turn, self.turn = self.turn, None
+        async with self.lock:  # (no revision of the turn in flight)
+            turn, self.turn = self.turn, None
         if turn is not None:
             turn.close()
             if not self.transcription_only:
@@ -344,13 +355,47 @@ class AudioInput:
         fields = {"item_id": event.item_id, "content_index": event.content_index, "audio_end_ms": event.audio_end_ms}
         await self.conn.send("conversation.item.truncated", **fields)
 
-    # --- the turn ----------------------------------------------------------------------------------
-    async def on_text(self, text: str, delay: float) -> None:
-        """A new transcript of the turn so far: the session's input revised, agreed text sent as deltas."""
+    # --- typed text beside a spoken turn ----------------------------------------------------------------
+    @property
+    def speaking(self) -> bool:
+        """A spoken turn is in progress, its transcript at the end of the session's input text."""
+        return self.turn is not None and not self.transcription_only
+
+    def typed_text(self) -> str:
+        return self.conn.buffer[: self.offset] if self.speaking else self.conn.buffer
+
+    async def typed(self, offset: int, text: str) -> bool:
+        """The typed text from `offset` on becomes `text`, before the transcript of a spoken turn in progress
+        (the caller holds the lock). Whether the owner took it."""
+        conn = self.conn
+        transcript = conn.buffer[self.offset :] if self.speaking else ""
+        typed = self.typed_text()
+        if offset == len(typed) and not transcript:
+            ok = await conn.call("session_buffer", op="append", text=text)
+        else:
+            ok = await conn.call("session_buffer", op="replace", text=text + transcript, offset=offset)
+        if ok:
+            conn.buffer = typed[:offset] + text + transcript
+            if self.speaking:
+                self.offset = offset + len(text)
+        return ok is not None
+
+    async def end_spoken_turn(self) -> None:
+        """A commit while a spoken turn is in progress ends it: its audio so far, with the text typed meanwhile
+        before its transcript, is the user's item."""
         if self.turn is None:
             return
+        if self._detector is not None:
+            self._detector.speaking = False
+        await self.end_turn(self.turn.length, respond=False)
+
+    # --- the turn ----------------------------------------------------------------------------------
+    async def on_text(self, text: str, delay: float, turn: Utterance | None = None) -> None:
+        """A new transcript of the turn so far: the session's input revised, agreed text sent as deltas."""
+        if self.turn is None or (turn is not None and turn is not self.turn):
+            return  # (a late transcript of a turn that ended: the end's own transcript decided)
         if not self.transcription_only:
-            await self.revise(text)
+            await self.revise(text, turn)
         agreed = stable_prefix(self.previous, text)
         self.previous = text
         await self.delta(agreed)
@@ -366,9 +411,12 @@ class AudioInput:
                 "conversation.item.input_audio_transcription.delta", item_id=self.item_id, content_index=0, delta=delta
             )
 
-    async def revise(self, text: str) -> None:
-        """The turn's part of the session's input text becomes `text` (only what changed is sent)."""
+    async def revise(self, text: str, turn: Utterance | None = None) -> None:
+        """The turn's part of the session's input text becomes `text` (only what changed is sent). `turn`: only
+        while that utterance is the turn (a partial transcript that lost the race with the turn's end is dropped)."""
         async with self.lock:
+            if turn is not None and turn is not self.turn:
+                return
             current = self.conn.buffer[self.offset :]
             joined = text if not self.conn.buffer[: self.offset] or not text else " " + text  # (after typed text)
             if current == joined:
@@ -383,17 +431,18 @@ class AudioInput:
 
     async def end_turn(self, end: int, respond: bool) -> None:
         """The turn's audio up to `end` is final: its transcript, the committed item, and the answer."""
-        turn, item_id = self.turn, self.item_id
-        assert turn is not None and item_id is not None
-        self.turn = None
+        async with self.lock:  # (a partial's revision in flight finishes first; none starts after)
+            turn, item_id = self.turn, self.item_id
+            assert turn is not None and item_id is not None
+            self.turn = None
         self.idle_samples = 0
         try:
             text = await turn.final(end)
         except TranscriptionFailed as e:
-            turn.close()
             await self.failed(item_id, e)
             return
-        turn.close()
+        finally:
+            turn.close()
         await self.delta(text)
         # As vLLM's Whisper serving reports it (OpenAI's `duration` usage): the turn's audio seconds.
         usage = {"type": "duration", "seconds": round(end / MODEL_RATE, 3)}
@@ -404,7 +453,6 @@ class AudioInput:
         part = {"type": "input_audio", "transcript": text}
         committed = True
         if not self.transcription_only:
-            self.previous = text
             await self.revise(text)
             if self.conn.buffer.strip():
                 committed = await self.conn.commit_input(item_id, [part])

@@ -63,14 +63,20 @@ async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[s
     metrics.inc(
         metrics.VOICE_AUDIO_SECONDS, len(raw) / 2 / settings["rate"], "audio seconds received", surface="session"
     )
-    heard = await speech.session_audio.remote(
-        session_id=session_id,
-        sequence_id=chunk.sequence_id,
-        pcm16=raw,
-        rate=settings["rate"],
-        end_of_input=chunk.end_of_input,
-        language=settings.get("language"),
-    )
+    try:
+        heard = await speech.session_audio.remote(
+            session_id=session_id,
+            sequence_id=chunk.sequence_id,
+            pcm16=raw,
+            rate=settings["rate"],
+            end_of_input=chunk.end_of_input,
+            language=settings.get("language"),
+        )
+    except Exception as e:  # the speech replica died mid-call (Ray's actor errors): the client may retry
+        metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="speech_replica")
+        body = error_body(503, f"the speech replica holding this session's audio failed ({type(e).__name__}): retry")
+        body["error"]["retry_after"] = 2
+        return body
     if "error" in heard:
         return heard
     result = await session_call(
@@ -90,8 +96,12 @@ async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[s
     return {**result, "transcript": heard["text"], "transcript_final": bool(heard.get("final"))}
 
 
-async def close(ingress: Any, session_id: str) -> None:
-    """The session is gone: so is its audio turn, if one is open."""
-    _RATES.pop(session_id, None)
+async def close(ingress: Any, session_id: str, forget: bool = True) -> None:
+    """The session is gone (`forget`), or its input ended some other way than an audio end chunk (a text end,
+    `/finish`: the turn is answered from its transcript so far): so is its audio turn, if one is open."""
+    if forget:
+        _RATES.pop(session_id, None)
+    elif session_id not in _RATES:
+        return  # (no audio sent through this router replica: most likely none at all)
     if (speech := getattr(ingress, "speech", None)) is not None:
         await speech.session_audio_close.remote(session_id=session_id)

@@ -59,7 +59,6 @@ async def transcriptions(request: Request) -> Response:
     stream = speech.transcription.options(stream=True).remote(data, fields)
     first = await anext(stream.__aiter__())
     if "stream" in first:
-        metrics.inc(metrics.VOICE_AUDIO_SECONDS, 0, "audio seconds received", surface="transcriptions")
 
         async def frames() -> Any:
             async for frame in stream:
@@ -70,6 +69,9 @@ async def transcriptions(request: Request) -> Response:
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{error_status(first)}")
         return error_response(first)
     response = first["response"]
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if isinstance(usage, dict) and usage.get("type") == "duration":  # (vLLM's Whisper reports the audio's length)
+        metrics.inc(metrics.VOICE_AUDIO_SECONDS, usage["seconds"], "audio seconds received", surface="transcriptions")
     if fields.get("response_format") in TEXT_FORMATS:
         return PlainTextResponse(response.get("text", "") if isinstance(response, dict) else str(response))
     return JSONResponse(response)

@@ -193,3 +193,14 @@ def test_truncating_the_last_answer_keeps_what_the_user_heard_and_replays_the_sa
     replayed.add_message("assistant", "Once upon a time there was")
     _apply(replayed, {"op": "truncate", "chars": 9})
     assert replayed.full_request()["messages"] == s.full_request()["messages"]
+
+
+def test_a_spoken_turn_refuses_typed_text_and_a_replace_over_its_transcript_starts_it_anew():
+    s = session()
+    s.add_chunk(0, "what is", False, "transcript", audio_start=True)
+    with pytest.raises(SessionError) as refused:
+        s.add_chunk(1, " typed", False)
+    assert refused.value.status == 409 and s.buffer == "what is"
+    s.add_chunk(1, "", False, "replace", 0)  # the client clears the lost turn's transcript (as the 409 says)
+    s.add_chunk(2, "how far", False, "transcript", audio_start=True)  # a new speech turn: no 409
+    assert s.buffer == "how far"

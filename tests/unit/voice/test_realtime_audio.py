@@ -137,6 +137,7 @@ def test_speech_cancels_the_response_in_progress() -> None:
     assert "input_audio_buffer.speech_started" in kinds
     done = next(e for e in seen if e["type"] == "response.done")
     assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
 
 
 def test_a_failed_transcription_is_reported_and_its_text_leaves_the_input() -> None:
@@ -210,3 +211,40 @@ def test_truncate_names_a_known_item() -> None:
         ws.send_json({"type": "conversation.item.truncate", "item_id": answer, "audio_end_ms": 900, "text_end": 5})
         until(ws, "conversation.item.truncated")
     assert prefill.called("session_truncate")[-1]["chars"] == 5
+
+
+def owner_text_at_commits(prefill: FakePrefill) -> list[str]:
+    """The owner's input text at each commit, from the `session_buffer` calls it took, in order."""
+    text, committed = "", []
+    for call in prefill.called("session_buffer"):
+        if call["op"] == "append":
+            text += call["text"]
+        elif call["op"] == "replace":
+            text = text[: call["offset"]] + call["text"]
+        elif call["op"] == "clear":
+            text = ""
+        elif call["op"] == "commit":
+            committed.append(text)
+            text = ""
+    return committed
+
+
+def test_text_typed_during_a_spoken_turn_stays_before_its_transcript_on_both_sides() -> None:
+    """Typed text and a transcript revised at once: the owner's copy and the router's agree, nothing typed is
+    lost, and a commit during the turn ends it with its audio so far."""
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        detection = {"type": "server_vad", "create_response": False}
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}})
+        until(ws, "session.updated")
+        pcm = pcm24k(after_s=0.0)
+        half = len(pcm) // 2 // 4800 * 4800
+        send_audio(ws, pcm[:half])
+        until(ws, "input_audio_buffer.speech_started")
+        ws.send_json({"type": "input_text_buffer.append", "delta": "Note:"})
+        send_audio(ws, pcm[half:])
+        ws.send_json({"type": "input_text_buffer.append", "delta": " urgent"})
+        ws.send_json({"type": "input_text_buffer.commit"})  # (ends the spoken turn with its audio so far)
+        completed, _ = until(ws, "conversation.item.input_audio_transcription.completed")
+    committed = owner_text_at_commits(prefill)
+    assert committed[0] == "Note: urgent " + completed["transcript"], committed
