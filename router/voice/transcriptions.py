@@ -3,8 +3,8 @@
 The form as OpenAI's (`file`, `model`, `language`, `prompt`, `response_format`, `temperature`, `stream`, ...);
 the speech replica decodes the file, resamples it and runs vLLM's own transcription layer, so the answer (JSON,
 text, verbose_json, or with `stream: true` SSE `transcript.text.delta`-style chunks) is vLLM's. Errors are OpenAI
-error JSON: 400 for a missing or unreadable file or a bad field, 404 for an unknown model, 413 past
-`limits.max_body_bytes`, 501 with no speech role.
+error JSON: 400 for a missing or unreadable file or a bad field, 404 for an unknown model or with no speech
+role, 413 past `limits.max_body_bytes`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _refuse(status: int, message: str, param: str | None = None) -> JSONResponse
 async def transcriptions(request: Request) -> Response:
     ingress = request.app.state.ingress
     speech = getattr(ingress, "speech", None)
-    if speech is None:
-        return _refuse(501, "this server has no speech model (`speech.model` in its config)", "model")
+    if speech is None:  # (as for a model this server does not serve)
+        return _refuse(404, "this server has no speech model (`speech.model` in its config)", "model")
     limit = ingress.config.limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
