@@ -99,6 +99,7 @@ class SpeechServer:
             else:
                 seconds = len(pcm) / 2 / self.engine.sample_rate
                 metrics.inc(metrics.SPEECH_AUDIO_SECONDS, seconds, "audio seconds transcribed", replica=self.replica)
+                self.audio_seconds, self.transcriptions = self.audio_seconds + seconds, self.transcriptions + 1
                 yield {"response": result.model_dump(mode="json")}
         finally:
             self.in_flight -= 1

@@ -3,9 +3,10 @@
 One ONNX Runtime session per router process, one thread, shared by every connection; each connection keeps its own
 recurrent state and context (`SpeechDetector`), as vLLM-Omni's realtime socket does. The detector turns the
 model's per-frame speech probability (32 ms frames at 16 kHz) into OpenAI's `server_vad` events on the audio's own
-clock: speech starts when a frame's probability reaches `threshold`; it stops once `silence_duration_ms` of frames
-have stayed under `threshold - 0.15` (Silero's own hysteresis); `speech_started` carries the onset less
-`prefix_padding_ms` and `speech_stopped` the end plus the silence window, as OpenAI's do. A pause of
+clock: speech starts when a frame's probability reaches `threshold`; it stops `silence_duration_ms` after the last
+frame at `threshold` or above, once the frames since have fallen under `threshold - 0.15` (Silero's own
+hysteresis); `speech_started` carries the onset less `prefix_padding_ms` and `speech_stopped` the end plus the
+silence window, as OpenAI's do. A pause of
 `PAUSE_MS` inside that window is reported too: the turn's audio is transcribed then, so that its transcript, and
 a preemptive answer, are ready when the window ends.
 """
@@ -74,6 +75,7 @@ class SpeechDetector:
         self.samples = 0  # samples fed as frames (the clock)
         self.speaking = False
         self.speech_end: int | None = None  # while speaking: where the current silence began
+        self.last_speech = 0  # the end of the last frame at `threshold` or above
         self.paused = False  # that silence has lasted PAUSE_MS
 
     def probability(self, frame: np.ndarray) -> float:
@@ -99,16 +101,19 @@ class SpeechDetector:
         if not self.speaking:
             if p >= s.threshold:
                 self.speaking, self.speech_end, self.paused = True, None, False
+                self.last_speech = self.samples
                 onset = max(0, start - s.prefix_padding_ms * RATE // 1000)
                 events.append(VadEvent("started", onset * 1000 // RATE, onset))
             return
+        if p >= s.threshold:
+            self.last_speech = self.samples
         if p >= s.threshold - NEG_MARGIN:  # still speech
             if self.speech_end is not None and self.paused:
                 events.append(VadEvent("resumed", start * 1000 // RATE, start))
             self.speech_end, self.paused = None, False
             return
-        if self.speech_end is None:
-            self.speech_end = start
+        if self.speech_end is None:  # silence since the last confident frame: Silero's probability decays for a few
+            self.speech_end = self.last_speech  # frames after speech ends, and the window counts from the speech
         silent_ms = (self.samples - self.speech_end) * 1000 // RATE
         if not self.paused and silent_ms >= PAUSE_MS:
             self.paused = True
