@@ -326,27 +326,15 @@ def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
     return json.loads(made[-1].read_text())
 
 
-def preemptive_answers(args: argparse.Namespace) -> dict[str, Any] | None:
-    """bench/preemptive.py in its own process (it starts its own Ray); its results JSON."""
-    out = args.out / "preemptive"
+def separate_part(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
+    """bench/<name>.py in its own process (it starts its own Ray: the preemptive and voice parts); its results
+    JSON, or None if it failed."""
+    out = args.out / name
     argv = ["--config", str(args.config), "--out", str(out), *(["--quick"] if args.quick else [])]
-    before = set(out.glob("preemptive-*.json"))
-    print(f"== preemptive: bench/preemptive.py {' '.join(argv)}", flush=True)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "preemptive.py"), *argv], cwd=ROOT)
-    made = sorted(set(out.glob("preemptive-*.json")) - before)
-    if done.returncode != 0 or not made:
-        return None
-    return json.loads(made[-1].read_text())
-
-
-def voice_turns(args: argparse.Namespace) -> dict[str, Any] | None:
-    """bench/voice.py in its own process (it starts its own Ray, the default config's speech role too)."""
-    out = args.out / "voice"
-    argv = ["--config", str(args.config), "--out", str(out), *(["--quick"] if args.quick else [])]
-    before = set(out.glob("voice-*.json"))
-    print(f"== voice: bench/voice.py {' '.join(argv)}", flush=True)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "voice.py"), *argv], cwd=ROOT)
-    made = sorted(set(out.glob("voice-*.json")) - before)
+    before = set(out.glob(f"{name}-*.json"))
+    print(f"== {name}: bench/{name}.py {' '.join(argv)}", flush=True)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *argv], cwd=ROOT)
+    made = sorted(set(out.glob(f"{name}-*.json")) - before)
     if done.returncode != 0 or not made:
         return None
     return json.loads(made[-1].read_text())
@@ -441,11 +429,11 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             if raw["token_streaming"] is None:
                 runner.notes.append("the token-path part failed: see its output above")
         if "preemptive" in args.parts:
-            raw["preemptive"] = preemptive_answers(args)
+            raw["preemptive"] = separate_part(args, "preemptive")
             if raw["preemptive"] is None:
                 runner.notes.append("the preemptive-answers part failed: see its output above")
         if "voice" in args.parts:
-            raw["voice"] = voice_turns(args)
+            raw["voice"] = separate_part(args, "voice")
             if raw["voice"] is None:
                 runner.notes.append("the voice part failed: see its output above")
     except BaseException as e:  # whatever ran is written: a failure late in a 35-minute run keeps the rest

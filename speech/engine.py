@@ -14,11 +14,10 @@ import os
 import wave
 from typing import Any
 
-import numpy as np
-
 from serve_app.config import AppConfig, EngineConfig
 from serve_app.engine import install_fate_sharing
 from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+from speech.utterance import pcm16
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def decode_upload(data: bytes, rate: int) -> bytes:
     mono = samples.mean(axis=1)
     if native != rate:
         mono = soxr.resample(mono, native, rate)
-    return (np.clip(mono, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return pcm16(mono)
 
 
 def build_args(app: AppConfig) -> Any:

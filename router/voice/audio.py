@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-MODEL_RATE = 16000  # Whisper's, and Silero VAD's (the speech role says its own: `SpeechServer.info`)
+from speech.utterance import MODEL_RATE  # (Whisper's, and Silero VAD's)
+
 Codec = Literal["pcm16", "ulaw", "alaw"]
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
