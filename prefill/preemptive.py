@@ -42,7 +42,9 @@ class PreemptiveOptions(BaseModel):
     """`preemptive` on a session (REST create, NDJSON first line, realtime `session.update`)."""
 
     model_config = ConfigDict(extra="forbid")
-    after_idle_ms: int = Field(default=400, ge=0, le=600_000)  # input idle this long: the answer starts
+    # Input idle this long: the answer starts. None: only when asked (`session_preempt`: a spoken turn's pause,
+    # router/voice/; transcripts arriving as the user speaks are no reason to answer).
+    after_idle_ms: int | None = Field(default=400, ge=0, le=600_000)
     max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
     max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
     max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
@@ -134,18 +136,34 @@ class Preemptive:
             state.timer = None
         if state.live is not None:
             self._preempt_discard(session, "new input")
-        if session.input_ended or session.answering:
+        if session.input_ended or session.answering or state.options.after_idle_ms is None:
             return
         loop = asyncio.get_running_loop()
         state.timer = loop.call_later(state.options.after_idle_ms / 1000, self._preempt_due, session)
 
-    def _preempt_due(self, session: Any, waited_s: float = 0.0) -> None:
+    def _preempt_now(self, session: Any) -> bool:
+        """The input may be whole now (a pause in a spoken turn: router/voice/realtime_audio.py): its preemptive
+        answer starts without waiting for the input to idle. Asked for at pauses only, so not held to
+        `max_attempts` (the turn's last pause is the one that counts). Whether one is live or starting."""
+        state: PreemptState | None = getattr(session, "preempt", None)
+        if state is None:
+            return False
+        self._preempt_rearm(session)  # (the input it was made from, if it changed: given up)
+        if state.live is not None:
+            return True  # made from this input
+        if state.timer is not None:
+            state.timer.cancel()
+        self._preempt_due(session, asked=True)
+        return state.live is not None
+
+    def _preempt_due(self, session: Any, waited_s: float = 0.0, asked: bool = False) -> None:
         state: PreemptState = session.preempt
         state.timer = None
-        if (why := self._preempt_refusal(session)) is not None:
+        if (why := self._preempt_refusal(session, asked)) is not None:
             if why in PASSING:  # load passes, the pause may not: look again later (never queued in the engine)
-                delay = min(RETRY_MAX_S, max(waited_s * 2, state.options.after_idle_ms / 1000, 0.05))
-                state.timer = asyncio.get_running_loop().call_later(delay, self._preempt_due, session, delay)
+                idle_s = (state.options.after_idle_ms or 0) / 1000
+                delay = min(RETRY_MAX_S, max(waited_s * 2, idle_s, 0.05))
+                state.timer = asyncio.get_running_loop().call_later(delay, self._preempt_due, session, delay, asked)
                 logger.debug("session %s: preemptive answer deferred %.2f s (%s)", session.id, delay, why)
                 return
             logger.debug("session %s: no preemptive answer (%s)", session.id, why)
@@ -165,14 +183,14 @@ class Preemptive:
         live.task = asyncio.create_task(self._preempt_start(session, live))
         metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="started")
 
-    def _preempt_refusal(self, session: Any) -> str | None:
-        """Why no preemptive answer starts now (None: it may)."""
+    def _preempt_refusal(self, session: Any, asked: bool = False) -> str | None:
+        """Why no preemptive answer starts now (None: it may). `asked`: at a pause (`_preempt_now`)."""
         state: PreemptState = session.preempt
         if session.input_ended or session.answering or session.state.value == "closed":
             return "the turn is over"
         if state.live is not None:
             return "one is in progress"
-        if state.attempts >= state.options.max_attempts:
+        if state.attempts >= state.options.max_attempts and not asked:
             return "max_attempts"
         if session.pending:
             return "chunks are missing"  # (its input is known to be incomplete)

@@ -294,6 +294,15 @@ class SessionAPI(HandOff, Failover, Preemptive):
 
     @session_api
     @serialized
+    async def session_preempt(self, *, session_id: str) -> dict[str, Any]:
+        """The input may be whole now (a spoken turn paused): a session with `preemptive` options starts its
+        preemptive answer at once instead of after `after_idle_ms` (prefill/preemptive.py `_preempt_now`)."""
+        session = self._get(session_id)
+        session.touch()
+        return {**session.describe(), "preempting": self._preempt_now(session)}
+
+    @session_api
+    @serialized
     async def session_update(
         self,
         *,

@@ -124,9 +124,10 @@ class SpeechConfig(RoleConfig):
     max_turn_audio_s: float = Field(default=120.0, gt=0)
     max_session_audio_s: float = Field(default=3600.0, gt=0)
     # Preemptive answers (prefill/preemptive.py) for realtime sessions that speak and did not set `preemptive`
-    # themselves: the pause before the VAD's silence window ends starts the answer (bench/voice.py measured
-    # why this is on). `after_idle_ms` must leave the answer time within the window. None: off.
-    preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": 150})
+    # themselves: the VAD's pause (~100 ms of silence, well inside its window) starts the answer from the
+    # pause's transcript, so it is made when the window ends (bench/voice.py measured why this is on).
+    # `after_idle_ms: null`: only pauses start one (partial transcripts' gaps are not the user pausing). None: off.
+    preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": None})
 
     @model_validator(mode="after")
     def _preemptive_options(self) -> SpeechConfig:

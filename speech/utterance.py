@@ -66,6 +66,7 @@ class Utterance:
         self._asked = 0  # the end of the newest transcription asked for
         self._last_asked = 0
         self._held = False  # a pause: no periodic transcription until speech resumes
+        self.held_end: int | None = None  # that pause's end (its transcript: `covered` equals it)
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._worker: asyncio.Task[None] | None = None
@@ -102,10 +103,15 @@ class Utterance:
         """A pause in the speech (the VAD's): transcribe up to `end` now, and nothing more until `resume`, so that
         if the pause ends the turn its final transcript is this one, already made."""
         self.ask(end)
-        self._held = True
+        self._held, self.held_end = True, end
 
     def resume(self) -> None:
-        self._held = False
+        self._held, self.held_end = False, None
+
+    @property
+    def at_pause(self) -> bool:
+        """The latest transcript is the pause's (`hold`), and speech has not resumed since."""
+        return self.held_end is not None and self.covered == self.held_end
 
     async def final(self, end: int, timeout: float = TRANSCRIBE_TIMEOUT_S) -> str:
         """The transcript of the utterance up to `end` (what an earlier transcription of the same audio said,

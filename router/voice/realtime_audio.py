@@ -391,13 +391,21 @@ class AudioInput:
 
     # --- the turn ----------------------------------------------------------------------------------
     async def on_text(self, text: str, delay: float, turn: Utterance | None = None) -> None:
-        """A new transcript of the turn so far: the session's input revised, agreed text sent as deltas."""
+        """A new transcript of the turn so far: agreed text sent as deltas and into the session's input; at a pause,
+        the whole transcript, and the preemptive answer starts from it."""
         if self.turn is None or (turn is not None and turn is not self.turn):
             return  # (a late transcript of a turn that ended: the end's own transcript decided)
-        if not self.transcription_only:
-            await self.revise(text, turn)
         agreed = stable_prefix(self.previous, text)
         self.previous = text
+        if not self.transcription_only:
+            if turn is not None and turn.at_pause:
+                await self.revise(text, turn)
+                if self.conn.settings.get("preemptive") is not None:
+                    await self.conn.call("session_preempt")  # (not waiting for the input to idle)
+            else:
+                # As the user speaks, the words two transcripts agree on (LocalAgreement-2): few of them change
+                # again, so little of the input is prefilled twice; the rest comes at the pause.
+                await self.revise(agreed, turn, grow_only=True)
         await self.delta(agreed)
 
     async def delta(self, text: str) -> None:
@@ -411,15 +419,16 @@ class AudioInput:
                 "conversation.item.input_audio_transcription.delta", item_id=self.item_id, content_index=0, delta=delta
             )
 
-    async def revise(self, text: str, turn: Utterance | None = None) -> None:
+    async def revise(self, text: str, turn: Utterance | None = None, grow_only: bool = False) -> None:
         """The turn's part of the session's input text becomes `text` (only what changed is sent). `turn`: only
-        while that utterance is the turn (a partial transcript that lost the race with the turn's end is dropped)."""
+        while that utterance is the turn (a partial transcript that lost the race with the turn's end is dropped).
+        `grow_only`: not if the input already starts with it (agreed words never cut the pause's transcript)."""
         async with self.lock:
             if turn is not None and turn is not self.turn:
                 return
             current = self.conn.buffer[self.offset :]
             joined = text if not self.conn.buffer[: self.offset] or not text else " " + text  # (after typed text)
-            if current == joined:
+            if current == joined or (grow_only and current.startswith(joined)):
                 return
             n = common_prefix(current, joined)
             if n == len(current):

@@ -180,6 +180,43 @@ async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
     assert len(server.decode.started) == 2  # the second turn's own attempt
 
 
+async def test_a_pause_asks_for_the_preemptive_answer_at_once_and_idleness_alone_starts_none(
+    server: PreemptiveServer,
+) -> None:
+    """Voice (`after_idle_ms: null`): transcripts arriving as the user speaks start nothing however long the gaps
+    between them; a pause (`session_preempt`) starts the answer at once, past `max_attempts` too, and the turn that
+    ends unchanged is answered by it."""
+    session = server.open_preemptive(max_attempts=1)
+    session.preempt.options.after_idle_ms = None
+    for words in ("What is ", "a KV ", "cache? "):
+        await server.session_buffer(session_id=session.id, op="append", text=words)
+        await idle()
+    assert server.calls == []  # idle gaps start nothing
+    for attempt in (1, 2):  # each pause with new input: its own answer (the first given up), max_attempts or not
+        reply = await server.session_preempt(session_id=session.id)
+        assert reply["preempting"] is True
+        assert (await server.session_preempt(session_id=session.id))["preempting"] is True  # the same input: no new one
+        await asyncio.sleep(0.01)
+        assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls][-1] == f"p{attempt}"
+        assert len(server.decode.started) == attempt
+        if attempt == 1:
+            await server.session_buffer(session_id=session.id, op="replace", text="caches? ", offset=12)
+    await asyncio.sleep(0.01)
+    assert len(server.decode.stopped) == 1  # the first, made from the old input
+    await server.session_buffer(session_id=session.id, op="commit")
+    await server.session_finish(session_id=session.id)
+    claim = await server.session_claim(session_id=session.id)
+    assert claim["adopt"]["stream_id"] == server.decode.started[1]["stream_id"]
+    assert session.describe()["preemptive"]["delivered"] == 1
+
+
+async def test_a_pause_on_a_session_without_preemptive_answers_starts_nothing(server: PreemptiveServer) -> None:
+    session = server.open_session()
+    await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
+    assert (await server.session_preempt(session_id=session.id))["preempting"] is False
+    assert server.calls == []
+
+
 async def test_options_are_checked_in_full(server: PreemptiveServer) -> None:
     bad_options = (({"after_idle_ms": -1}, "preemptive.after_idle_ms"), ({"stream": "yes please"}, "preemptive.stream"))
     for bad, param in bad_options:

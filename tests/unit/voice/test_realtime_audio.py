@@ -102,6 +102,29 @@ def test_a_spoken_turn_revises_the_input_commits_it_and_answers() -> None:
     assert done["response"]["status"] == "completed"
 
 
+def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preemptive_answer() -> None:
+    """As the user speaks, only words two transcripts agree on are appended (nothing is replaced that a later
+    transcript keeps); the pause's transcript goes in whole, and the preemptive answer (on by default for voice,
+    `speech.preemptive`) is asked for then, once, not at the gaps between transcripts."""
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        send_audio(ws, pcm24k())
+        until(ws, "response.done")
+    names = [name for name, _ in prefill.calls]
+    update = prefill.called("session_update")[0]
+    assert update["preemptive"] == {"after_idle_ms": None}  # pauses only
+    assert names.count("session_preempt") == 1
+    pause = names.index("session_preempt")
+    before = [kw for name, kw in prefill.calls[:pause] if name == "session_buffer"]
+    *speaking, at_pause = [(c["op"], c.get("offset"), c["text"]) for c in before]
+    assert speaking and {op for op, _, _ in speaking} == {"append"}  # agreed words, never taken back
+    assert "".join(text for _, _, text in speaking) in ("what is", "what is the weather")
+    assert at_pause == ("replace", 0, "What is the weather in Paris?")  # the pause's transcript, whole
+    assert len(speech.calls) >= 3  # (partials were made: the gaps between them started no answer)
+    after = [kw["op"] for name, kw in prefill.calls[pause:] if name == "session_buffer"]
+    assert after == ["commit"]  # the end of the turn reused the pause's transcript: nothing new to prefill
+
+
 def test_manual_commits_without_vad_and_the_audio_settings_as_shown() -> None:
     prefill, speech = FakePrefill(), FakeSpeech()
     with connect(prefill, speech) as ws:
