@@ -91,8 +91,10 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
         "max_output_tokens": args.max_tokens,
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": detection}},
     }
-    if preemptive:
-        session["preemptive"] = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
+    # Off for `voice` (a spoken session's default is on: `speech.preemptive`); `voice+preemptive` as the default
+    # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
+    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
+    session["preemptive"] = preemptive_options if preemptive else None
     out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
     async with websockets.connect(url, max_size=None) as ws:
         await ws.recv()  # session.created
@@ -145,6 +147,7 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
     onset: list[int] = []
     stopped = asyncio.Event()
     end_sample: list[int] = []
+    stopped_at: list[float] = []
 
     async def send(frame: np.ndarray) -> None:
         for event in vad.feed(frame):
@@ -152,6 +155,7 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
                 onset.append(event.sample)
             elif event.kind == "stopped" and not stopped.is_set():
                 end_sample.append(event.sample)
+                stopped_at.append(time.perf_counter())
                 stopped.set()
 
     out: dict[str, Any] = {"slug": slug, "system": "cascade"}
@@ -159,6 +163,7 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
     eos = start + speech_end
     if not stopped.is_set():
         return {**out, "error": "the VAD did not end the turn"}
+    out["eos_to_stopped_s"] = stopped_at[0] - eos
     utterance = audio[onset[0] : end_sample[0]]
     wav = wav_bytes((np.clip(utterance, -1, 1) * 32767).astype("<i2").tobytes(), 16000)
     files = {"file": ("turn.wav", wav, "audio/wav")}
@@ -235,6 +240,8 @@ def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[st
         ok = [r for r in turns if "eos_to_first_s" in r and "error" not in r]
         first = [r["eos_to_first_s"] for r in ok]
         lag = [r["transcript_lag_s"] for r in ok if "transcript_lag_s" in r]
+        vad = [r["eos_to_stopped_s"] for r in ok if "eos_to_stopped_s" in r]
+        after_vad = [r["eos_to_first_s"] - r["eos_to_stopped_s"] for r in ok if "eos_to_stopped_s" in r]
         n = max(len(turns), 1)
         same = [r for r in ok if r.get("transcript") in cascade_answer]
         row = {
@@ -243,6 +250,11 @@ def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[st
             **{f"p{q}_ms": pct_ms(first, q) for q in (50, 95, 99)},
             "over_silence_p50_ms": (pct_ms(first, 50) or 0) - args.silence_ms if first else None,
             "transcript_lag_p50_ms": pct_ms(lag, 50),
+            # The two parts of end of speech → first token: the VAD's decision (the same VAD for every system),
+            # then this system's own time from it to the first token.
+            "vad_stop_p50_ms": pct_ms(vad, 50),
+            "stop_to_first_p50_ms": pct_ms(after_vad, 50),
+            "stop_to_first_p95_ms": pct_ms(after_vad, 95),
             "transcripts_exact": sum(r.get("transcript") == SENTENCES[r["slug"]] for r in turns) / n,
             "preemptive_delivered": sum(r.get("preemptive") == "confirmed" for r in turns) / n,
             "same_answer_as_cascade": (
@@ -265,20 +277,26 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         f"`python bench/voice.py --voices {' '.join(map(str, args.voices))} --turns {args.turns}` ({stamp}); "
         f"the default config (`local:tiny-llama`, `local:tiny-whisper`); server_vad silence "
         f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
-        f"preemptive after_idle_ms {args.after_idle_ms}; audio paced in {FRAME_S * 1000:.0f} ms frames",
+        f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it); audio paced in "
+        f'{FRAME_S * 1000:.0f} ms frames. "VAD stop": end of speech → the VAD\'s end of turn (`speech_stopped`; '
+        'the cascade\'s own VAD, the same model and settings); "stop → first": from there to the first token.',
         "",
-        "| voices | system | P50 / P95 / P99 ms | P50 over silence | transcript lag P50 | exact transcripts "
-        "| preemptive delivered | same answer as cascade | audio s / turn | LLM prompt tok / turn | generated / turn |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| voices | system | P50 / P95 / P99 ms | P50 over silence | VAD stop P50 | stop → first P50 / P95 "
+        "| transcript lag P50 | exact transcripts | preemptive delivered | same answer as cascade | audio s / turn "
+        "| transcriptions / turn | LLM prompt tok / turn | generated / turn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in record["runs"]:
         for system, row in run["summary"].items():
             same = "-" if row["same_answer_as_cascade"] is None else f"{row['same_answer_as_cascade']:.0%}"
             lines.append(
                 f"| {run['voices']} | {system} | {_ms(row['p50_ms'])} / {_ms(row['p95_ms'])} / {_ms(row['p99_ms'])} "
-                f"| {_ms(row['over_silence_p50_ms'])} | {_ms(row['transcript_lag_p50_ms'])} "
+                f"| {_ms(row['over_silence_p50_ms'])} | {_ms(row['vad_stop_p50_ms'])} "
+                f"| {_ms(row['stop_to_first_p50_ms'])} / {_ms(row['stop_to_first_p95_ms'])} "
+                f"| {_ms(row['transcript_lag_p50_ms'])} "
                 f"| {row['transcripts_exact']:.0%} | {row['preemptive_delivered']:.0%} | {same} "
-                f"| {row.get('audio_s_transcribed_per_turn', 0):.1f} | {row.get('llm_prompt_tokens_per_turn', 0):.0f} "
+                f"| {row.get('audio_s_transcribed_per_turn', 0):.1f} | {row.get('transcriptions_per_turn', 0):.1f} "
+                f"| {row.get('llm_prompt_tokens_per_turn', 0):.0f} "
                 f"| {row.get('llm_generated_tokens_per_turn', 0):.0f} |"
             )
     decode_step = record.get("decode_step_ms")
@@ -310,7 +328,9 @@ def main() -> None:
     parser.add_argument("--voices", type=int, nargs="+", default=[1, 4], help="voices at once")
     parser.add_argument("--turns", type=int, default=8, help="turns per voice and system")
     parser.add_argument("--silence-ms", type=int, default=500, help="server_vad's silence window (OpenAI's default)")
-    parser.add_argument("--after-idle-ms", type=int, default=150, help="voice+preemptive: after_idle_ms")
+    parser.add_argument(
+        "--after-idle-ms", type=int, default=None, help="voice+preemptive: after_idle_ms (default: none, pauses only)"
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
     parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
     parser.add_argument("--tail-s", type=float, default=1.0, help="silence after it (more than the window)")

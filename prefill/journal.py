@@ -145,7 +145,9 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
         if record["instructions"] is not None:
             session.instructions = record["instructions"] or None
         session.request.update(record["params"] or {})
-        if record.get("preemptive") is not None:
+        if record.get("preemptive") is False:  # turned off
+            session.preempt = None
+        elif record.get("preemptive") is not None:
             session.preempt = PreemptState(PreemptiveOptions.model_validate(record["preemptive"]))
     elif op == "answer":
         session.input_ended = True

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -309,24 +309,25 @@ class SessionAPI(HandOff, Failover, Preemptive):
         session_id: str,
         instructions: str | None = None,
         params: dict[str, Any] | None = None,
-        preemptive: dict[str, Any] | None = None,
+        preemptive: dict[str, Any] | Literal[False] | None = None,
     ) -> dict[str, Any]:
+        """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off)."""
         session = self._get(session_id)
         self._check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
         options = (
             _validated(PreemptiveOptions, "preemptive", {"preemptive": preemptive or {}})
-            if preemptive is not None
+            if preemptive not in (None, False)
             else None
         )
         if instructions is not None:
             session.instructions = instructions or None
         session.request.update(params or {})
-        if options is not None:
+        if options is not None or preemptive is False:
             if session.preempt is not None:
                 self._preempt_close(session)
-            session.preempt = PreemptState(options)
-        extra = {"preemptive": options.model_dump()} if options is not None else {}
+            session.preempt = PreemptState(options) if options is not None else None
+        extra = {} if preemptive is None else {"preemptive": options.model_dump() if options else False}
         await session.record("update", instructions=instructions, params=params, **extra)
         await self._prefill_stable(session)
         self._preempt_rearm(session)

@@ -395,7 +395,8 @@ class RealtimeConnection:
         settings = {**self.settings, **session.given()}
         if modalities is not None:
             settings[self.modalities_key] = modalities
-        if session.preemptive is not None:
+        turned_off = "preemptive" in session.model_fields_set and session.preemptive is None
+        if session.preemptive is not None or turned_off:  # (null: off, a spoken session's default included)
             settings["preemptive"] = session.preemptive
         if session.tools == [] and session.tool_choice is None:  # no tools left to force
             settings["tool_choice"] = "auto"
@@ -404,7 +405,8 @@ class RealtimeConnection:
         params = self.sampling(settings, self.settings)
         # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
         # are not the session's).
-        preemptive = {"preemptive": session.preemptive} if session.preemptive is not None else {}
+        given = session.preemptive is not None or turned_off
+        preemptive = {"preemptive": False if turned_off else session.preemptive} if given else {}
         if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             if voice is not None:

@@ -73,7 +73,7 @@ class Sampling(_Model):
     temperature: float | None = Field(None, ge=0, le=2)
     output_modalities: list[str] | None = Field(None, validation_alias=AliasChoices("output_modalities", "modalities"))
     # This server's extension (sessions only): start the answer while the user may still be typing
-    # (prefill/preemptive.py), checked in full by the session's owner.
+    # (prefill/preemptive.py), checked in full by the session's owner; `null` on `session.update`: off.
     preemptive: dict[str, Any] | None = None
     # Audio input (sessions only; router/voice/settings.py): GA `type` and `audio.input`, beta flat fields.
     # `turn_detection: null` turns the VAD off: whether a field was given at all is `model_fields_set`.

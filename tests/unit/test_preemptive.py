@@ -217,6 +217,15 @@ async def test_a_pause_on_a_session_without_preemptive_answers_starts_nothing(se
     assert server.calls == []
 
 
+async def test_preemptive_false_turns_them_off(server: PreemptiveServer) -> None:
+    session = server.open_preemptive()
+    await server.session_update(session_id=session.id, preemptive=False)
+    assert session.preempt is None and "preemptive" not in session.describe()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    assert server.calls == []
+
+
 async def test_options_are_checked_in_full(server: PreemptiveServer) -> None:
     bad_options = (({"after_idle_ms": -1}, "preemptive.after_idle_ms"), ({"stream": "yes please"}, "preemptive.stream"))
     for bad, param in bad_options:

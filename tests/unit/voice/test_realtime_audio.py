@@ -125,6 +125,17 @@ def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preempt
     assert after == ["commit"]  # the end of the turn reused the pause's transcript: nothing new to prefill
 
 
+def test_preemptive_null_turns_a_spoken_sessions_default_off() -> None:
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        ws.send_json({"type": "session.update", "session": {"preemptive": None}})
+        until(ws, "session.updated")
+        send_audio(ws, pcm24k())
+        until(ws, "response.done")
+    assert [c.get("preemptive") for c in prefill.called("session_update")] == [False]  # off on the owner
+    assert not prefill.called("session_preempt")
+
+
 def test_manual_commits_without_vad_and_the_audio_settings_as_shown() -> None:
     prefill, speech = FakePrefill(), FakeSpeech()
     with connect(prefill, speech) as ws:
