@@ -23,10 +23,10 @@ class _Strict(BaseModel):
 class KVTransferConfig(_Strict):
     """How prefill hands KV to decode. NIXL is the only connector this project ships."""
 
-    connector: Literal["NixlConnector"] = "NixlConnector"
+    connector: Literal["NixlConnector"] = "NixlConnector"  # vLLM's KV connector between prefill and decode
     # "auto": DRAM on the CPU platform, device memory on CUDA (vLLM's own default per platform).
     kv_buffer_device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
-    backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    backends: list[str] = Field(default_factory=lambda: ["UCX"])  # NIXL's transfer backends
     # How long a prefill replica keeps a finished prefill's KV for a decode replica that has not read it
     # (decode's heartbeats extend it while it waits): a request abandoned after its prefill frees its blocks
     # after this, not after the old 480 s abort timeout (NIXL's `kv_lease_duration`).
@@ -35,7 +35,7 @@ class KVTransferConfig(_Strict):
     # the missing tokens itself ("recompute") rather than failing the request ("fail", vLLM's default). The
     # prefill replica frees the blocks it held for that transfer when their lease ends.
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    extra_config: dict[str, Any] = Field(default_factory=dict)
+    extra_config: dict[str, Any] = Field(default_factory=dict)  # more of NIXL's `kv_connector_extra_config`
 
     def to_vllm(self, platform_device: str) -> dict[str, Any]:
         device = platform_device if self.kv_buffer_device == "auto" else self.kv_buffer_device
@@ -55,17 +55,18 @@ class KVTransferConfig(_Strict):
 class EngineConfig(_Strict):
     """vLLM engine settings for one role. Unset fields inherit from the app-level `engine`."""
 
-    max_model_len: int | None = None
-    dtype: str | None = None
-    block_size: int | None = None
+    max_model_len: int | None = None  # the context length (None: the model's)
+    dtype: str | None = None  # `auto`, `bfloat16`, `float16`, `float32` (None: vLLM's `auto`)
+    block_size: int | None = None  # tokens per KV block (None: the platform's default)
     # CPU platform: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). GPU: use gpu_memory_utilization.
     kv_cache_gb: float | None = None
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = None  # GPU: the share of device memory the engine may use
+    # Prefix caching (vLLM's default: on); prefill needs it (a session's hand-off finds its streamed KV there).
     enable_prefix_caching: bool | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    tensor_parallel_size: int | None = None
-    enforce_eager: bool | None = None
+    max_num_seqs: int | None = None  # requests the engine runs at once (a session waiting for input counts)
+    max_num_batched_tokens: int | None = None  # tokens one engine step computes at most
+    tensor_parallel_size: int | None = None  # GPUs one engine spans
+    enforce_eager: bool | None = None  # no torch.compile or CUDA graphs: faster start, slower steps
     # vLLM's tool parser for the model's tool-call text (`hermes`, `llama3_json`, `mistral`, ...): with it,
     # `tool_choice: "auto"` turns the text into `tool_calls` (vLLM's --enable-auto-tool-choice). Named and
     # `required` tool choices work without it (structured outputs force the call). The chat template must
@@ -88,14 +89,18 @@ class EngineConfig(_Strict):
 class RoleConfig(_Strict):
     """One deployment: engine overrides plus Ray Serve deployment options."""
 
+    # This role's vLLM settings, field by field over the app-level `engine` (`speech.engine`: its own, merged
+    # over nothing).
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...), passed to
+    # `.options()` untouched.
     deployment: dict[str, Any] = Field(default_factory=dict)
 
 
 class PrefillConfig(RoleConfig):
     """The prefill pool: a role, plus its streaming scheduler (prefill/scheduler/)."""
 
-    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)  # the streaming scheduler
     # Where each session's journal is kept so that it outlives its replica (prefill/store.py): `gcs`, Ray's
     # fault-tolerant store; `memory`, the replica's own process (no failover).
     session_store: Literal["gcs", "memory"] = "gcs"
@@ -114,7 +119,7 @@ class SpeechConfig(RoleConfig):
     settings are its own (`speech.engine`), not merged over the LLM's `engine`."""
 
     model: str | None = None  # a Whisper-family model (hub id or path), or `local:tiny-whisper`
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the name clients use (`model` of a transcription; None: `model`)
     language: str | None = "en"  # None: the model detects it (a second engine pass per transcription)
     # How much new audio a growing utterance needs before it is transcribed again (its partial transcript,
     # prefilled as it changes); a pause in the speech is transcribed at once whatever this is.
@@ -122,7 +127,7 @@ class SpeechConfig(RoleConfig):
     max_transcript_tokens: int | None = Field(default=None, ge=1)  # one transcription's output (None: the model's)
     # What a client may send: audio seconds in one turn (an input buffer before its commit) and in a session.
     max_turn_audio_s: float = Field(default=120.0, gt=0)
-    max_session_audio_s: float = Field(default=3600.0, gt=0)
+    max_session_audio_s: float = Field(default=3600.0, gt=0)  # audio seconds in one session, all turns
     # Preemptive answers (prefill/preemptive.py) for realtime sessions that speak and did not set `preemptive`
     # themselves: the VAD's pause (~100 ms of silence, well inside its window) starts the answer from the
     # pause's transcript, so it is made when the window ends (bench/voice.py measured why this is on).
@@ -173,7 +178,7 @@ class LimitsConfig(_Strict):
     # Per API key (with keys set): open sessions on each prefill replica, and tokens (prompt + completion) per
     # minute on each router replica; None: unlimited.
     max_sessions_per_key: int | None = Field(default=64, ge=1)
-    tokens_per_minute_per_key: int | None = Field(default=None, ge=1)
+    tokens_per_minute_per_key: int | None = Field(default=None, ge=1)  # per key, per router replica (429)
 
 
 class AdmissionConfig(_Strict):
@@ -182,7 +187,7 @@ class AdmissionConfig(_Strict):
     1013) when the pools are full, so that the sessions already admitted keep their latency. Calls on an
     admitted session are never refused here."""
 
-    enabled: bool = True
+    enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
     # A prefill replica takes new sessions while its open sessions are under this share of its capacity
     # (`prefill.scheduler.max_open_sessions`, or three quarters of the engine's slots): the stats are up to
     # a second old, and the replica itself refuses past its capacity.
@@ -190,12 +195,12 @@ class AdmissionConfig(_Strict):
     # A prefill replica is busy with this many requests waiting in its engine, or with less than this share
     # of its KV blocks free (a new session's input would evict admitted sessions' KV).
     max_queue_per_replica: int = Field(default=64, ge=1)
-    min_kv_free_fraction: float = Field(default=0.05, ge=0, lt=1)
+    min_kv_free_fraction: float = Field(default=0.05, ge=0, lt=1)  # (see `max_queue_per_replica`)
     # A decode replica is saturated with this many streams (None: decode's `max_num_seqs` where the config
     # sets it, else never). A plain request is refused when every prefill replica is busy and every decode
     # replica saturated (decode could otherwise prefill it itself).
     max_streams_per_decode: int | None = Field(default=None, ge=1)
-    retry_after_s: int = Field(default=2, ge=1)
+    retry_after_s: int = Field(default=2, ge=1)  # Retry-After of a refusal, to begin with (seconds)
     # Retry-After grows from `retry_after_s` up to this while refusals outpace the room that frees (and shrinks
     # back when they stop): every retry costs a handshake on the cores the admitted sessions need.
     max_retry_after_s: int = Field(default=30, ge=1)
@@ -207,22 +212,26 @@ class AdmissionConfig(_Strict):
     # `backoff` times what is in flight; under target it grows by `growth` of itself per window; never under
     # `min_sessions`, never over `max_in_flight` (where it starts: no evidence, no limit).
     target_first_token_s: float = Field(default=0.5, gt=0)
-    latency_tolerance: float = Field(default=4.0, ge=1)
-    latency_percentile: float = Field(default=0.9, gt=0, lt=1)
-    min_sessions: int = Field(default=80, ge=1)
-    max_in_flight: int = Field(default=4096, ge=1)
-    max_queue_waiting: int = Field(default=16, ge=1)
-    backoff: float = Field(default=0.9, gt=0, lt=1)
-    growth: float = Field(default=0.02, ge=0)
-    window_s: float = Field(default=1.0, gt=0)
-    min_samples: int = Field(default=20, ge=1)
+    latency_tolerance: float = Field(default=4.0, ge=1)  # the target's floor: this times the no-queue latency
+    latency_percentile: float = Field(default=0.9, gt=0, lt=1)  # of a window's end of input -> first token
+    min_sessions: int = Field(default=80, ge=1)  # the limit's floor: below it the slot rules alone decide
+    max_in_flight: int = Field(default=4096, ge=1)  # the limit's ceiling, and where it starts
+    max_queue_waiting: int = Field(default=16, ge=1)  # mean waiting requests per prefill engine: cut at once
+    backoff: float = Field(default=0.9, gt=0, lt=1)  # a cut: the limit becomes this times what is in flight
+    growth: float = Field(default=0.02, ge=0)  # under target, while the limit binds: its growth per window
+    window_s: float = Field(default=1.0, gt=0)  # one window of answers (with at least `min_samples`)
+    min_samples: int = Field(default=20, ge=1)  # answers a window needs before its percentile counts
     baseline_windows: int = Field(default=120, ge=1)  # the baseline is the best P10 of this many recent windows
 
 
 class RouterConfig(_Strict):
+    """The router: the ingress deployment (router/)."""
+
+    # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...), passed to
+    # `.options()` untouched.
     deployment: dict[str, Any] = Field(default_factory=dict)
-    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)  # where prompts prefill
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # overload: what is refused at once
     # API keys (router/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
     api_keys: list[str] = Field(default_factory=list)
 
@@ -230,16 +239,18 @@ class RouterConfig(_Strict):
 class AppConfig(_Strict):
     """The whole application: one model, a router, a prefill pool and a decode pool (and a speech pool)."""
 
+    # The LLM: a hub id, a local path, or a generated local model (`local:tiny-llama`, `local:tiny-llama-tools`,
+    # `local:medium-llama`: serve_app/local_model.py).
     model: str = LOCAL_MODEL
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    prefill: PrefillConfig = Field(default_factory=PrefillConfig)
-    decode: RoleConfig = Field(default_factory=RoleConfig)
-    speech: SpeechConfig = Field(default_factory=SpeechConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    served_model_name: str | None = None  # the name clients send as `model` (None: `model`)
+    tokenizer: str | None = None  # a tokenizer other than the model's (hub id or path)
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # vLLM settings shared by prefill and decode
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)  # prefill -> decode over NIXL
+    router: RouterConfig = Field(default_factory=RouterConfig)  # the ingress
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig)  # the prefill pool and its sessions
+    decode: RoleConfig = Field(default_factory=RoleConfig)  # the decode pool
+    speech: SpeechConfig = Field(default_factory=SpeechConfig)  # the speech pool (no `model`: no voice)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)  # what any client may make the server hold
 
     @model_validator(mode="after")
     def _prefill_needs_prefix_cache(self) -> AppConfig:

@@ -16,6 +16,9 @@ ADDITIONAL_CONFIG_KEY = "rtpd_scheduler"
 
 
 class SchedulerSettings(BaseModel):
+    """The streaming scheduler inside each prefill engine (prefill/scheduler/): who is prefilled first, who gives
+    KV blocks back when open sessions outgrow the cache, and how (docs/streaming.md)."""
+
     model_config = ConfigDict(extra="forbid")
 
     # Admission order (Stream2LLM): fcfs = complete inputs first, then partial ones, each by arrival;
@@ -31,13 +34,13 @@ class SchedulerSettings(BaseModel):
     # A saved latency model (`python -m prefill.scheduler.profile`); with `cost` and none given, the
     # replica profiles itself at start-up.
     cost_model: str | None = None
-    profile_on_start: bool = False
+    profile_on_start: bool = False  # profile afresh at start-up even with a saved profile (and refresh it)
     # How long a prefill (a whole prompt, a session's pending chunks, a hand-off) may take, queueing for KV
     # memory included, before it is aborted and the client gets 429 with Retry-After: no wait is unbounded.
     admission_timeout_s: float = Field(default=60.0, gt=0)
     # Requests queued in the engine beyond this are refused at once (429).
     max_queued_requests: int = Field(default=512, ge=1)
-    retry_after_s: int = Field(default=1, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)  # Retry-After (seconds) of this replica's 429s
     # Open sessions per replica. vLLM counts a session waiting for its next chunk against `max_num_seqs`
     # even when its KV is evicted, so sessions must leave slots for hand-offs and plain requests: at most
     # three quarters of the engine's slots (and this, if lower). Past it new sessions get 429.

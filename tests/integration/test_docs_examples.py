@@ -1,0 +1,47 @@
+"""Every example of the README and docs/ that talks to a running app (`localhost:8000`) runs, as written, against
+the real stack: the tools-and-voice app of this test session (`tools_app`: prefill, decode and the speech role),
+with its address and model put in for `make run`'s. Python examples run in this process (the openai client is
+imported already; a new interpreter per example would cost seconds each), shell examples in bash with
+`set -euo pipefail`. An example passes when it exits cleanly and prints no OpenAI error object."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+
+import pytest
+
+from tests.unit.docs.blocks import ROOT, Block, live_blocks
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE_S = 120
+ERROR_OBJECT = re.compile(r'"error":\s*\{')
+
+
+def for_app(code: str, base: str) -> str:
+    """`make run`'s address and model, made this app's (`local:tiny-llama` serves as `local:tiny-llama-tools`)."""
+    code = code.replace("http://localhost:8000", base).replace("localhost:8000", base.removeprefix("http://"))
+    return re.sub(r"local:tiny-llama\b(?!-)", "local:tiny-llama-tools", code)
+
+
+@pytest.mark.timeout(EXAMPLE_S + 30)
+@pytest.mark.parametrize("block", live_blocks(), ids=lambda b: b.name)
+def test_example_runs_against_the_stack(block: Block, tools_app: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    code = for_app(block.code, tools_app)
+    monkeypatch.chdir(ROOT)  # examples name files of the repository (speech/samples/...)
+    if block.lang == "python":
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, block.name, "exec"), {"__name__": "__main__"})
+        output = out.getvalue()
+    else:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=EXAMPLE_S, cwd=ROOT
+        )
+        assert done.returncode == 0, f"{block.name} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        output = done.stdout
+    assert output.strip(), f"{block.name} printed nothing"
+    assert not ERROR_OBJECT.search(output), f"{block.name} printed an error:\n{output}"
