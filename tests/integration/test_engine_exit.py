@@ -150,6 +150,47 @@ def wait_gone(procs: list[psutil.Process], after: str) -> float:
     pytest.fail(f"engine processes still running {EXIT_WITHIN_S:.0f} s {after}:\n{_report(left)}")
 
 
+def _dashboard_url(cluster: Cluster) -> str:
+    """The dashboard this cluster's head started: 8265 unless another cluster on the machine holds it, so found
+    by asking each port its dashboard process listens on."""
+    dashboard = next(p for p in cluster.processes() if "dashboard.py" in " ".join(p.cmdline()))
+    for conn in dashboard.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            url = f"http://127.0.0.1:{conn.laddr.port}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/api/version", timeout=5).status_code in (200, 401):
+                    return url
+    pytest.fail(f"no dashboard port among {dashboard.net_connections(kind='tcp')}")
+
+
+def check_rays_tools(cluster: Cluster) -> None:
+    """Ray's own tools on the cluster `make run` started, from another shell, with the one step docs/deployment.md
+    names (`RAY_AUTH_MODE=token`: Ray 2.60's new local clusters want the token in ~/.ray/auth_token)."""
+    dashboard = _dashboard_url(cluster)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", MARKER)}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_TMPDIR": str(cluster.log.parent)})  # (the test's temp dir: its own)
+    bin_dir = Path(sys.executable).parent
+
+    def run(*args: str, stdin: str = "", ok: tuple[int, ...] = (0,)) -> str:
+        done = subprocess.run(
+            [str(bin_dir / args[0]), *args[1:]], env=env, input=stdin, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode in ok, f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout + done.stderr
+
+    status = run("serve", "status", "--address", dashboard)
+    assert "realtime-pd" in status and "RUNNING" in status, status
+    assert "Active:" in run("ray", "status"), "ray status found no node"
+    token = run("ray", "get-auth-token").strip().splitlines()[-1]
+    assert httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).status_code == 401
+    headers = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(f"{dashboard}/api/serve/applications/", headers=headers, timeout=10).status_code == 200
+    # `serve shutdown` reaches the cluster (it reads the apps before it asks); answered "no", the app stays up.
+    asked = run("serve", "shutdown", "--address", dashboard, stdin="n\n", ok=(0, 1))  # (1: click's "Aborted!")
+    assert "This will shut down Serve" in asked, asked
+    assert httpx.get(f"http://127.0.0.1:{cluster.port}/health", timeout=10).status_code == 200
+
+
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """`make run` on a free port; `request.param` (indirect parametrization): environment to start it with, and
@@ -222,6 +263,7 @@ def test_engines_exit_when_ray_dies_with_the_replicas(cluster: Cluster) -> None:
     SIGTERM that cuts `serve run`'s Ray shutdown short, and the raylet dies before the replicas. Without
     fate-sharing the engines here ran on, re-parented to init, for good.)"""
     cluster.wait_healthy()
+    check_rays_tools(cluster)  # (here: this cluster runs as `make run` ships, behind HAProxy)
     engines = cluster.engines()
     assert len(engines) >= 2, f"no prefill and decode engines:\n{_report(cluster.processes())}"
     raylet = [p for p in cluster.processes() if _name(p) == "raylet"]
