@@ -9,7 +9,7 @@ bench/preemptive.py).
     .venv/bin/python bench/control_path.py [--sessions 25]
 
 Serve's process settings come from the environment (e.g. `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
-RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0` to compare: bench/results/issue19/session-calls-ab.log).
+RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0` to compare, as serve_app/serve_env.py's one-loop setting was measured).
 """
 
 from __future__ import annotations

@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
+import record
 import systems
 import yaml
 
@@ -206,13 +205,13 @@ def main() -> None:
     app_args: dict[str, Any] = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
     config = AppConfig.model_validate(app_args)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    command = shlex.join(["python", *sys.argv])
+    command = record.command()
     if args.sweep:
         found = sweep(app_args, args)
         text = sweep_table(found)
         print("\n" + text)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"disagg_sweep-{stamp}.json").write_text(json.dumps({"command": command, "results": found}))
+        (RESULTS / "disagg_sweep.json").write_text(json.dumps({"command": command, "stamp": stamp, "results": found}))
         (RESULTS / "disagg_sweep.md").write_text(
             f"# Conditional disaggregation threshold ({stamp})\n\nCommand: `{command}`; times in ms, p50 "
             f"(ITL p50/p90) of {args.probes} prompts, idle and with {args.load} streams decoding.\n\n{text}\n"
@@ -227,7 +226,9 @@ def main() -> None:
     text = table(results)
     print("\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"handoff_ttft-{stamp}.json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+    (RESULTS / "handoff_ttft.json").write_text(
+        json.dumps({"command": command, "stamp": stamp, "results": results}, indent=2)
+    )
     (RESULTS / "handoff_ttft.md").write_text(
         f"# Hand-off TTFT at one stream ({stamp})\n\nCommand: `{command}`\n\n{text}\n"
     )

@@ -274,7 +274,7 @@ def main() -> None:
     url = start_server(args.start, args.port, args.admission) if args.start else args.url
     report = asyncio.run(run(f"{url}/v1/realtime", phases, args))
     print_report(report)
-    out = args.out or RESULTS / f"load_realtime-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out = args.out or RESULTS / "load_realtime.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import record as record_io
 import systems
 import websockets
 import yaml
@@ -388,8 +389,8 @@ def release_main(args: argparse.Namespace, app_args: dict[str, Any]) -> None:
         record = asyncio.run(release_run(args, app.base))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
-    record["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (args.out / f"preemptive_release-{stamp}.json").write_text(json.dumps(record, indent=2))
+    record["args"] = record_io.portable(vars(args))
+    (args.out / "preemptive_release.json").write_text(json.dumps(record, indent=2))
     lines = [
         "# End of turn → first token on the release path (one user)",
         "",
@@ -467,8 +468,8 @@ def main() -> None:
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
-    (args.out / f"preemptive-{stamp}.json").write_text(json.dumps(record, indent=2))
+    record = {"args": record_io.portable(vars(args)), "runs": runs, "stamp": stamp}
+    (args.out / "preemptive.json").write_text(json.dumps(record, indent=2))
     lines = [
         "# End of turn → first token, with and without preemptive answers",
         "",

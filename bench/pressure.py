@@ -699,9 +699,9 @@ def main() -> None:
     summary = {name: s["summary"] for name, s in record["systems"].items()}
     add_ratios(summary)
     record["summary"] = summary
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    record["stamp"] = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")  # the file holds the latest run
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"pressure-{stamp}.json"
+    path = RESULTS / "pressure.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     print()
     print(

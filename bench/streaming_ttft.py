@@ -134,7 +134,7 @@ def main() -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"args": vars(args), "summary": summary, "results": results}
-    (RESULTS / f"streaming_ttft-{stamp}.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / "streaming_ttft.json").write_text(json.dumps(record, indent=2))
     lines = [
         "# Last chunk → first token, streaming prefill vs on_end_only",
         "",

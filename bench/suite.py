@@ -1,7 +1,7 @@
 """The benchmark suite against the Stream2LLM paper and the peers, in one command.
 
     .venv/bin/python bench/suite.py --quick        # every part, small: a smoke run of a few minutes
-    .venv/bin/python bench/suite.py                # the full run: the figures in bench/README.md
+    .venv/bin/python bench/suite.py                # the full run: the figures in docs/benchmarks.md
     .venv/bin/python bench/suite.py --parts append update   # some parts only
 
 Parts (`--parts`, default all):
@@ -19,7 +19,7 @@ Parts (`--parts`, default all):
   turns, an end-of-turn detector's lag of 300 and 600 ms, at low and saturating load).
 
 Writes to `--out` (bench/results/): the workloads replayed (`workloads/*.json`), the raw results
-(`suite-<stamp>.json`), `suite.md`, the plots and `summary.json` (bench/suite_report.py).
+(`suite.json`), `suite.md`, the plots and `summary.json` (bench/suite_report.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="every part, small (a smoke run of a few minutes)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--queries", type=int, default=None, help="queries per append/update run (full 30, quick 6)")
-    # QPS levels: the prefill core's load at each, not the paper's QPS, is what maps to the paper's runs (README)
+    # QPS levels: the prefill core's load at each, not the paper's QPS, is what maps to the paper's runs
+    # (docs/benchmarks.md)
     p.add_argument("--append-qps", type=float, nargs="+", default=None, help="full: 0.5 1.0; the last is headline")
     p.add_argument("--update-qps", type=float, nargs="+", default=None, help="full: 0.25 0.5; the last is headline")
     p.add_argument("--model", default=MODEL, help="local:medium-llama, or a hub id / path (GPU runs)")
@@ -317,13 +318,8 @@ def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
     tag = "suite_token_path"
     argv = ["--systems", "app", "plain", "rayllm", "--session-concurrency", "--tag", tag, "--config", str(args.config)]
     argv += ["--quick"] if args.quick else ["--concurrency", "32", "128"]
-    before = set(RESULTS.glob(f"{tag}-*.json"))
     print(f"== tokens: bench/token_path.py {' '.join(argv)}", flush=True)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "token_path.py"), *argv], cwd=ROOT)
-    made = sorted(set(RESULTS.glob(f"{tag}-*.json")) - before)
-    if done.returncode != 0 or not made:
-        return None
-    return json.loads(made[-1].read_text())
+    return _run_part("token_path.py", argv, RESULTS / f"{tag}.json")
 
 
 def separate_part(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
@@ -331,13 +327,18 @@ def separate_part(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
     JSON, or None if it failed."""
     out = args.out / name
     argv = ["--config", str(args.config), "--out", str(out), *(["--quick"] if args.quick else [])]
-    before = set(out.glob(f"{name}-*.json"))
     print(f"== {name}: bench/{name}.py {' '.join(argv)}", flush=True)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *argv], cwd=ROOT)
-    made = sorted(set(out.glob(f"{name}-*.json")) - before)
-    if done.returncode != 0 or not made:
+    return _run_part(f"{name}.py", argv, out / f"{name}.json")
+
+
+def _run_part(script: str, argv: list[str], result: Path) -> dict[str, Any] | None:
+    """bench/<script> in its own process; the result it wrote (its topic's file, replaced by each run), or None if
+    it failed or wrote none."""
+    before = result.stat().st_mtime_ns if result.exists() else None
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv], cwd=ROOT)
+    if done.returncode != 0 or not result.exists() or result.stat().st_mtime_ns == before:
         return None
-    return json.loads(made[-1].read_text())
+    return json.loads(result.read_text())
 
 
 def provenance(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:

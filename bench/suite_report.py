@@ -522,10 +522,11 @@ def _plots(raw: dict[str, Any], summary: dict[str, Any], out_dir: Path) -> dict[
 
 
 def write(raw: dict[str, Any], out_dir: Path, stamp: str) -> dict[str, Path]:
-    """Write suite-<stamp>.json (raw), the plots, summary.json and suite.md into out_dir; return what was written
-    by name ("raw", "summary", "markdown", and each plot's file stem). A plot without data is skipped."""
+    """Write suite.json (raw; a new run replaces the last), the plots, summary.json and suite.md into out_dir;
+    return what was written by name ("raw", "summary", "markdown", and each plot's file stem). A plot without
+    data is skipped."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {"raw": out_dir / f"suite-{stamp}.json"}
+    paths: dict[str, Path] = {"raw": out_dir / "suite.json"}
     paths["raw"].write_text(json.dumps(raw, indent=2, default=str) + "\n")
     summary = summary_json(raw)
     figures = _plots(raw, summary, out_dir)

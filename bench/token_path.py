@@ -20,8 +20,6 @@ import asyncio
 import functools
 import json
 import os
-import shlex
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -32,6 +30,7 @@ from typing import Any
 import clients
 import cpu
 import httpx
+import record
 import report
 import systems
 import vllm_cli
@@ -173,12 +172,12 @@ def main() -> None:
             print(f"  up in {time.perf_counter() - t0:.0f}s", flush=True)
             results[name] = asyncio.run(bench_system(system, args))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    command = record.command()
     meta = {"timestamp": stamp, "command": command, "machine": machine(), "model": config.model}
     meta |= {"max_tokens": args.max_tokens, "total_s": time.perf_counter() - started}
     summary = report.summary(results)
     out = {**meta, "systems": results, **summary}
-    (RESULTS / f"{args.tag}-{stamp}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    (RESULTS / f"{args.tag}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     text = report.markdown(meta, results, summary)
     (RESULTS / f"{args.tag}.md").write_text(text)
     print("\n" + text)

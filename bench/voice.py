@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import record as record_io
 import systems
 import websockets
 import yaml
@@ -352,10 +353,10 @@ def main() -> None:
         step = asyncio.run(decode_step_ms(app.base))
         runs = [asyncio.run(level(args, app.base, voices, handles)) for voices in args.voices]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
+    record = {"args": record_io.portable(vars(args)), "runs": runs, "stamp": stamp}
     record["decode_step_ms"] = step
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"voice-{stamp}.json").write_text(json.dumps(record, indent=2))
+    (args.out / "voice.json").write_text(json.dumps(record, indent=2))
     text = report(record, args, stamp)
     (args.out / "voice.md").write_text(text)
     print(text)

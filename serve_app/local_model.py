@@ -129,7 +129,7 @@ SPECS: dict[str, LocalModelSpec] = {
     # initialised at the usual scale: wide random weights would fight the fitting.
     "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools"),
     # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
-    # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see bench/README.md for the measurement.
+    # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see docs/benchmarks.md (pressure.py) for the measurement.
     # Attention is 4 heads of 64 (narrower than the 512-wide residual stream) with 2 KV heads: at 3,000
     # tokens attention is about half of the prefill time, and this keeps the total near one second.
     "medium-llama": LocalModelSpec(

@@ -169,7 +169,7 @@ def export_scheduler(stats: dict[str, Any], previous: dict[str, Any], replica: s
         set_gauge(PREFILL_QUEUE, stats.get(queue, 0), "prefill scheduler queues", **tags, queue=queue)
 
 
-# Fault tolerance (README "Fault tolerance"): answers resumed on another decode replica after theirs failed, by
+# Fault tolerance (docs/operations.md "Failures"): answers resumed on another decode replica after theirs failed, by
 # outcome (resumed: continued from the tokens already sent; restarted: nothing was sent yet, the request was
 # sent again; refused: the request cannot be resumed exactly; failed: no replica could take it), and KV loads a
 # decode engine could not complete (recomputed there under `kv_load_failure_policy: recompute`).

@@ -4,7 +4,7 @@ Serve's proxy hands each HTTP request to the router replica, and the router's an
 of Ray object references (`RAY_SERVE_PROXY_USE_GRPC`); the router's own calls to prefill and decode do the same
 through their handles (`_by_reference=False`, router/app.py). Measured with bench/token_path.py on this
 machine: 1.7-1.9x the tokens/s at 32 and 128 streams and a third less TTFT at one stream, with the router and
-proxy using half the CPU per token (bench/README.md).
+proxy using half the CPU per token (docs/benchmarks.md).
 
 **HAProxy ingress** (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray 2.56+; the default here, `0` switches back to Serve's
 own proxy): Serve runs HAProxy on the HTTP port, connected straight to each router replica's own HTTP server,
@@ -17,8 +17,8 @@ cutting them after Ray's default 120 s (Ray issue 66056).
 `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, as Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` sets them; in the replicas'
 processes only, through their `runtime_env`: `replica_options`): a replica's
 own code, Serve's request handling and its handles' routing share the replica's main loop instead of handing
-every request, reply and streamed item between three threads. Measured here (bench/results/issue19/
-serve-knobs-ab.log, A/B/A/B): router CPU per 1,000 streamed tokens 111-126 ms against 170-174 ms, and a
+every request, reply and streamed item between three threads. Measured here (A/B/A/B, 2026-11-26;
+docs/benchmarks.md): router CPU per 1,000 streamed tokens 111-126 ms against 170-174 ms, and a
 session call's round trip (`/finish`) 10.8-10.9 ms against 13-14 ms P50. The price: code that blocks a
 replica's loop blocks Serve's handling of it too (this app keeps such work short or in threads).
 

@@ -94,7 +94,7 @@ class NoPrometheusStatLogger(PrometheusStatLogger):
     """Takes the place of vLLM's Prometheus stat logger, which vLLM adds to every engine unless it is given one.
     That logger records every step into the process's `prometheus_client` registry, which nothing reads in a Ray
     replica (Ray exports `ray.util.metrics`; this app's engine metrics are `TotalsStatLogger`'s): 2-6% of a
-    replica's CPU at 32 streams (bench/results/issue19/serving-path-2026-11-26.md), for nothing. Records
+    replica's CPU at 32 streams (measured 2026-11-26, docs/benchmarks.md), for nothing. Records
     nothing."""
 
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:

@@ -151,7 +151,7 @@ def test_write_files_and_summary(tmp_path: Path) -> None:
     paths = suite_report.write(raw, tmp_path, "20261121T000000Z")
 
     assert json.loads(paths["raw"].read_text()) == raw
-    assert paths["raw"].name == "suite-20261121T000000Z.json"
+    assert paths["raw"].name == "suite.json"  # one file per topic: the latest run
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key, subkeys in REQUIRED.items():
         assert subkeys <= set(summary[key]), key
