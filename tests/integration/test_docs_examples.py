@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from tests.integration.conftest import APP_START_S
 from tests.unit.docs.blocks import ROOT, Block, live_blocks
 
 pytestmark = pytest.mark.integration
@@ -27,7 +28,7 @@ def for_app(code: str, base: str) -> str:
     return re.sub(r"local:tiny-llama\b(?!-)", "local:tiny-llama-tools", code)
 
 
-@pytest.mark.timeout(EXAMPLE_S + 30)
+@pytest.mark.timeout(APP_START_S + EXAMPLE_S)  # the first example may wait for the tools app to start
 @pytest.mark.parametrize("block", live_blocks(), ids=lambda b: b.name)
 def test_example_runs_against_the_stack(block: Block, tools_app: str, monkeypatch: pytest.MonkeyPatch) -> None:
     code = for_app(block.code, tools_app)

@@ -33,7 +33,9 @@ class Block:
 
     @property
     def live(self) -> bool:
-        return self.lang in ("python", "bash", "sh") and LIVE_URL in self.code
+        """Talks to `make run`'s app: the README's and docs/'s (k8s/README.md's talk to a Kubernetes cluster)."""
+        ours = self.page == ROOT / "README.md" or self.page.parent == ROOT / "docs"
+        return ours and self.lang in ("python", "bash", "sh") and LIVE_URL in self.code
 
 
 def blocks(page: Path) -> list[Block]:
