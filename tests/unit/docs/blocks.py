@@ -1,5 +1,5 @@
 """The Markdown pages a newcomer reads, and their fenced code blocks: what the docs checks (tests/unit/docs/) and
-the examples run against the real stack (tests/integration/test_docs_examples.py) read."""
+the examples run against the real stack (tests/integration/test_walkthrough.py) read."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every fenced example of the README and docs/ is checked: the ones that talk to a running app run against the
-real stack (tests/integration/test_docs_examples.py); the others here. Python compiles; YAML that is an app config
+real stack (tests/integration/test_walkthrough.py); the others here. Python compiles; YAML that is an app config
 (or a part of one) validates against `AppConfig`, a Kubernetes object parses; JSON parses; a shell command that
 runs `make` names a target the Makefile has, and one that runs `python` names a script or module of the repository
 that takes the flags shown."""

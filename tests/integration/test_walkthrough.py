@@ -2,7 +2,10 @@
 the real stack: the tools-and-voice app of this test session (`tools_app`: prefill, decode and the speech role),
 with its address and model put in for `make run`'s. Python examples run in this process (the openai client is
 imported already; a new interpreter per example would cost seconds each), shell examples in bash with
-`set -euo pipefail`. An example passes when it exits cleanly and prints no OpenAI error object."""
+`set -euo pipefail`. An example passes when it exits cleanly and prints no OpenAI error object.
+
+(Named to run after test_tools.py and test_voice.py, which start the tools app: started here first, its three
+engines would sit beside every test in between.)"""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def for_app(code: str, base: str) -> str:
     return re.sub(r"local:tiny-llama\b(?!-)", "local:tiny-llama-tools", code)
 
 
-@pytest.mark.timeout(APP_START_S + EXAMPLE_S)  # the first example may wait for the tools app to start
+@pytest.mark.timeout(APP_START_S + EXAMPLE_S)  # run alone, the first example waits for the tools app to start
 @pytest.mark.parametrize("block", live_blocks(), ids=lambda b: b.name)
 def test_example_runs_against_the_stack(block: Block, tools_app: str, monkeypatch: pytest.MonkeyPatch) -> None:
     code = for_app(block.code, tools_app)
