@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from serve_app.protocol import error_body
-from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance
+from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance, resample_stream
 
 IDLE_S = 600.0  # a turn with no chunk for this long is dropped (its session idles out long before)
 REAP_EVERY_S = 60.0
@@ -90,9 +90,7 @@ class AudioSessions:
         x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
         if rate != MODEL_RATE:
             if turn.resampler is None:
-                import soxr
-
-                turn.resampler = soxr.ResampleStream(rate, MODEL_RATE, 1, dtype="float32")
+                turn.resampler = resample_stream(rate)
             x = turn.resampler.resample_chunk(x, last=end_of_input)
         limit = self.config.max_turn_audio_s
         if turn.utterance.seconds + len(x) / MODEL_RATE > limit:

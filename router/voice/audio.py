@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from speech.utterance import MODEL_RATE  # (Whisper's, and Silero VAD's)
+from speech.utterance import MODEL_RATE, resample_stream  # (the rate: Whisper's, and Silero VAD's)
 
 Codec = Literal["pcm16", "ulaw", "alaw"]
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
@@ -120,11 +120,9 @@ class Resampler:
     """One stream's audio, resampled chunk by chunk to `MODEL_RATE` (libsoxr keeps the filter's state between
     chunks: no edge effects where one append ends and the next begins)."""
 
-    def __init__(self, fmt: AudioFormat, rate: int = MODEL_RATE) -> None:
-        import soxr
-
-        self.format, self.rate = fmt, rate
-        self._stream = None if fmt.rate == rate else soxr.ResampleStream(fmt.rate, rate, 1, dtype="float32")
+    def __init__(self, fmt: AudioFormat) -> None:
+        self.format = fmt
+        self._stream = None if fmt.rate == MODEL_RATE else resample_stream(fmt.rate)
 
     def __call__(self, raw: bytes, param: str = "audio") -> np.ndarray:
         x = samples(raw, self.format, param)

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+SETTLED_WORDS = 2  # words at a partial transcript's end kept out of the LLM's input until the pause
+
+
 def common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -63,6 +66,14 @@ def stable_prefix(a: str, b: str) -> str:
         return a
     cut = a.rfind(" ", 0, n + 1)
     return a[:cut] if cut > 0 else ""
+
+
+def settled(agreed: str, newest: str) -> str:
+    """`agreed` (a prefix of `newest`, whole words) less the words within SETTLED_WORDS of `newest`'s end."""
+    edge = len(newest)
+    for _ in range(SETTLED_WORDS):
+        edge = max(newest.rfind(" ", 0, edge), 0)
+    return agreed[: min(len(agreed), edge)].rstrip()
 
 
 class AudioInput:
@@ -403,9 +414,10 @@ class AudioInput:
                 if self.conn.settings.get("preemptive") is not None:
                     await self.conn.call("session_preempt")  # (not waiting for the input to idle)
             else:
-                # As the user speaks, the words two transcripts agree on (LocalAgreement-2): few of them change
+                # As the user speaks, the words two transcripts agree on (LocalAgreement-2) that are SETTLED_WORDS
+                # behind the newest one's end (a recognizer revises its last words most): few of them change
                 # again, so little of the input is prefilled twice; the rest comes at the pause.
-                await self.revise(agreed, turn, grow_only=True)
+                await self.revise(settled(agreed, text), turn, grow_only=True)
         await self.delta(agreed)
 
     async def delta(self, text: str) -> None:

@@ -144,6 +144,48 @@ def test_a_spoken_turn_with_server_vad_is_transcribed_and_answered_as_the_same_t
     assert answer_text(events) == typed and typed
 
 
+async def paced_turn(base: str, slug: str, silence_ms: int) -> list[dict[str, Any]]:
+    """One spoken turn sent as a microphone sends it (100 ms appends paced at the audio's rate), with the default
+    voice settings (preemptive answers on) and their text streamed: every event up to `response.done`."""
+    detection = {"type": "server_vad", "silence_duration_ms": silence_ms}
+    audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": detection}}
+    session = {**SESSION, "audio": audio, "preemptive": {"after_idle_ms": None, "stream": True}}
+    seen: list[dict[str, Any]] = []
+    async with websockets.connect(base.replace("http://", "ws://") + "/v1/realtime", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+
+        async def read() -> None:
+            async for raw in ws:
+                seen.append(json.loads(raw))
+                assert seen[-1]["type"] != "error", seen[-1]
+                if seen[-1]["type"] == "response.done":
+                    return
+
+        reader = asyncio.create_task(read())
+        start = time.perf_counter()
+        for i, b64 in enumerate(chunks(pcm24k(slug, after_s=silence_ms / 1000 + 0.5))):
+            await asyncio.sleep(max(0.0, start + i * CHUNK_S - time.perf_counter()))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64}))
+        await asyncio.wait_for(reader, TIMEOUT_S)
+    return seen
+
+
+def test_a_spoken_turn_is_answered_by_the_answer_its_pause_started(tools_app: str) -> None:
+    """The VAD's pause (well inside its silence window) starts the answer from the pause's transcript; the turn
+    ends unchanged, so that answer is the response, the same as the text typed."""
+    slug = "moon"  # (one pause, at its end: a clip with pauses inside makes an answer at each)
+    events = asyncio.run(paced_turn(tools_app, slug, silence_ms=1500))  # (time to spare on a loaded machine)
+    names = [e["type"] for e in events]
+    provisional = [e for e in events if e["type"] == "rtpd.response.provisional.done"]
+    assert [e["status"] for e in provisional] == ["confirmed"], provisional  # one answer made, and delivered
+    assert names.index("rtpd.response.provisional.done") > names.index("input_audio_buffer.speech_stopped")
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert completed["transcript"] == SENTENCES[slug]
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    typed, _ = asyncio.run(typed_answer(tools_app, SENTENCES[slug]))
+    assert answer == typed and typed
+
+
 def test_a_spoken_turn_committed_by_the_client_is_answered_on_response_create(tools_app: str) -> None:
     events = asyncio.run(spoken(tools_app, "joke", None))
     names = kinds(events)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from router import realtime
 from router.auth import APIKeys
+from router.voice.realtime_audio import settled
 from serve_app.config import AppConfig, SpeechConfig
 from speech.local_model import load_sample
 from tests.unit.test_realtime import FakePrefill, until
@@ -95,20 +97,25 @@ def test_a_spoken_turn_revises_the_input_commits_it_and_answers() -> None:
     assert deltas == "what is"
     # The input was revised as the transcript changed: appended, then replaced from the first changed character.
     ops = [(c["op"], c.get("offset"), c.get("text")) for c in prefill.called("session_buffer")]
-    assert ops[0] == ("append", None, "what is")
-    assert ("replace", 0, "What is the weather in Paris?") in ops
+    assert ops[0][:2] == ("append", None) and "what is".startswith(ops[0][2])
+    assert applied(prefill) == "What is the weather in Paris?"
     assert ops[-1] == ("commit", None, None)
     assert prefill.called("session_respond")  # server_vad's create_response
     assert done["response"]["status"] == "completed"
 
 
 def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preemptive_answer() -> None:
-    """As the user speaks, only words two transcripts agree on are appended (nothing is replaced that a later
-    transcript keeps); the pause's transcript goes in whole, and the preemptive answer (on by default for voice,
+    """As the user speaks, only words two transcripts agree on, and not the newest one's last two, enter the
+    input; the pause's transcript goes in whole, and the preemptive answer (on by default for voice,
     `speech.preemptive`) is asked for then, once, not at the gaps between transcripts."""
     prefill, speech = FakePrefill(), FakeSpeech()
     with connect(prefill, speech) as ws:
-        send_audio(ws, pcm24k())
+        send_audio(ws, pcm24k(after_s=0.25))  # the clip and a pause (the rest of the window comes later)
+        for _ in range(500):
+            if prefill.called("session_preempt"):
+                break
+            time.sleep(0.01)  # (the app runs in the test client's own thread)
+        send_audio(ws, bytes(48000))  # 1 s of silence: the VAD ends the turn
         until(ws, "response.done")
     names = [name for name, _ in prefill.calls]
     update = prefill.called("session_update")[0]
@@ -116,13 +123,32 @@ def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preempt
     assert names.count("session_preempt") == 1
     pause = names.index("session_preempt")
     before = [kw for name, kw in prefill.calls[:pause] if name == "session_buffer"]
-    *speaking, at_pause = [(c["op"], c.get("offset"), c["text"]) for c in before]
-    assert speaking and {op for op, _, _ in speaking} == {"append"}  # agreed words, never taken back
-    assert "".join(text for _, _, text in speaking) in ("what is", "what is the weather")
-    assert at_pause == ("replace", 0, "What is the weather in Paris?")  # the pause's transcript, whole
+    # Each state of the input while speaking is settled words of one of the recognizer's transcripts:
+    # "what" (of "what is"), then "What is the weather" (of the whole sentence, its last two words held back).
+    states = [applied(prefill, upto) for upto in range(1, len(before))]
+    assert states and all(state in ("what", "What is the weather") for state in states), states
+    assert applied(prefill, len(before)) == "What is the weather in Paris?"  # the pause's transcript, whole
     assert len(speech.calls) >= 3  # (partials were made: the gaps between them started no answer)
     after = [kw["op"] for name, kw in prefill.calls[pause:] if name == "session_buffer"]
     assert after == ["commit"]  # the end of the turn reused the pause's transcript: nothing new to prefill
+
+
+def applied(prefill: FakePrefill, upto: int | None = None) -> str:
+    """The session's input text after its first `upto` buffer calls (appends and replaces from an offset)."""
+    text = ""
+    for call in prefill.called("session_buffer")[:upto]:
+        if call["op"] == "append":
+            text += call["text"]
+        elif call["op"] == "replace":
+            text = text[: call["offset"]] + call["text"]
+    return text
+
+
+def test_settled_words_are_agreed_and_behind_the_newest_transcripts_last_words() -> None:
+    assert settled("what is the weather", "what is the weather in") == "what is the"
+    assert settled("what is the weather", "what is the weather") == "what is"
+    assert settled("what", "what is") == ""
+    assert settled("", "anything at all") == ""
 
 
 def test_preemptive_null_turns_a_spoken_sessions_default_off() -> None:
