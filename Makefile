@@ -25,7 +25,7 @@ model: install
 
 run: install
 	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
-	# One line on stdout once /health is 200 (both engines answer); `serve run` keeps this shell's pid.
+	# One line on stdout once /health is 200 (every engine answers); `serve run` keeps this shell's pid.
 	# Serve's settings (serve_app/serve_env.py) are read when Ray starts: `serve run` starts Ray with them.
 	# HAProxy serves the port (RAY_SERVE_ENABLE_HA_PROXY=0 in the environment: Serve's own proxy instead).
 	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & \

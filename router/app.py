@@ -247,7 +247,8 @@ class Router:
         return self.admission.state()
 
     async def engines_ready(self) -> bool:
-        """Both engines answer (checked at most once a second while ready). Serve does not route to a replica
+        """Every engine answers: prefill, decode, and speech where the config has it (checked at most once a
+        second while ready). Serve does not route to a replica
         before its constructor, which loads the engine, has returned; the router itself is up long before."""
         if time.monotonic() - self._ready_at < READY_RECHECK_S:
             return True
