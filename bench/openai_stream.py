@@ -1,8 +1,8 @@
 """Streaming chat, this app against a plain vLLM server: token_path.py restricted to those two systems.
 
-Kept for its earlier results' command (bench/results/openai_stream.md); token_path.py is the benchmark (it adds Ray Serve LLM's
-P/D app, 128 streams, router CPU and the session APIs). `--only app|plain` still works. The helpers other
-benchmarks import from here (`pct_ms`, `wait_health`) live in clients.py and systems.py.
+Kept for its earlier results' command (bench/results/openai_stream.md); token_path.py is the benchmark (it adds
+Ray Serve LLM's P/D app, 128 streams, router CPU and the session APIs). `--only app|plain` still works. The helpers
+other benchmarks import from here (`pct_ms`, `wait_health`) live in clients.py and systems.py.
 
     .venv/bin/python bench/openai_stream.py [--max-tokens 128] [--concurrency 1 32] [--only app|plain]
 """
