@@ -263,7 +263,8 @@ class Output:
             await self.add([], calls)
         if self.message is None and not self.items:
             await self._open_message()
-        await self._done()
+        # Cut by max_output_tokens: the item the cut fell in is `incomplete`, as OpenAI marks it.
+        await self._done(cut=summary.get("status") == "completed" and summary.get("finish_reason") == "length")
         return self.items
 
     async def _text(self, delta: str) -> None:
@@ -302,8 +303,10 @@ class Output:
             "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=item
         )
 
-    async def _done(self) -> None:
-        """The open item is done (the message with its text, or a call with its whole arguments)."""
+    async def _done(self, cut: bool = False) -> None:
+        """The open item is done (the message with its text, or a call with its whole arguments). `cut`: the
+        answer ended inside it (max_output_tokens): `incomplete`, and a call's arguments are not announced done
+        (a client that runs calls on that event would run half of its JSON)."""
         send = self.connection.send
         if self.message is not None:
             message, self.message = self.message, None
@@ -315,7 +318,7 @@ class Output:
                 text=text,
             )
             await send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
-            message.update(status="completed", content=[{"type": "text", "text": text}])
+            message.update(status="incomplete" if cut else "completed", content=[{"type": "text", "text": text}])
             await send(
                 "response.output_item.done",
                 response_id=self.response_id,
@@ -327,14 +330,15 @@ class Output:
             item = self.items[-1]
             arguments = self.calls[index]["function"]["arguments"]
             where = self._where(item)
-            await send(
-                "response.function_call_arguments.done",
-                **where,
-                call_id=item["call_id"],
-                name=item["name"],
-                arguments=arguments,
-            )
-            item.update(status="completed", arguments=arguments)
+            if not cut:
+                await send(
+                    "response.function_call_arguments.done",
+                    **where,
+                    call_id=item["call_id"],
+                    name=item["name"],
+                    arguments=arguments,
+                )
+            item.update(status="incomplete" if cut else "completed", arguments=arguments)
             await send(
                 "response.output_item.done", response_id=self.response_id, output_index=where["output_index"], item=item
             )

@@ -304,6 +304,40 @@ def test_a_response_that_calls_functions_and_the_result_that_answers_it() -> Non
         assert (sent["role"], sent["content"], sent["tool_call_id"]) == ("tool", "21C", CALL_ID)
 
 
+class CutPrefill(FakePrefill):
+    """An owner whose answer was cut by max_output_tokens in its second call's arguments."""
+
+    async def _answer(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        reply = await super()._answer(method, *args, **kwargs)
+        if method == "session_claim" and "answer" in reply:
+            cut = {**CALLS[1], "function": {**CALLS[1]["function"], "arguments": '{"timezone": "U'}}
+            reply["answer"].update(text="", finish_reason="length", tool_calls=[CALLS[0], cut])
+        return reply
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_and_its_arguments_never_done() -> None:
+    """As OpenAI marks it: the item the cut fell in is `incomplete` (the response too); its arguments are not
+    announced `done` (a client that runs calls on that event would run `{"timezone": "U`). The call before it is
+    whole."""
+    prefill = CutPrefill()
+    with connect(prefill) as ws:
+        ws.send_json({"type": "session.update", "session": {"tools": RT_TOOLS, "tool_choice": "required"}})
+        until(ws, "session.updated")
+        ws.send_json({"type": "conversation.item.create", "item": USER_ITEM})
+        until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        done, seen = until(ws, "response.done")
+    assert done["response"]["status"] == "incomplete"
+    assert done["response"]["status_details"]["reason"] == "max_output_tokens"
+    output = done["response"]["output"]
+    assert [(o["name"], o["status"]) for o in output] == [("get_weather", "completed"), ("get_time", "incomplete")]
+    assert output[1]["arguments"] == '{"timezone": "U'  # (what was made, for a client that wants it)
+    arguments = [e["arguments"] for e in seen if e["type"] == "response.function_call_arguments.done"]
+    assert arguments == [CALLS[0]["function"]["arguments"]]
+    items_done = [e["item"] for e in seen if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in items_done] == ["completed", "incomplete"]
+
+
 def test_a_text_answer_still_has_its_message_item() -> None:
     prefill = FakePrefill()
     with connect(prefill) as ws:
