@@ -275,8 +275,11 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
     lines = [
         "# Spoken turns: end of speech → first answer token",
         "",
-        f"`python bench/voice.py --voices {' '.join(map(str, args.voices))} --turns {args.turns}` ({stamp}); "
-        f"the default config (`local:tiny-llama`, `local:tiny-whisper`); server_vad silence "
+        f"`python bench/voice.py --voices {' '.join(map(str, args.voices))} --turns {args.turns}"
+        + (f" --partial-every-ms {args.partial_every_ms or 'none'} --name {args.name}" if args.name != "voice" else "")
+        + f"` ({stamp}); the default config (`local:tiny-llama`, `local:tiny-whisper`), partial transcripts "
+        + (f"every {args.partial_every_ms} ms of audio" if args.partial_every_ms else "at pauses only")
+        + "; server_vad silence "
         f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
         f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it); audio paced in "
         f'{FRAME_S * 1000:.0f} ms frames. "VAD stop": end of speech → the VAD\'s end of turn (`speech_stopped`; '
@@ -335,14 +338,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
     parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
     parser.add_argument("--tail-s", type=float, default=1.0, help="silence after it (more than the window)")
+    parser.add_argument(
+        "--partial-every-ms",
+        default=None,
+        help="speech.partial_every_ms for the run ('none': transcribed at pauses only; default: the config's)",
+    )
     parser.add_argument("--config", default=str(ROOT / "configs" / "config.yaml"))
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="voice", help="the result files' name (<name>.json, <name>.md)")
     args = parser.parse_args()
     if args.quick:
         args.voices, args.turns = [1, 2], 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
     assert app_args.get("speech", {}).get("model"), "the config has no speech role"
+    if args.partial_every_ms is not None:
+        every = None if args.partial_every_ms.lower() == "none" else int(args.partial_every_ms)
+        app_args["speech"]["partial_every_ms"] = every
+    args.partial_every_ms = app_args["speech"].get("partial_every_ms", "default (300)")
     with systems.app(app_args) as app:
         from ray import serve
 
@@ -356,9 +369,9 @@ def main() -> None:
     record = {"args": record_io.portable(vars(args)), "runs": runs, "stamp": stamp}
     record["decode_step_ms"] = step
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "voice.json").write_text(json.dumps(record, indent=2))
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
     text = report(record, args, stamp)
-    (args.out / "voice.md").write_text(text)
+    (args.out / f"{args.name}.md").write_text(text)
     print(text)
 
 

@@ -122,8 +122,10 @@ class SpeechConfig(RoleConfig):
     served_model_name: str | None = None  # the name clients use (`model` of a transcription; None: `model`)
     language: str | None = "en"  # None: the model detects it (a second engine pass per transcription)
     # How much new audio a growing utterance needs before it is transcribed again (its partial transcript,
-    # prefilled as it changes); a pause in the speech is transcribed at once whatever this is.
-    partial_every_ms: int = Field(default=300, ge=50)
+    # prefilled as it changes); a pause in the speech is transcribed at once whatever this is. Each partial is
+    # a transcription of the whole utterance so far. None: only at pauses (the recognizer's work is then one
+    # transcription per pause, as a client that transcribes each turn once; no transcript while speaking).
+    partial_every_ms: int | None = Field(default=300, ge=50)
     max_transcript_tokens: int | None = Field(default=None, ge=1)  # one transcription's output (None: the model's)
     # What a client may send: audio seconds in one turn (an input buffer before its commit) and in a session.
     max_turn_audio_s: float = Field(default=120.0, gt=0)

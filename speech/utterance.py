@@ -44,13 +44,13 @@ class Utterance:
         *,
         language: str | None,
         prompt: str = "",
-        every_ms: int = 300,
+        every_ms: int | None = 300,
         window_s: float | None = 30.0,
         surface: str = "realtime",
     ) -> None:
         self.speech, self.on_text = speech, on_text
         self.language, self.prompt, self.surface = language, prompt, surface
-        self.every = every_ms * MODEL_RATE // 1000
+        self.every = every_ms * MODEL_RATE // 1000 if every_ms is not None else None  # (None: at pauses only)
         self.window = int((window_s or 30.0) * MODEL_RATE) - MODEL_RATE // 4  # (a margin for the padding)
         self._chunks: list[np.ndarray] = []
         self._audio = np.zeros(0, np.float32)
@@ -77,7 +77,7 @@ class Utterance:
             return
         self._chunks.append(audio)
         self.length += len(audio)
-        if not self._held and self.length - self._last_asked >= self.every:
+        if not self._held and self.every is not None and self.length - self._last_asked >= self.every:
             self.ask(self.length)
 
     def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:

@@ -66,6 +66,21 @@ async def test_it_is_transcribed_again_as_it_grows_and_the_final_reuses_a_transc
     utterance.close()
 
 
+async def test_without_partials_only_pauses_and_the_end_are_transcribed() -> None:
+    speech = FakeSpeech()
+    utterance, seen = await collect(speech, every_ms=None)
+    for _ in range(20):  # 2 s in 100 ms appends
+        utterance.extend(np.zeros(1600, np.float32))
+        await asyncio.sleep(0.005)
+    assert speech.calls == [] and seen == []
+    utterance.hold(16000)  # a pause at 1 s
+    await asyncio.sleep(0.05)
+    assert speech.calls == [16000] and utterance.at_pause
+    assert await utterance.final(32000) == "2000ms"
+    assert speech.calls == [16000, 32000]
+    utterance.close()
+
+
 async def test_a_dead_replica_is_retried_and_a_refusal_fails_the_turn() -> None:
     utterance, _ = await collect(FakeSpeech(fail=1), every_ms=10_000)
     utterance.extend(np.zeros(8000, np.float32))
