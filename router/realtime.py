@@ -46,17 +46,10 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from router import tool_calls
 from router.admission import OVERLOADED, Refusal, Ticket, admit_session
 from router.owner import create_session, current_tenant, session_call
+from router.realtime_conversation import Conversation
 from router.realtime_events import (
-    BufferAppend,
-    BufferClear,
-    BufferReplace,
     ClientEvent,
-    ConversationItemCreate,
     InvalidEvent,
-    ResponseCancel,
-    ResponseCreate,
-    Sampling,
-    SessionUpdate,
     decode,
     event_id_of,
     leading_event_id,
@@ -64,6 +57,7 @@ from router.realtime_events import (
     parse,
 )
 from router.realtime_response import EarlyRead, InputSeen, ResponseStream
+from router.realtime_settings import SessionSettings
 from router.tasks import detached
 from router.voice.realtime_audio import AudioInput
 from serve_app import metrics
@@ -93,7 +87,11 @@ def session_gone(error: dict[str, Any]) -> bool:
     return (status == 404 and message.endswith("not found")) or (status == 409 and "is closed" in message)
 
 
-class RealtimeConnection:
+class RealtimeConnection(SessionSettings, Conversation):
+    """One `/v1/realtime` socket and its session: lifecycle and dispatch here; settings in
+    router/realtime_settings.py, the conversation and responses in router/realtime_conversation.py, audio in
+    router/voice/realtime_audio.py."""
+
     def __init__(self, ws: WebSocket, ingress: Any, model: str, beta: bool, close_after_answer: bool = False) -> None:
         self.ws = ws
         # One turn only (`?close_after_answer=true`): the session closes with its answer, whose conversation is not
@@ -160,55 +158,6 @@ class RealtimeConnection:
                 raise SessionGone(err["message"])
             return None
         return result
-
-    def session_object(self) -> dict[str, Any]:
-        kind = "transcription" if self.audio.transcription_only else "realtime"
-        audio = self.audio.settings.shown(self.beta, self.audio.speech_model)
-        return {"id": self.session_id, "object": "realtime.session", "type": kind, **self.settings, **audio}
-
-    @staticmethod
-    def sampling(settings: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
-        """vLLM sampling parameters for `settings`; "inf" tokens become `max_tokens: None` only where they lift
-        a limit set `before` (the prefill replica merges parameters into what it has)."""
-        params: dict[str, Any] = {}
-        tokens = settings.get("max_output_tokens")
-        if tokens not in (None, "inf"):
-            params["max_tokens"] = int(tokens)
-        elif tokens == "inf" and before is not None and before.get("max_output_tokens") not in (None, "inf"):
-            params["max_tokens"] = None
-        if settings.get("temperature") is not None:
-            params["temperature"] = float(settings["temperature"])
-        if settings.get("tools"):
-            params["tools"] = tool_calls.realtime_tools(settings["tools"])
-            params["tool_choice"] = tool_calls.realtime_tool_choice(settings.get("tool_choice") or "auto")
-            if settings.get("parallel_tool_calls") is not None:
-                params["parallel_tool_calls"] = settings["parallel_tool_calls"]
-        elif before is not None and before.get("tools"):  # cleared: the owner drops them from its request
-            params.update(tools=None, tool_choice=None)
-        return params
-
-    @staticmethod
-    def check_tools(settings: dict[str, Any], where: str) -> None:
-        """The tools' schemas, and a named or required tool choice against the tools (`InvalidEvent`)."""
-        tools = settings.get("tools") or []
-        if (bad := tool_calls.check_tools(tool_calls.realtime_tools(tools))) is not None:
-            param = f"{where}.tools[{bad[0]}].parameters"
-            raise InvalidEvent(f"{param}: {bad[1]}", param=param)
-        choice = settings.get("tool_choice")
-        if isinstance(choice, dict) and choice.get("name") not in {t["name"] for t in tools}:
-            message = f"tool_choice names {choice.get('name')!r}, which is not among the tools"
-            raise InvalidEvent(message, param=f"{where}.tool_choice.name")
-        if choice == "required" and not tools:
-            raise InvalidEvent('tool_choice "required" needs tools', param=f"{where}.tool_choice")
-
-    def text_only(self, sampling: Sampling, where: str) -> list[str] | None:
-        """The output modalities asked for (None: unchanged); anything but text is refused."""
-        modalities = sampling.output_modalities
-        if modalities is not None and set(modalities) - {"text"}:
-            raise InvalidEvent(
-                "only text output is supported", "unsupported_modality", f"{where}.{self.modalities_key}"
-            )
-        return modalities
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def refuse(self, message: str, code: str, close_code: int, **extra: Any) -> None:
@@ -316,10 +265,6 @@ class RealtimeConnection:
             return f"the session reached its maximum duration of {self.limits.max_session_s:g} s"
         return f"the session expired: no client event for {self.limits.idle_timeout_s:g} s"
 
-    @property
-    def responding(self) -> bool:
-        return self.response is not None and not self.response.done
-
     async def next_message(self) -> dict[str, Any] | None:
         """The client's next ASGI message; None when the connection expired waiting for it; `Restarting` once
         this replica stops (between events: none is half applied), after a response streaming has ended (or
@@ -383,196 +328,6 @@ class RealtimeConnection:
             self.event_id = None
 
     # --- client events -----------------------------------------------------------------------------
-    async def session_update(self, event: SessionUpdate) -> None:
-        # vLLM's realtime client (router/voice/): a top-level `model`, the speech model's (not the LLM's)
-        if event.model is not None and event.session is None and event.model != self.settings["model"]:
-            self.audio.use_vllm_flow(event.model)
-            await self.send("session.updated", session=self.session_object())
-            return
-        session = event.session or Sampling()
-        voice = self.audio.configure(session)
-        modalities = self.text_only(session, "session")
-        settings = {**self.settings, **session.given()}
-        if modalities is not None:
-            settings[self.modalities_key] = modalities
-        turned_off = "preemptive" in session.model_fields_set and session.preemptive is None
-        if session.preemptive is not None or turned_off:  # (null: off, a spoken session's default included)
-            settings["preemptive"] = session.preemptive
-        if session.tools == [] and session.tool_choice is None:  # no tools left to force
-            settings["tool_choice"] = "auto"
-        self.check_tools(settings, "session")
-        # Stored only once the owner took it: a refused update leaves the session as it was.
-        params = self.sampling(settings, self.settings)
-        # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
-        # are not the session's).
-        given = session.preemptive is not None or turned_off
-        preemptive = {"preemptive": False if turned_off else session.preemptive} if given else {}
-        if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
-            self.settings = settings
-            if voice is not None:
-                self.audio.apply(voice)
-            await self.send("session.updated", session=self.session_object())
-            if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
-                self.read_early(turns)  # (answering: once its response ends)
-
-    def read_early(self, turn: int) -> None:
-        """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
-        it (router/realtime_response.py `EarlyRead`)."""
-        if self.closing or self.close_after_answer or self.settings.get("preemptive") is None:
-            return
-        if self.early is not None:
-            if self.early.turn == turn and self.early.usable():
-                return
-            self.early.close()
-        self.early = EarlyRead(self, turn)
-
-    def take_early(self, turn: int) -> EarlyRead | None:
-        early, self.early = self.early, None
-        if early is not None and (early.turn != turn or not early.usable()):
-            early.close()
-            return None
-        return early
-
-    async def item_create(self, event: ConversationItemCreate) -> None:
-        item = event.item
-        item.check()
-        await self.audio.end_spoken_turn()
-        if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
-            await self.buffer_commit()
-        item_id = item.id or new_id("item")
-        base = {"id": item_id, "object": "realtime.item", "type": item.type, "status": "completed"}
-        if item.type == "function_call_output":  # a call's result: a `tool` message answering it
-            made = await self.call(
-                "session_message",
-                fields={"tool_call_id": "item.call_id"},
-                role="tool",
-                content=item.output,
-                tool_call_id=item.call_id,
-            )
-            if made is None:
-                return
-            shown = {**base, "call_id": item.call_id, "output": item.output}
-        elif item.type == "function_call":  # a call in the conversation's history
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            if await self.call("session_message", role="assistant", content="", tool_calls=[call]) is None:
-                return
-            shown = {**base, "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
-        else:
-            if await self.call("session_message", role=item.role, content=item.text) is None:
-                return
-            shown = {**base, "role": item.role, "content": item.parts}
-        await self.announce(shown)
-
-    async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None:
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed"}
-        await self.announce({**item, "content": parts})
-
-    async def announce(self, item: dict[str, Any]) -> None:
-        """An item the conversation took: `conversation.item.created` (beta), `.added` and `.done` (GA)."""
-        previous, self.last_item_id = self.last_item_id, item["id"]
-        self.items.add(item["id"])
-        await self.send("conversation.item.created", previous_item_id=previous, item=item)
-        if not self.beta:
-            await self.send("conversation.item.added", previous_item_id=previous, item=item)
-            await self.send("conversation.item.done", previous_item_id=previous, item=item)
-
-    # Typed text: while a spoken turn is in progress its transcript stays at the end of the input, after the typed
-    # text (router/voice/realtime_audio.py `typed`); every change takes the audio's lock, as transcripts do.
-    async def buffer_append(self, event: BufferAppend) -> None:
-        async with self.audio.lock:
-            await self.audio.typed(len(self.audio.typed_text()), event.delta)
-
-    async def buffer_replace(self, event: BufferReplace) -> None:
-        """Update mode: the buffer's text from character `offset` (default 0) on becomes `text`."""
-        async with self.audio.lock:
-            typed = self.audio.typed_text()
-            if event.offset > len(typed):
-                message = f"`offset` must be from 0 to the typed text's length ({len(typed)})"
-                raise InvalidEvent(message, param="offset")
-            await self.audio.typed(event.offset, event.text)
-
-    async def buffer_commit(self, event: ClientEvent | None = None) -> None:
-        await self.audio.end_spoken_turn()  # (a commit ends the spoken turn in progress: its audio so far)
-        if not self.buffer:
-            await self.error("the input text buffer is empty", "input_text_buffer_empty")
-            return
-        parts = [{"type": "input_text", "text": self.buffer}]
-        await self.commit_input(new_id("item"), parts, "input_text_buffer.committed")
-
-    async def commit_input(self, item_id: str, parts: list[dict[str, Any]], committed: str | None = None) -> bool:
-        """The input text becomes the user's turn: a text or an audio item (`parts` as the item shows it), after
-        the `committed` event if given."""
-        async with self.audio.lock:  # (not while a transcript revises it)
-            if not await self.call("session_buffer", op="commit"):
-                return False
-            self.buffer = ""
-        if committed is not None:
-            await self.send(committed, previous_item_id=self.last_item_id, item_id=item_id)
-        await self.announce_item(item_id, "user", parts)
-        return True
-
-    async def buffer_clear(self, event: BufferClear) -> None:
-        async with self.audio.lock:
-            if self.audio.speaking:  # the typed text goes; the spoken turn's transcript stays
-                cleared = await self.audio.typed(0, "")
-            elif cleared := bool(await self.call("session_buffer", op="clear")):
-                self.buffer = ""
-        if cleared:
-            await self.send("input_text_buffer.cleared")
-
-    async def response_create(self, event: ResponseCreate) -> None:
-        if self.responding:
-            await self.error("a response is already in progress", "conversation_already_has_active_response")
-            return
-        response = event.response or Sampling()
-        if response.preemptive is not None:
-            await self.error(
-                "preemptive answers are a session setting (session.update)", "invalid_value", "response.preemptive"
-            )
-            return
-        self.text_only(response, "response")
-        budgets = getattr(self.ingress, "budgets", None)
-        if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
-            message = f"this API key has used its tokens per minute; retry in {wait} s"
-            await self.error(message, "rate_limit_exceeded")
-            return
-        await self.audio.end_spoken_turn()
-        if self.buffer:  # text typed but not committed is part of the user's turn
-            await self.buffer_commit()
-        settings = {**self.settings, **response.given()}
-        self.check_tools(settings, "response")
-        overrides = self.sampling(settings, self.settings)
-        if settings["instructions"] != self.settings["instructions"]:
-            overrides["instructions"] = settings["instructions"]
-        # Nothing of its own, and the held preemptive answer made from the input the owner last named: it streams
-        # now, before the owner has this call, whose reply (its claim's) confirms it (router/provisional.py).
-        early = self.early if not response.given() else None
-        released = early if early is not None and early.release(self.input_seen.tag) else None
-        if released is not None:
-            self.early, self.response = None, ResponseStream(self, released.turn, released)
-        started = None
-        try:
-            started = await self.call("session_respond", overrides=overrides)
-        finally:
-            if released is not None and started is None:  # refused: the response ends with an error, not with it
-                released.revoke({"message": "the response was refused", "type": "invalid_request_error", "code": 409})
-        if started is None:
-            return
-        turn = started["answer"]["turn"]
-        if released is None:
-            self.response = ResponseStream(self, turn, self.take_early(turn))
-        self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
-
-    async def response_cancel(self, event: ResponseCancel) -> None:
-        if not self.responding:
-            await self.error("no response is in progress", "response_cancel_not_active")
-            return
-        assert self.response is not None
-        await self.response.cancel()
 
 
 Handler = Callable[[RealtimeConnection, Any], Awaitable[None]]

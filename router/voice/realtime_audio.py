@@ -2,11 +2,10 @@
 
 Audio is resampled to 16 kHz as it arrives (router/voice/audio.py) and, with `turn_detection`, goes through the
 connection's VAD (router/voice/vad.py). From speech start the turn's audio is an `Utterance`
-(speech/utterance.py), transcribed again as it grows; each transcript revises the session's input text
-through the update mode (`session_buffer` append or replace at the first changed character: only the changed
-suffix is prefilled again), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio is
-transcribed at once; a session with preemptive answers starts its answer in the silence that follows, and when the
-VAD's silence window confirms the end of the turn (`speech_stopped`, `committed`), the answer is already made.
+(speech/utterance.py), transcribed again as it grows; its transcripts revise the session's input text
+(router/voice/spoken_turn.py), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio
+is transcribed at once; a session with preemptive answers starts its answer then, and when the VAD's silence
+window confirms the end of the turn (`speech_stopped`, `committed`), the answer is already made.
 
 Events, as OpenAI's: `input_audio_buffer.speech_started` / `speech_stopped` / `committed` / `cleared` /
 `timeout_triggered`, `conversation.item.created` (an `input_audio` content part with its transcript),
@@ -38,9 +37,10 @@ from router.realtime_events import (
 )
 from router.voice.audio import MODEL_RATE, AudioError, AudioFormat, Resampler, b64decode, parse_format
 from router.voice.settings import OPENAI_TRANSCRIBE_MODELS, TurnDetection, VoiceSettings
+from router.voice.spoken_turn import SpokenTurn
 from router.voice.vad import PAUSE_MS, SpeechDetector, VadEvent
 from serve_app import metrics
-from speech.utterance import TranscriptionFailed, Utterance
+from speech.utterance import Utterance
 
 if TYPE_CHECKING:
     from router.realtime import RealtimeConnection
@@ -48,35 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-SETTLED_WORDS = 2  # words at a partial transcript's end kept out of the LLM's input until the pause
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def stable_prefix(a: str, b: str) -> str:
-    """What two successive transcripts agree on, up to the last whole word (LocalAgreement-2)."""
-    n = common_prefix(a, b)
-    if n == len(a) == len(b):
-        return a
-    cut = a.rfind(" ", 0, n + 1)
-    return a[:cut] if cut > 0 else ""
-
-
-def settled(agreed: str, newest: str) -> str:
-    """`agreed` (a prefix of `newest`, whole words) less the words within SETTLED_WORDS of `newest`'s end."""
-    edge = len(newest)
-    for _ in range(SETTLED_WORDS):
-        edge = max(newest.rfind(" ", 0, edge), 0)
-    return agreed[: min(len(agreed), edge)].rstrip()
-
-
-class AudioInput:
+class AudioInput(SpokenTurn):
     """The audio side of one `RealtimeConnection`."""
 
     def __init__(self, connection: RealtimeConnection) -> None:
@@ -365,145 +337,6 @@ class AudioInput:
                 return
         fields = {"item_id": event.item_id, "content_index": event.content_index, "audio_end_ms": event.audio_end_ms}
         await self.conn.send("conversation.item.truncated", **fields)
-
-    # --- typed text beside a spoken turn ----------------------------------------------------------------
-    @property
-    def speaking(self) -> bool:
-        """A spoken turn is in progress, its transcript at the end of the session's input text."""
-        return self.turn is not None and not self.transcription_only
-
-    def typed_text(self) -> str:
-        return self.conn.buffer[: self.offset] if self.speaking else self.conn.buffer
-
-    async def typed(self, offset: int, text: str) -> bool:
-        """The typed text from `offset` on becomes `text`, before the transcript of a spoken turn in progress
-        (the caller holds the lock). Whether the owner took it."""
-        conn = self.conn
-        transcript = conn.buffer[self.offset :] if self.speaking else ""
-        typed = self.typed_text()
-        if offset == len(typed) and not transcript:
-            ok = await conn.call("session_buffer", op="append", text=text)
-        else:
-            ok = await conn.call("session_buffer", op="replace", text=text + transcript, offset=offset)
-        if ok:
-            conn.buffer = typed[:offset] + text + transcript
-            if self.speaking:
-                self.offset = offset + len(text)
-        return ok is not None
-
-    async def end_spoken_turn(self) -> None:
-        """A commit while a spoken turn is in progress ends it: its audio so far, with the text typed meanwhile
-        before its transcript, is the user's item."""
-        if self.turn is None:
-            return
-        if self._detector is not None:
-            self._detector.speaking = False
-        await self.end_turn(self.turn.length, respond=False)
-
-    # --- the turn ----------------------------------------------------------------------------------
-    async def on_text(self, text: str, delay: float, turn: Utterance | None = None) -> None:
-        """A new transcript of the turn so far: agreed text sent as deltas and into the session's input; at a pause,
-        the whole transcript, and the preemptive answer starts from it."""
-        if self.turn is None or (turn is not None and turn is not self.turn):
-            return  # (a late transcript of a turn that ended: the end's own transcript decided)
-        agreed = stable_prefix(self.previous, text)
-        self.previous = text
-        if not self.transcription_only:
-            if turn is not None and turn.at_pause:
-                await self.revise(text, turn)
-                if self.conn.settings.get("preemptive") is not None:
-                    await self.conn.call("session_preempt")  # (not waiting for the input to idle)
-            else:
-                # As the user speaks, the words two transcripts agree on (LocalAgreement-2) that are SETTLED_WORDS
-                # behind the newest one's end (a recognizer revises its last words most): few of them change
-                # again, so little of the input is prefilled twice; the rest comes at the pause.
-                await self.revise(settled(agreed, text), turn, grow_only=True)
-        await self.delta(agreed)
-
-    async def delta(self, text: str) -> None:
-        if len(text) <= len(self.shown) or not text.startswith(self.shown):
-            return
-        delta, self.shown = text[len(self.shown) :], text
-        if self.vllm_flow:
-            await self.conn.send("transcription.delta", delta=delta)
-        else:
-            await self.conn.send(
-                "conversation.item.input_audio_transcription.delta", item_id=self.item_id, content_index=0, delta=delta
-            )
-
-    async def revise(self, text: str, turn: Utterance | None = None, grow_only: bool = False) -> None:
-        """The turn's part of the session's input text becomes `text` (only what changed is sent). `turn`: only
-        while that utterance is the turn (a partial transcript that lost the race with the turn's end is dropped).
-        `grow_only`: not if the input already starts with it (agreed words never cut the pause's transcript)."""
-        async with self.lock:
-            if turn is not None and turn is not self.turn:
-                return
-            current = self.conn.buffer[self.offset :]
-            joined = text if not self.conn.buffer[: self.offset] or not text else " " + text  # (after typed text)
-            if current == joined or (grow_only and current.startswith(joined)):
-                return
-            n = common_prefix(current, joined)
-            if n == len(current):
-                ok = await self.conn.call("session_buffer", op="append", text=joined[n:])
-            else:
-                ok = await self.conn.call("session_buffer", op="replace", text=joined[n:], offset=self.offset + n)
-            if ok:
-                self.conn.buffer = self.conn.buffer[: self.offset] + joined
-
-    async def end_turn(self, end: int, respond: bool) -> None:
-        """The turn's audio up to `end` is final: its transcript, the committed item, and the answer."""
-        async with self.lock:  # (a partial's revision in flight finishes first; none starts after)
-            turn, item_id = self.turn, self.item_id
-            assert turn is not None and item_id is not None
-            self.turn = None
-        self.idle_samples = 0
-        try:
-            text = await turn.final(end)
-        except TranscriptionFailed as e:
-            await self.failed(item_id, e)
-            return
-        finally:
-            turn.close()
-        await self.delta(text)
-        # As vLLM's Whisper serving reports it (OpenAI's `duration` usage): the turn's audio seconds.
-        usage = {"type": "duration", "seconds": round(end / MODEL_RATE, 3)}
-        if self.vllm_flow:
-            await self.conn.send("transcription.done", text=text, usage=usage)
-            return
-        await self.conn.send("input_audio_buffer.committed", previous_item_id=self.conn.last_item_id, item_id=item_id)
-        part = {"type": "input_audio", "transcript": text}
-        committed = True
-        if not self.transcription_only:
-            await self.revise(text)
-            if self.conn.buffer.strip():
-                committed = await self.conn.commit_input(item_id, [part])
-            else:
-                await self.conn.announce_item(item_id, "user", [part])
-                respond = False  # nothing was said: nothing to answer
-        else:
-            await self.conn.announce_item(item_id, "user", [part])
-        await self.conn.send(
-            "conversation.item.input_audio_transcription.completed",
-            item_id=item_id,
-            content_index=0,
-            transcript=text,
-            usage=usage,
-        )
-        if respond and committed and not self.transcription_only:
-            await self.conn.response_create(ResponseCreate(type="response.create"))
-
-    async def failed(self, item_id: str, e: TranscriptionFailed) -> None:
-        """The recognizer failed: the turn's audio is not lost silently: the client hears of it, and the session
-        and every other turn go on. Its text so far leaves the session's input."""
-        if not self.transcription_only:
-            await self.revise("")
-        error = {"type": "server_error", "code": e.code, "message": e.message, "param": None}
-        if self.vllm_flow:
-            await self.conn.send("error", error=e.message, code=e.code)
-            return
-        await self.conn.send(
-            "conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0, error=error
-        )
 
     def close(self) -> None:
         if self.turn is not None:

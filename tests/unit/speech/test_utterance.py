@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.voice.realtime_audio import common_prefix, stable_prefix  # (the deltas: router/voice/)
+from router.voice.spoken_turn import common_prefix, stable_prefix  # (the deltas: router/voice/)
 from speech.utterance import TranscriptionFailed, Utterance
 
 RATE = 16000

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from router import realtime
 from router.auth import APIKeys
-from router.voice.realtime_audio import settled
+from router.voice.spoken_turn import settled
 from serve_app.config import AppConfig, SpeechConfig
 from speech.local_model import load_sample
 from tests.unit.test_realtime import FakePrefill, until

@@ -1,0 +1,208 @@
+"""A realtime connection's conversation (Mixin of `RealtimeConnection`, router/realtime.py): items created by the
+client, the text input buffer (`input_text_buffer.*`, this server's streaming-input events, each forwarded to the
+owner prefill replica as it arrives), and the responses: `response.create` (which may release a preemptive answer
+read early, router/realtime_response.py) and `response.cancel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.owner import current_tenant
+from router.realtime_events import (
+    BufferAppend,
+    BufferClear,
+    BufferReplace,
+    ClientEvent,
+    ConversationItemCreate,
+    InvalidEvent,
+    ResponseCancel,
+    ResponseCreate,
+    Sampling,
+    new_id,
+)
+from router.realtime_response import EarlyRead, ResponseStream
+
+
+class Conversation:
+    """Mixin of `RealtimeConnection`: conversation items, the text input buffer and responses."""
+
+    ingress: Any
+    settings: dict[str, Any]
+    buffer: str
+    audio: Any
+    items: set[str]
+    last_item_id: str | None
+    response: ResponseStream | None
+    early: EarlyRead | None
+    input_seen: Any
+    closing: bool
+    close_after_answer: bool
+    call: Any
+    send: Any
+    error: Any
+    sampling: Any
+    check_tools: Any
+    text_only: Any
+
+    @property
+    def responding(self) -> bool:
+        return self.response is not None and not self.response.done
+
+    def read_early(self, turn: int) -> None:
+        """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
+        it (router/realtime_response.py `EarlyRead`)."""
+        if self.closing or self.close_after_answer or self.settings.get("preemptive") is None:
+            return
+        if self.early is not None:
+            if self.early.turn == turn and self.early.usable():
+                return
+            self.early.close()
+        self.early = EarlyRead(self, turn)
+
+    def take_early(self, turn: int) -> EarlyRead | None:
+        early, self.early = self.early, None
+        if early is not None and (early.turn != turn or not early.usable()):
+            early.close()
+            return None
+        return early
+
+    async def item_create(self, event: ConversationItemCreate) -> None:
+        item = event.item
+        item.check()
+        await self.audio.end_spoken_turn()
+        if self.buffer:  # text typed before the item is the user's turn before it (as the owner commits it too)
+            await self.buffer_commit()
+        item_id = item.id or new_id("item")
+        base = {"id": item_id, "object": "realtime.item", "type": item.type, "status": "completed"}
+        if item.type == "function_call_output":  # a call's result: a `tool` message answering it
+            made = await self.call(
+                "session_message",
+                fields={"tool_call_id": "item.call_id"},
+                role="tool",
+                content=item.output,
+                tool_call_id=item.call_id,
+            )
+            if made is None:
+                return
+            shown = {**base, "call_id": item.call_id, "output": item.output}
+        elif item.type == "function_call":  # a call in the conversation's history
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            if await self.call("session_message", role="assistant", content="", tool_calls=[call]) is None:
+                return
+            shown = {**base, "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+        else:
+            if await self.call("session_message", role=item.role, content=item.text) is None:
+                return
+            shown = {**base, "role": item.role, "content": item.parts}
+        await self.announce(shown)
+
+    async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None:
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed"}
+        await self.announce({**item, "content": parts})
+
+    async def announce(self, item: dict[str, Any]) -> None:
+        """An item the conversation took: `conversation.item.created` (beta), `.added` and `.done` (GA)."""
+        previous, self.last_item_id = self.last_item_id, item["id"]
+        self.items.add(item["id"])
+        await self.send("conversation.item.created", previous_item_id=previous, item=item)
+        if not self.beta:
+            await self.send("conversation.item.added", previous_item_id=previous, item=item)
+            await self.send("conversation.item.done", previous_item_id=previous, item=item)
+
+    # Typed text: while a spoken turn is in progress its transcript stays at the end of the input, after the typed
+    # text (router/voice/realtime_audio.py `typed`); every change takes the audio's lock, as transcripts do.
+    async def buffer_append(self, event: BufferAppend) -> None:
+        async with self.audio.lock:
+            await self.audio.typed(len(self.audio.typed_text()), event.delta)
+
+    async def buffer_replace(self, event: BufferReplace) -> None:
+        """Update mode: the buffer's text from character `offset` (default 0) on becomes `text`."""
+        async with self.audio.lock:
+            typed = self.audio.typed_text()
+            if event.offset > len(typed):
+                message = f"`offset` must be from 0 to the typed text's length ({len(typed)})"
+                raise InvalidEvent(message, param="offset")
+            await self.audio.typed(event.offset, event.text)
+
+    async def buffer_commit(self, event: ClientEvent | None = None) -> None:
+        await self.audio.end_spoken_turn()  # (a commit ends the spoken turn in progress: its audio so far)
+        if not self.buffer:
+            await self.error("the input text buffer is empty", "input_text_buffer_empty")
+            return
+        parts = [{"type": "input_text", "text": self.buffer}]
+        await self.commit_input(new_id("item"), parts, "input_text_buffer.committed")
+
+    async def commit_input(self, item_id: str, parts: list[dict[str, Any]], committed: str | None = None) -> bool:
+        """The input text becomes the user's turn: a text or an audio item (`parts` as the item shows it), after
+        the `committed` event if given."""
+        async with self.audio.lock:  # (not while a transcript revises it)
+            if not await self.call("session_buffer", op="commit"):
+                return False
+            self.buffer = ""
+        if committed is not None:
+            await self.send(committed, previous_item_id=self.last_item_id, item_id=item_id)
+        await self.announce_item(item_id, "user", parts)
+        return True
+
+    async def buffer_clear(self, event: BufferClear) -> None:
+        async with self.audio.lock:
+            if self.audio.speaking:  # the typed text goes; the spoken turn's transcript stays
+                cleared = await self.audio.typed(0, "")
+            elif cleared := bool(await self.call("session_buffer", op="clear")):
+                self.buffer = ""
+        if cleared:
+            await self.send("input_text_buffer.cleared")
+
+    async def response_create(self, event: ResponseCreate) -> None:
+        if self.responding:
+            await self.error("a response is already in progress", "conversation_already_has_active_response")
+            return
+        response = event.response or Sampling()
+        if response.preemptive is not None:
+            await self.error(
+                "preemptive answers are a session setting (session.update)", "invalid_value", "response.preemptive"
+            )
+            return
+        self.text_only(response, "response")
+        budgets = getattr(self.ingress, "budgets", None)
+        if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
+            message = f"this API key has used its tokens per minute; retry in {wait} s"
+            await self.error(message, "rate_limit_exceeded")
+            return
+        await self.audio.end_spoken_turn()
+        if self.buffer:  # text typed but not committed is part of the user's turn
+            await self.buffer_commit()
+        settings = {**self.settings, **response.given()}
+        self.check_tools(settings, "response")
+        overrides = self.sampling(settings, self.settings)
+        if settings["instructions"] != self.settings["instructions"]:
+            overrides["instructions"] = settings["instructions"]
+        # Nothing of its own, and the held preemptive answer made from the input the owner last named: it streams
+        # now, before the owner has this call, whose reply (its claim's) confirms it (router/provisional.py).
+        early = self.early if not response.given() else None
+        released = early if early is not None and early.release(self.input_seen.tag) else None
+        if released is not None:
+            self.early, self.response = None, ResponseStream(self, released.turn, released)
+        started = None
+        try:
+            started = await self.call("session_respond", overrides=overrides)
+        finally:
+            if released is not None and started is None:  # refused: the response ends with an error, not with it
+                released.revoke({"message": "the response was refused", "type": "invalid_request_error", "code": 409})
+        if started is None:
+            return
+        turn = started["answer"]["turn"]
+        if released is None:
+            self.response = ResponseStream(self, turn, self.take_early(turn))
+        self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
+
+    async def response_cancel(self, event: ResponseCancel) -> None:
+        if not self.responding:
+            await self.error("no response is in progress", "response_cancel_not_active")
+            return
+        assert self.response is not None
+        await self.response.cancel()
