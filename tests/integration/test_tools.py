@@ -308,3 +308,48 @@ def test_the_official_realtime_client_calls_a_function_and_answers_from_its_outp
         assert time.time() < deadline, "rtpd_tool_calls_total did not move"
         time.sleep(1)
     assert moved >= 1
+
+
+def test_a_call_cut_by_max_tokens_is_incomplete_on_every_surface(tools_app) -> None:
+    """A call the token limit cut short is not a call to run: chat says `length` (streamed and whole), the
+    realtime item is `incomplete` with no `function_call_arguments.done` (its JSON is half made)."""
+    whole, _ = chat(tools_app, {"messages": PARIS, "tools": TOOLS, "stream": True})
+    full = httpx.post(
+        f"{tools_app}/v1/chat/completions",
+        json={"messages": PARIS, "tools": TOOLS, "max_tokens": 120, "temperature": 0},
+        timeout=120,
+    ).json()
+    assert calls(whole) == PARIS_CALL
+    cut_at = full["usage"]["completion_tokens"] - 4  # (inside the call, past its name)
+    for stream in (False, True):
+        message, _ = chat(tools_app, {"messages": PARIS, "tools": TOOLS, "stream": stream, "max_tokens": cut_at})
+        assert message["finish_reason"] == "length", message
+
+    async def realtime() -> list[dict[str, Any]]:
+        import websockets
+
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        session = {"output_modalities": ["text"], "tools": tools, "temperature": 0, "max_output_tokens": cut_at}
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": PARIS[0]["content"]}]}
+        seen: list[dict[str, Any]] = []
+        async with websockets.connect(tools_app.replace("http://", "ws://") + "/v1/realtime") as ws:
+            for event in (
+                {"type": "session.update", "session": session},
+                {"type": "conversation.item.create", "item": item},
+                {"type": "response.create"},
+            ):
+                await ws.send(json.dumps(event))
+            async with asyncio.timeout(120):
+                async for raw in ws:
+                    seen.append(json.loads(raw))
+                    assert seen[-1]["type"] != "error", seen[-1]
+                    if seen[-1]["type"] == "response.done":
+                        return seen
+        raise AssertionError("the connection closed")
+
+    seen = asyncio.run(realtime())
+    response = seen[-1]["response"]
+    assert response["status"] == "incomplete" and response["status_details"]["reason"] == "max_output_tokens"
+    (call,) = [o for o in response["output"] if o["type"] == "function_call"]
+    assert call["name"] == "get_weather" and call["status"] == "incomplete"
+    assert not [e for e in seen if e["type"] == "response.function_call_arguments.done"]
