@@ -290,8 +290,15 @@ class AudioInput(SpokenTurn):
             audio_end_ms=end_ms,
             item_id=item_id,
         )
-        if detection.create_response and not self.transcription_only:
-            await self.conn.response_create(ResponseCreate(type="response.create"))
+        if self.transcription_only:
+            return
+        # As OpenAI's: the silent audio becomes an input_audio item (no text: the owner's conversation gets none)
+        # and the model is asked to go on.
+        conn = self.conn
+        await conn.send("input_audio_buffer.committed", previous_item_id=conn.last_item_id, item_id=item_id)
+        await conn.announce_item(item_id, "user", [{"type": "input_audio", "transcript": ""}])
+        if detection.create_response:
+            await conn.response_create(ResponseCreate(type="response.create"))
 
     async def commit(self, event: AudioCommit) -> None:
         self._refuse_without_speech()

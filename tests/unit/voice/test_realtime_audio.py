@@ -247,7 +247,12 @@ def test_idle_timeout_triggers_once_per_idle_stretch_and_answers() -> None:
         send_audio(ws, silence)
         timeout, _ = until(ws, "input_audio_buffer.timeout_triggered")
         assert timeout["audio_end_ms"] - timeout["audio_start_ms"] == 1000
+        # As OpenAI's: the silent audio is committed as an input_audio item, then answered.
+        committed, _ = until(ws, "input_audio_buffer.committed")
+        created, _ = until(ws, "conversation.item.created")
         until(ws, "response.done")
+    assert committed["item_id"] == timeout["item_id"] == created["item"]["id"]
+    assert created["item"]["content"] == [{"type": "input_audio", "transcript": ""}]
     assert prefill.called("session_respond")
 
 
