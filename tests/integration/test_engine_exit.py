@@ -164,6 +164,15 @@ def _dashboard_url(cluster: Cluster) -> str:
     pytest.fail(f"no dashboard port among {dashboard.net_connections(kind='tcp')}")
 
 
+def _gcs_address(cluster: Cluster) -> str:
+    """This cluster's GCS (`ray status` finds every cluster on the machine: the test session's too)."""
+    for proc in cluster.processes():  # (as `ray status` finds clusters: the flag its raylet was started with)
+        for arg in proc.cmdline():
+            if arg.startswith(("--gcs-address=", "--gcs_address=")):
+                return arg.split("=", 1)[1]
+    pytest.fail(f"no process with --gcs-address among:\n{_report(cluster.processes())}")
+
+
 def check_rays_tools(cluster: Cluster) -> None:
     """Ray's own tools on the cluster `make run` started, from another shell, with the one step docs/deployment.md
     names (`RAY_AUTH_MODE=token`: Ray 2.60's new local clusters want the token in ~/.ray/auth_token)."""
@@ -182,7 +191,8 @@ def check_rays_tools(cluster: Cluster) -> None:
 
     status = run("serve", "status", "--address", dashboard)
     assert "realtime-pd" in status and "RUNNING" in status, status
-    assert "Active:" in run("ray", "status"), "ray status found no node"
+    # (`--address`: only because the test session runs a cluster of its own beside it; alone, `ray status` finds it)
+    assert "Active:" in run("ray", "status", "--address", _gcs_address(cluster)), "ray status found no node"
     token = run("ray", "get-auth-token").strip().splitlines()[-1]
     assert httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).status_code == 401
     headers = {"Authorization": f"Bearer {token}"}

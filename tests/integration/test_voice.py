@@ -36,16 +36,6 @@ PCM11K = {"type": "audio/pcm", "rate": 11025}  # (refused: not a rate this serve
 TIMEOUT_S = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tools_app_down_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The tools app's last users are these tests: it stops after them rather than at the end of the run."""
-    yield
-    from ray import serve
-
-    if TOOLS_APP in serve.status().applications:
-        serve.delete(TOOLS_APP, _blocking=False)
-
-
 def pcm24k(slug: str, before_s: float = 0.3, after_s: float = 1.2) -> bytes:
     import soxr
 

@@ -13,10 +13,11 @@ import contextlib
 import io
 import re
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import APP_START_S
+from tests.integration.conftest import APP_START_S, TOOLS_APP
 from tests.unit.docs.blocks import ROOT, Block, live_blocks
 
 pytestmark = pytest.mark.integration
@@ -29,6 +30,17 @@ def for_app(code: str, base: str) -> str:
     """`make run`'s address and model, made this app's (`local:tiny-llama` serves as `local:tiny-llama-tools`)."""
     code = code.replace("http://localhost:8000", base).replace("localhost:8000", base.removeprefix("http://"))
     return re.sub(r"local:tiny-llama\b(?!-)", "local:tiny-llama-tools", code)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tools_app_down_after() -> Iterator[None]:
+    """The tools app's last users are these examples (after test_tools.py and test_voice.py): it stops after
+    them rather than at the end of the run, beside every test after them."""
+    yield
+    from ray import serve
+
+    if TOOLS_APP in serve.status().applications:
+        serve.delete(TOOLS_APP, _blocking=False)
 
 
 @pytest.mark.timeout(APP_START_S + EXAMPLE_S)  # run alone, the first example waits for the tools app to start
