@@ -278,7 +278,9 @@ class DecodeServer:
             await asyncio.sleep(STATS_EXPORT_S)
             try:
                 stats = await self.engine.compute_stats()
-            except Exception:
+            except Exception as e:
+                if type(e).__name__ == "EngineDeadError":  # shutting down (or dead: check_health says so)
+                    return
                 logger.exception("reading engine stats failed")
                 continue
             previous, self._stats = self._stats, stats

@@ -369,3 +369,22 @@ def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopp
     held, rest, stopped, priorities = asyncio.run(run(confirm=True))
     assert "t6" in rest[0]["x"] and rest[1]["x"] is None  # confirmed: no cap, it ended whole
     assert priorities == [("s-t0-p1", 0)]
+
+
+async def test_the_stats_export_ends_quietly_when_the_engine_is_dead(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A replica shutting down: its engine is dead, and the export loop stops instead of logging a traceback every
+    few seconds (reading engine stats failed: EngineDeadError) until the process goes."""
+    import decode.server
+
+    class EngineDeadError(Exception):  # (vLLM's, by name: decode/server.py does not import vLLM's errors)
+        pass
+
+    class DeadEngine:
+        async def compute_stats(self) -> dict[str, Any]:
+            raise EngineDeadError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(decode.server, "STATS_EXPORT_S", 0.001)
+    server = object.__new__(decode.server.DecodeServer.func_or_class)
+    server.engine = DeadEngine()
+    await asyncio.wait_for(server._export_stats(), 1.0)
+    assert "reading engine stats failed" not in caplog.text
