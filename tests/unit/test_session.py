@@ -204,3 +204,15 @@ def test_a_spoken_turn_refuses_typed_text_and_a_replace_over_its_transcript_star
     s.add_chunk(1, "", False, "replace", 0)  # the client clears the lost turn's transcript (as the 409 says)
     s.add_chunk(2, "how far", False, "transcript", audio_start=True)  # a new speech turn: no 409
     assert s.buffer == "how far"
+
+
+def test_preemptive_options_turned_off_replay_as_off():
+    """`session_update(preemptive=False)` is journaled as False: the session's next owner has none either."""
+    from prefill.journal import _apply
+    from prefill.preemptive import PreemptiveOptions, PreemptState
+
+    s = session()
+    _apply(s, {"op": "update", "instructions": None, "params": None, "preemptive": {"after_idle_ms": None}})
+    assert isinstance(s.preempt, PreemptState) and s.preempt.options == PreemptiveOptions(after_idle_ms=None)
+    _apply(s, {"op": "update", "instructions": None, "params": None, "preemptive": False})
+    assert s.preempt is None
