@@ -100,7 +100,6 @@ class Session(Conversation):
         # Where the turn's audio transcript starts in `buffer` (REST audio chunks, `mode: "transcript"`): each such
         # chunk is the whole transcript so far, and replaces the one before from here.
         self.transcript_at: int | None = None
-        self._transcribing = False  # (a transcript chunk's own replace keeps `transcript_at`)
         self.chunk_log: list[dict[str, Any]] = []
         self.next_seq = 0
         self.pending: dict[int, tuple[float, dict[str, Any]]] = {}
@@ -227,11 +226,7 @@ class Session(Conversation):
                 if seq != self.next_seq:  # held out of order: its bytes were counted on arrival
                     self.payload_bytes -= len(chunk["payload"].encode())
                 self.transcript_at = self.transcript_offset()
-                self._transcribing = True
-                try:
-                    self._replace(self.transcript_at, chunk["payload"])
-                finally:
-                    self._transcribing = False
+                self._replace(self.transcript_at, chunk["payload"], transcript=True)
             elif chunk.get("mode") == "replace":
                 try:
                     self._check_offset(chunk["offset"])
@@ -287,14 +282,15 @@ class Session(Conversation):
                 400, f"offset {offset} is beyond the current input ({len(self.buffer)} characters)", "offset"
             )
 
-    def _replace(self, offset: int, text: str) -> None:
-        """The cap bounds the input held, not the bytes sent: the replaced text's bytes are given back."""
+    def _replace(self, offset: int, text: str, transcript: bool = False) -> None:
+        """The cap bounds the input held, not the bytes sent: the replaced text's bytes are given back.
+        `transcript`: a transcript chunk's own replace (it keeps `transcript_at`)."""
         held = self.payload_bytes - len(self.buffer[offset:].encode())
         if held + len(text.encode()) > self.limits.max_payload_bytes:
             raise SessionError(413, f"session payload cap of {self.limits.max_payload_bytes} bytes exceeded")
         self.payload_bytes = held + len(text.encode())
         self.buffer = self.buffer[:offset] + text
-        if self.transcript_at is not None and offset <= self.transcript_at and not self._transcribing:
+        if self.transcript_at is not None and offset <= self.transcript_at and not transcript:
             self.transcript_at = None  # (a replace reached the transcript: the turn's next audio starts anew)
 
     def clear_text(self) -> None:

@@ -84,8 +84,8 @@ class SessionSettings:
         settings = {**self.settings, **session.given()}
         if modalities is not None:
             settings[self.modalities_key] = modalities
-        turned_off = "preemptive" in session.model_fields_set and session.preemptive is None
-        if session.preemptive is not None or turned_off:  # (null: off, a spoken session's default included)
+        set_preemptive = "preemptive" in session.model_fields_set  # (null: off, a spoken session's default too)
+        if set_preemptive:
             settings["preemptive"] = session.preemptive
         if session.tools == [] and session.tool_choice is None:  # no tools left to force
             settings["tool_choice"] = "auto"
@@ -94,8 +94,8 @@ class SessionSettings:
         params = self.sampling(settings, self.settings)
         # Instructions only when given: the owner keeps its own otherwise (a re-attached connection's defaults
         # are not the session's).
-        given = session.preemptive is not None or turned_off
-        preemptive = {"preemptive": False if turned_off else session.preemptive} if given else {}
+        off = session.preemptive is None
+        preemptive = {"preemptive": False if off else session.preemptive} if set_preemptive else {}
         if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             if voice is not None:

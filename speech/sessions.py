@@ -37,7 +37,6 @@ class AudioTurn:
     utterance: Utterance
     last_seq: int
     resampler: Any = None
-    text: str = ""  # the latest transcript
     failed_end: int | None = None  # its end chunk, whose final transcription failed (a retry tries again)
     touched: float = field(default_factory=time.monotonic)
 
@@ -84,9 +83,7 @@ class AudioSessions:
             return error_body(409, message, "sequence_id")
         start = turn is None
         if turn is None:
-            turn = AudioTurn(self._utterance(language), seq)
-            turn.utterance.on_text = self._on_text(turn)
-            self.turns[session_id] = turn
+            turn = self.turns[session_id] = AudioTurn(self._utterance(language), seq)
         x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
         if rate != MODEL_RATE:
             if turn.resampler is None:
@@ -100,7 +97,7 @@ class AudioSessions:
         turn.utterance.extend(x)
         if not end_of_input:
             seconds = turn.utterance.seconds
-            answer = {"text": turn.text, "final": False, "start": start, "seconds": seconds}
+            answer = {"text": turn.utterance.text, "final": False, "start": start, "seconds": seconds}
             return self._answered(session_id, seq, answer)
         return await self._end(session_id, seq, turn, start)
 
@@ -118,7 +115,7 @@ class AudioSessions:
     def _utterance(self, language: str | None) -> Utterance:
         return Utterance(
             _Local(self.server),
-            self._ignore,
+            self._ignore,  # (the turn's latest transcript is the utterance's own `text`)
             language=language or self.config.language,
             every_ms=self.config.partial_every_ms,
             window_s=self.server.engine.max_clip_s,
@@ -128,13 +125,6 @@ class AudioSessions:
     @staticmethod
     async def _ignore(text: str, delay: float) -> None:
         return None
-
-    @staticmethod
-    def _on_text(turn: AudioTurn) -> Any:
-        async def on_text(text: str, delay: float) -> None:
-            turn.text = text  # (this turn's own: a late transcript of an ended turn cannot reach the next)
-
-        return on_text
 
     def close(self, session_id: str) -> None:
         """The session ended: its turn, if one is open, goes (its answers age out)."""

@@ -65,8 +65,8 @@ class Utterance:
         self.usage = {"transcriptions": 0, "seconds": 0.0}  # the work: audio seconds sent (again as it grows)
         self._asked = 0  # the end of the newest transcription asked for
         self._last_asked = 0
-        self._held = False  # a pause: no periodic transcription until speech resumes
-        self.held_end: int | None = None  # that pause's end (its transcript: `covered` equals it)
+        # A pause's end (its transcript: `covered` equals it): no periodic transcription until speech resumes.
+        self.held_end: int | None = None
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._worker: asyncio.Task[None] | None = None
@@ -77,7 +77,7 @@ class Utterance:
             return
         self._chunks.append(audio)
         self.length += len(audio)
-        if not self._held and self.every is not None and self.length - self._last_asked >= self.every:
+        if self.held_end is None and self.every is not None and self.length - self._last_asked >= self.every:
             self.ask(self.length)
 
     def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -103,10 +103,10 @@ class Utterance:
         """A pause in the speech (the VAD's): transcribe up to `end` now, and nothing more until `resume`, so that
         if the pause ends the turn its final transcript is this one, already made."""
         self.ask(end)
-        self._held, self.held_end = True, end
+        self.held_end = end
 
     def resume(self) -> None:
-        self._held, self.held_end = False, None
+        self.held_end = None
 
     @property
     def at_pause(self) -> bool:

@@ -11,6 +11,7 @@ the committed user item, and the answer. Text typed while a turn is spoken stays
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from router.realtime_events import ResponseCreate
@@ -23,11 +24,7 @@ SETTLED_WORDS = 2  # words at a partial transcript's end kept out of the LLM's i
 
 
 def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return len(os.path.commonprefix((a, b)))
 
 
 def stable_prefix(a: str, b: str) -> str:

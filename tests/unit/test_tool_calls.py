@@ -266,15 +266,21 @@ def test_bad_tools_and_function_items_answer_an_error_naming_the_field(event: di
         assert ws.receive_json()["session"]["tools"] == []
 
 
+def respond_with_tools(ws: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A session with the tools (a call required), a user item, and a response: `response.done` and the events
+    before it."""
+    ws.send_json({"type": "session.update", "session": {"tools": RT_TOOLS, "tool_choice": "required"}})
+    until(ws, "session.updated")
+    ws.send_json({"type": "conversation.item.create", "item": USER_ITEM})
+    until(ws, "conversation.item.done")
+    ws.send_json({"type": "response.create"})
+    return until(ws, "response.done")
+
+
 def test_a_response_that_calls_functions_and_the_result_that_answers_it() -> None:
     prefill = CallingPrefill()
     with connect(prefill) as ws:
-        ws.send_json({"type": "session.update", "session": {"tools": RT_TOOLS, "tool_choice": "required"}})
-        until(ws, "session.updated")
-        ws.send_json({"type": "conversation.item.create", "item": USER_ITEM})
-        until(ws, "conversation.item.done")
-        ws.send_json({"type": "response.create"})
-        done, seen = until(ws, "response.done")
+        done, seen = respond_with_tools(ws)
         types = [e["type"] for e in seen]
         assert "response.output_text.delta" not in types and "response.content_part.added" not in types
         calls = [e for e in seen if e["type"] == "response.output_item.added"]
@@ -321,12 +327,7 @@ def test_a_call_cut_by_max_output_tokens_is_incomplete_and_its_arguments_never_d
     whole."""
     prefill = CutPrefill()
     with connect(prefill) as ws:
-        ws.send_json({"type": "session.update", "session": {"tools": RT_TOOLS, "tool_choice": "required"}})
-        until(ws, "session.updated")
-        ws.send_json({"type": "conversation.item.create", "item": USER_ITEM})
-        until(ws, "conversation.item.done")
-        ws.send_json({"type": "response.create"})
-        done, seen = until(ws, "response.done")
+        done, seen = respond_with_tools(ws)
     assert done["response"]["status"] == "incomplete"
     assert done["response"]["status_details"]["reason"] == "max_output_tokens"
     output = done["response"]["output"]
