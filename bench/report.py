@@ -64,7 +64,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                 )
                 row["front_ms_per_1k_tokens"] = _ratio(front_cpu(mine)[1], front_cpu(theirs)[1])
                 ratios.setdefault(f"{name}/{peer}", {})[c] = row
-    return {"ratios": ratios, "goals": goals(ratios)}
+    return {"ratios": ratios, "goals": goals(ratios) + overload_goals(results)}
 
 
 def goals(ratios: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,6 +82,34 @@ def goals(ratios: dict[str, Any]) -> list[dict[str, Any]]:
         tok, ttft = row["output_tok_s"], row["ttft_p50_ms"]
         met = tok is not None and ttft is not None and tok > 1 and ttft < 1
         out.append({"goal": f"ahead of Ray Serve LLM at c={c} (tok/s, TTFT P50)", "value": [tok, ttft], "met": met})
+    return out
+
+
+def overload_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 31's: past 32 streams, no refusal where plain vLLM serves every request, no collapse (tok/s no lower
+    than the app's own at 32) and TTFT P90 within 2x of plain's; the session APIs past 32 without refusals."""
+    out: list[dict[str, Any]] = []
+    app, plain = results.get("app", {}), results.get("plain", {}).get("chat", {})
+    chat = app.get("chat", {})
+    base = (chat.get("32") or {}).get("output_tok_s")
+    for c, mine in chat.items():
+        if int(c) <= 32:
+            continue
+        theirs = plain.get(c)
+        if theirs is not None and not theirs["errors"]:
+            out.append(
+                {"goal": f"no refusals at c={c} (plain: none)", "value": mine["errors"], "met": not mine["errors"]}
+            )
+            p90 = _ratio(mine.get("ttft_p90_ms"), theirs.get("ttft_p90_ms"))
+            out.append({"goal": f"TTFT P90 <= 2x plain at c={c}", "value": p90, "met": p90 is not None and p90 <= 2})
+        if base:
+            value = _ratio(mine.get("output_tok_s"), base)
+            out.append({"goal": f"tok/s at c={c} >= the app's at c=32", "value": value, "met": (value or 0) >= 1})
+    for kind in ("session", "realtime"):
+        for c, mine in app.get(kind, {}).items():
+            if int(c) > 32:
+                value = mine["errors"]
+                out.append({"goal": f"no refusals: {KINDS[kind]} at c={c}", "value": value, "met": not value})
     return out
 
 

@@ -27,14 +27,17 @@ with no queue (its best windows' P10), whichever is larger: the same defaults fi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from router.admission_queue import POLL_S, WaitQueue, retry_after
+from router.latency_limit import LatencyLimit
 from serve_app import metrics
 from serve_app.config import AdmissionConfig
 from serve_app.placement import pool_stats
@@ -45,7 +48,14 @@ logger = logging.getLogger(__name__)
 Stats = dict[str, Any]
 OVERLOADED = "server_overloaded"  # the Realtime `error` event's code for a refusal
 IDLE_GRACE_S = 1.0  # past a REST session's idle timeout, before its ticket here is dropped (its owner's sweep)
-LOG_EVERY_S = 10.0  # the limit's state in the router's log at most this often (and at every decrease)
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why new work cannot be admitted now: `reason` for metrics and codes, `message` for the client."""
+
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -88,11 +98,11 @@ class HeldSession:
         return now - self.seen_at > self.idle_timeout_s + IDLE_GRACE_S
 
 
-def admit_session(ingress: Any) -> Refusal | Ticket:
-    """The ingress's decision on a new session: a refusal, or the session's ticket (a no-op one where the ingress
-    has no admission control, as in unit tests' fakes)."""
+async def admit_session(ingress: Any) -> Refusal | Ticket:
+    """The ingress's decision on a new session, after a wait in the queue if need be: a refusal, or the session's
+    ticket (a no-op one where the ingress has no admission control, as in unit tests' fakes)."""
     admission = getattr(ingress, "admission", None)
-    decided = admission.session() if admission is not None else None
+    decided = await admission.admit("session") if admission is not None else None
     return decided if decided is not None else Ticket()
 
 
@@ -117,96 +127,6 @@ def session_seen(ingress: Any, session_id: str, result: Any) -> None:
         admission.release_session(session_id)
     else:
         admission.touch_session(session_id)
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The `q` quantile (nearest rank): no interpolation needed at these sample counts."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-class LatencyLimit:
-    """An AIMD limit on admitted work in flight, driven by end-of-input to first-token latency.
-
-    Samples are taken in windows (at least `window_s` long and `min_samples` samples; or at once when the queue
-    signal fires). A window whose `latency_percentile` is over the target, or with the prefill engines' mean
-    waiting queue at `max_queue_waiting`, shrinks the limit to what was in flight (not the old limit, which may
-    be far above it) times `backoff`, or times target/latency if that is less (not under half), at most once
-    per the latency just seen: the sessions admitted before a decrease make the answers of the next one. A
-    window under target grows it by `growth` of itself (at least 1) while the limit binds (in flight at 3/4 of
-    it or more): an idle router's limit does not grow unbounded.
-    """
-
-    def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config, self.clock = config, clock
-        self.limit = float(config.max_in_flight)  # no evidence yet: the replicas' own capacity rules
-        self.samples: list[float] = []
-        self.window_started = clock()
-        self.hold_until = 0.0  # no second decrease before the last one could show in the latency
-        self.floors: deque[float] = deque(maxlen=config.baseline_windows)  # recent windows' P10
-        self.p90: float | None = None  # the last window's percentile (for messages and the log)
-        self.queue: float = 0.0
-        self._logged = 0.0
-
-    @property
-    def baseline(self) -> float | None:
-        """The latency with no queue: the best recent window's P10."""
-        return min(self.floors) if self.floors else None
-
-    @property
-    def target(self) -> float:
-        baseline = self.baseline
-        relative = self.config.latency_tolerance * baseline if baseline is not None else 0.0
-        return max(self.config.target_first_token_s, relative)
-
-    def observe(self, seconds: float) -> None:
-        self.samples.append(max(0.0, seconds))
-
-    def update(self, in_flight: int, queue_waiting: float | None) -> bool:
-        """Close the window if it is complete and adapt the limit; whether it did."""
-        now = self.clock()
-        self.queue = queue_waiting or 0.0
-        queued = queue_waiting is not None and queue_waiting >= self.config.max_queue_waiting
-        if now - self.window_started < self.config.window_s or (
-            len(self.samples) < self.config.min_samples and not queued
-        ):
-            return False
-        samples, self.samples, self.window_started = self.samples, [], now
-        over = queued
-        if len(samples) >= self.config.min_samples:
-            self.p90 = quantile(samples, self.config.latency_percentile)
-            self.floors.append(quantile(samples, 0.1))  # (the first window is judged against its own P10)
-            over = over or self.p90 > self.target
-        config = self.config
-        if over:
-            if now >= self.hold_until:
-                # The further over, the deeper the cut (a gradient, as Netflix's Gradient2): down to half at most.
-                factor = max(0.5, min(config.backoff, self.target / self.p90 if self.p90 else 1.0))
-                before, self.limit = self.limit, max(float(config.min_sessions), min(self.limit, in_flight) * factor)
-                self.hold_until = now + max(config.window_s, self.p90 or 0.0)
-                if self.limit < before:
-                    self._log(in_flight, "decreased", now)
-        elif in_flight >= 0.75 * self.limit:
-            self.limit = min(float(config.max_in_flight), self.limit + max(1.0, config.growth * self.limit))
-        if now - self._logged >= LOG_EVERY_S:
-            self._log(in_flight, "at", now)
-        return True
-
-    def _log(self, in_flight: int, what: str, now: float) -> None:
-        self._logged = now
-        p90 = f"{self.p90:.3f}" if self.p90 is not None else "-"
-        baseline = f"{self.baseline:.3f}" if self.baseline is not None else "-"
-        logger.info(
-            "admission limit %s %.1f: %d in flight, P90 first token %s s, target %.3f s (baseline %s s), "
-            "prefill queue %.1f",
-            what,
-            self.limit,
-            in_flight,
-            p90,
-            self.target,
-            baseline,
-            self.queue,
-        )
 
 
 def kv_low(stats: Stats, config: AdmissionConfig) -> bool:
@@ -269,7 +189,10 @@ class Admission:
         self._refused = self._released = 0
         self._counted_at = clock()
         self._sessions: dict[str, HeldSession] = {}  # REST sessions' tickets by id
+        self.queue = WaitQueue(clock)  # new work waiting to be admitted (router/admission_queue.py)
+        self._poller: asyncio.Task | None = None
         self._replica = _replica_id()
+        self._tag = {"replica": self._replica}
         if self._replica:
             _to_serve_log()
 
@@ -285,10 +208,18 @@ class Admission:
         """What is in flight here, by kind, and how many of the sessions are REST sessions (held between calls)."""
         self._expire()
         kinds = dict(Counter(ticket.kind for ticket in self._open))
-        return {"in_flight": self.in_flight, "limit": self.limit, "kinds": kinds, "rest_sessions": len(self._sessions)}
+        held = len(self._sessions)
+        return {
+            "in_flight": self.in_flight,
+            "limit": self.limit,
+            "kinds": kinds,
+            "rest_sessions": held,
+            "waiting": len(self.queue),
+        }
 
     def observe_first_token(self, seconds: float) -> None:
-        """An answer's end of input to first token (a plain request's arrival to first token)."""
+        """An answer's end of input to first token (a plain request's admission to first token: not its wait in
+        the queue, which a tighter limit would only lengthen)."""
         self.limiter.observe(seconds)
         self._adapt()
 
@@ -298,9 +229,8 @@ class Admission:
         self._expire()
         self._pace_retries()
         if self.limiter.update(self.in_flight, mean_queue_waiting(prefill)):
-            tag = {"replica": self._replica}
-            metrics.set_gauge(metrics.ADMISSION_LIMIT, self.limiter.limit, "router admission limit", **tag)
-            metrics.set_gauge(metrics.ADMISSION_IN_FLIGHT, self.in_flight, "admitted work in flight", **tag)
+            metrics.set_gauge(metrics.ADMISSION_LIMIT, self.limiter.limit, "router admission limit", **self._tag)
+            metrics.set_gauge(metrics.ADMISSION_IN_FLIGHT, self.in_flight, "admitted work in flight", **self._tag)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -321,6 +251,9 @@ class Admission:
     def _release(self, ticket: Ticket) -> None:
         if self._open.pop(ticket, None) is not None:
             self._released += 1
+            self.queue.released()
+            if self.queue:
+                self._wake_soon()
 
     def _pace_retries(self) -> None:
         """Once a window: Retry-After times refusals over releases (at most x2 or /2 a window), within bounds."""
@@ -345,47 +278,130 @@ class Admission:
         if (held := self._sessions.pop(session_id, None)) is not None:
             held.ticket.release()
 
-    def _refuse(self, kind: str, reason: str, message: str) -> Refusal:
+    def _refuse(self, kind: str, reason: str, message: str, wait: float = 0.0) -> Refusal:
+        """A refusal whose Retry-After is the paced one, or the expected wait if longer and known (within the
+        bounds)."""
         metrics.inc(metrics.ADMISSIONS, 1, "router admission decisions", kind=kind, outcome="refused", reason=reason)
         self._refused += 1
-        return Refusal(reason, message, math.ceil(self.retry_after))
+        wait = max(self.retry_after, wait if math.isfinite(wait) else 0.0)
+        return Refusal(reason, message, retry_after(wait, 1, self.config.max_retry_after_s))
 
-    def _over_limit(self, kind: str) -> Refusal | None:
+    def _over_limit(self) -> Why | None:
         if self.in_flight < self.limiter.limit:
             return None
         p90 = self.limiter.p90
         seen = f"first token P90 {p90:.2f} s, target {self.limiter.target:.2f} s" if p90 is not None else "queued"
-        message = f"the server is overloaded: {self.in_flight} in flight, this router's limit ({self.limit}; {seen})"
-        return self._refuse(kind, "latency", message)
+        return Why(
+            "latency",
+            f"the server is overloaded: {self.in_flight} in flight, this router's limit ({self.limit}; {seen})",
+        )
 
     def session(self) -> Refusal | Ticket:
         """A ticket if a new session may be created now (release it when the session ends); otherwise why not."""
         if not self.config.enabled:
             return Ticket()
-        prefill = self.stats("prefill") or []
-        self._adapt(prefill)
-        if prefill and not any(session_room(s, self.config) for s in prefill):
-            if all(kv_low(s, self.config) for s in prefill):
-                return self._refuse("session", "kv_low", "the server is overloaded: no prefill replica has KV free")
-            best = min(prefill, key=lambda s: s.get("open_sessions", 0))
-            sessions = f"{best.get('open_sessions')}/{best.get('session_capacity')}"
-            message = f"the server is overloaded: every prefill replica is full ({sessions} sessions open at best)"
-            return self._refuse("session", "sessions_full", message)
-        return self._over_limit("session") or self._ticket("session")
+        return self._decide("session", self._session_check())
 
     def request(self) -> Refusal | Ticket:
         """A ticket if a new plain (whole-prompt) request may start now (release it when it ends); otherwise why
         not."""
         if not self.config.enabled:
             return Ticket()
+        return self._decide("request", self._request_check())
+
+    async def admit(self, kind: str) -> Refusal | Ticket:
+        """A ticket for a new `kind` ("session" or "request"), now or after a wait in the queue (first come, first
+        served); a refusal when the expected wait is past `max_wait_s`, or once a waiter has waited that long."""
+        if not self.config.enabled:
+            return Ticket()
+        why = None if self.queue else self._check(kind)
+        if why is None and not self.queue:
+            return self._ticket(kind)
+        bound, expected = self.config.max_wait_s, self.queue.expected_wait()
+        why = why or Why("queued", f"the server is overloaded: {len(self.queue)} waiting to be admitted")
+        if expected > bound:
+            wait = f"expected wait {expected:.1f} s" if expected < math.inf else "no work has left lately"
+            return self._refuse(kind, why.reason, f"{why.message}; {wait}", wait=expected)
+        waiter = self.queue.push(kind)
+        self._wake_soon()
+        try:
+            await asyncio.wait({waiter.future}, timeout=bound)
+        except asyncio.CancelledError:  # the client left while it waited
+            self.queue.remove(waiter)
+            if waiter.future.done():
+                waiter.future.result().release()
+            waiter.future.cancel()
+            raise
+        self.queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.cancel()
+            message = f"{why.message}; not admitted within {bound:g} s"
+            return self._refuse(kind, "wait_timeout", message, wait=self.queue.expected_wait())
+        waited = self.clock() - waiter.since
+        metrics.observe(metrics.ADMISSION_WAIT, waited, "time new work waited for admission", kind=kind)
+        return waiter.future.result()
+
+    def _check(self, kind: str) -> Why | None:
+        return self._session_check() if kind == "session" else self._request_check()
+
+    def _decide(self, kind: str, why: Why | None) -> Refusal | Ticket:
+        return self._ticket(kind) if why is None else self._refuse(kind, why.reason, why.message)
+
+    def _session_check(self) -> Why | None:
+        prefill = self.stats("prefill") or []
+        self._adapt(prefill)
+        if prefill and not any(session_room(s, self.config) for s in prefill):
+            if all(kv_low(s, self.config) for s in prefill):
+                return Why("kv_low", "the server is overloaded: no prefill replica has KV free")
+            best = min(prefill, key=lambda s: s.get("open_sessions", 0))
+            sessions = f"{best.get('open_sessions')}/{best.get('session_capacity')}"
+            return Why("sessions_full", f"the server is overloaded: every prefill replica is full ({sessions} open)")
+        return self._over_limit()
+
+    def _request_check(self) -> Why | None:
         prefill, decode = self.stats("prefill") or [], self.stats("decode") or []
         self._adapt(prefill)
         prefill_full = bool(prefill) and all(prefill_busy(s, self.config) for s in prefill)
         decode_full = bool(decode) and all(decode_saturated(s, self.decode_capacity) for s in decode)
         if prefill_full and decode_full:
             message = "the server is overloaded: every prefill queue is full and every decode replica saturated"
-            return self._refuse("request", "saturated", message)
-        return self._over_limit("request") or self._ticket("request")
+            return Why("saturated", message)
+        return self._over_limit()
+
+    def _wake_soon(self) -> None:
+        """Admit waiters now if they fit, and keep trying while any wait (the stats change without a release)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a release outside the event loop: the poller catches up)
+            return
+        loop.call_soon(self._pump)
+        if self.queue and (self._poller is None or self._poller.done()):
+            self._poller = loop.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self.queue:
+            await asyncio.sleep(POLL_S)
+            self._pump()
+
+    def _pump(self) -> None:
+        """Admit waiters in arrival order while they fit; one held back by its pool's rule (sessions full, KV low)
+        does not hold back the other kind, one held back by the shared limit holds back everyone."""
+        blocked: set[str] = set()
+        for waiter in list(self.queue.waiters):
+            if waiter.future.done():
+                self.queue.remove(waiter)
+                continue
+            if waiter.kind in blocked:
+                continue
+            why = self._check(waiter.kind)
+            if why is None:
+                self.queue.remove(waiter)
+                waiter.future.set_result(self._ticket(waiter.kind))
+            elif why.reason == "latency":
+                break
+            else:
+                blocked.add(waiter.kind)
+        metrics.set_gauge(metrics.ADMISSION_WAITING, len(self.queue), "new work waiting for admission", **self._tag)
 
 
 def _replica_id() -> str:

@@ -319,7 +319,7 @@ class Router:
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
         started = time.perf_counter()
-        if isinstance(ticket := self.admission.request(), Refusal):  # before any work: the body is not even read
+        if isinstance(ticket := await self.admission.admit("request"), Refusal):  # before any work (the body unread)
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="http_429")
             return error_response(ticket.payload())
         try:  # the request is in flight for admission until its answer ends
@@ -398,7 +398,7 @@ class Router:
                     tool_calls.count(endpoint, sum(map(len, calls)))
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
-        self.admission.observe_first_token(now - started)
+        self.admission.observe_first_token(time.monotonic() - ticket.admitted_at)
         assert isinstance(opened, DecodeStream)
         tools = endpoint if body.get("tools") else None
         frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)

@@ -165,7 +165,8 @@ class RealtimeConnection(SessionSettings, Conversation):
         await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
         error = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None, **extra}
         await self.send("error", error=error)
-        await self.ws.close(code=close_code)
+        wait = extra.get("retry_after")
+        await self.ws.close(code=close_code, reason=f"try again in {wait} s" if wait else None)  # (1013's wait too)
         metrics.inc(metrics.REALTIME_CLOSES, 1, "realtime connections closed by the server", code=str(close_code))
 
     async def open_session(self) -> bool:
@@ -373,7 +374,7 @@ async def realtime(ws: WebSocket) -> None:
     if watch is not None and watch.stopping:  # (Serve may route a connection here until it knows)
         await connection.refuse("the server is restarting: reconnect", "server_restarting", SERVICE_RESTART)
         return
-    ticket = admit_session(ingress) if resume is None else Ticket()  # (a re-attach is no new session)
+    ticket = await admit_session(ingress) if resume is None else Ticket()  # (a re-attach is no new session)
     if isinstance(ticket, Refusal):
         await connection.refuse(ticket.message, OVERLOADED, TRY_AGAIN_LATER, retry_after=ticket.retry_after)
         return

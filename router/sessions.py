@@ -76,7 +76,7 @@ async def create_session(request: Request) -> Response:
         return error_response(refused)
     if body.get("audio") is not None and getattr(ingress, "speech", None) is None:
         return error_response(error_body(400, session_audio.NO_SPEECH, "audio"))
-    if isinstance(ticket := admit_session(ingress), Refusal):
+    if isinstance(ticket := await admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # (calls on sessions already made are never refused)
     result = await owner.create_session(ingress, session_spec(body), abandoned=ticket.release)
     if "error" in result:

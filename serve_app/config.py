@@ -185,11 +185,17 @@ class LimitsConfig(_Strict):
 
 class AdmissionConfig(_Strict):
     """Overload admission in the router (router/admission.py): from the replicas' last routing stats, a new
-    session or plain request is refused at once (429 with Retry-After; Realtime: an `error` event and close
-    1013) when the pools are full, so that the sessions already admitted keep their latency. Calls on an
-    admitted session are never refused here."""
+    session or plain request that cannot be taken now (the pools full, or the adaptive limit reached) waits in
+    the router's queue, first come first served, while its expected wait stays under `max_wait_s`; past that it
+    is refused (429 with Retry-After; Realtime: an `error` event and close 1013), so that the sessions already
+    admitted keep their latency. Calls on an admitted session are never refused here."""
 
     enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
+    # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
+    # (the waiters ahead over the rate work leaves) is longer is refused at once, with that wait as Retry-After;
+    # a waiter still waiting after it is refused then. 0: refuse at once, never queue. (A realtime handshake
+    # waits too: keep it under the clients' connect timeout, often 10 s.)
+    max_wait_s: float = Field(default=8.0, ge=0)
     # A prefill replica takes new sessions while its open sessions are under this share of its capacity
     # (`prefill.scheduler.max_open_sessions`, or three quarters of the engine's slots): the stats are up to
     # a second old, and the replica itself refuses past its capacity.

@@ -84,6 +84,8 @@ REALTIME_CLOSES = "rtpd_realtime_closes_total"  # realtime connections closed by
 TOOL_CALLS = "rtpd_tool_calls_total"  # router: tool calls in answers, by surface (chat, completion, session, realtime)
 ADMISSION_LIMIT = "rtpd_admission_limit"  # router: its adaptive limit on admitted work in flight, per replica
 ADMISSION_IN_FLIGHT = "rtpd_admission_in_flight"  # router: admitted sessions and requests in flight, per replica
+ADMISSION_WAITING = "rtpd_admission_waiting"  # router: new work queued for admission, per replica
+ADMISSION_WAIT = "rtpd_admission_wait_seconds"  # router: how long admitted work waited in the queue, by kind
 # Voice (router/voice/, speech/). The router: audio seconds clients sent, by surface; how far a transcript lags the
 # audio it covers (from the last audio sample it covers to the text's arrival); turns the VAD ended; barge-ins
 # (speech that cancelled a response). The speech replicas: audio seconds transcribed (an utterance is transcribed

@@ -146,6 +146,11 @@ def main() -> None:
         args["decode"]["deployment"]["num_replicas"] = 2
         # The ingress (proxy and router) on the head, as configs/config.yaml has it: the node lost is decode's.
         args["router"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.1, "resources": {"prefill_pool": 0.1}}
+        # Stopped at once at the end (nothing to drain or hand over here): Serve's shutdown otherwise waits out the
+        # router's graceful shutdown (30 s) past its own timeout.
+        args["prefill"]["drain_timeout_s"] = 1
+        for role in ("router", "prefill", "decode"):
+            args[role]["deployment"]["graceful_shutdown_timeout_s"] = 2
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(args), name=APP, route_prefix="/")
         base = f"http://127.0.0.1:{PORT}"

@@ -1,6 +1,7 @@
-"""Router admission control (router/admission.py) on fake routing stats: new sessions and plain requests are refused
-(429 with Retry-After) when every replica is full or when this router's adaptive limit, driven by first-token
-latency and the prefill queues, is reached; unknown state admits; admitted sessions' calls are never refused."""
+"""Router admission control (router/admission.py) on fake routing stats: new sessions and plain requests wait in the
+router's queue, then are refused (429 with Retry-After) past the expected-wait bound, when every replica is full or
+when this router's adaptive limit, driven by first-token latency and the prefill queues, is reached; unknown state
+admits; admitted sessions' calls are never refused."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from fastapi import FastAPI
 from router import sessions
 from router.admission import (
     Admission,
-    LatencyLimit,
     Refusal,
     Ticket,
     decode_saturated,
     prefill_busy,
-    quantile,
     session_room,
 )
+from router.admission_queue import RATE_WINDOW_S
+from router.latency_limit import LatencyLimit, quantile
 from serve_app.config import AdmissionConfig, AppConfig
 from serve_app.protocol import error_body, error_headers, error_status
 
@@ -70,6 +71,11 @@ def test_busy_and_saturated() -> None:
 
 def admitted(decision: Refusal | Ticket) -> bool:
     return isinstance(decision, Ticket)
+
+
+def issued(decision: Refusal | Ticket) -> Ticket:
+    assert isinstance(decision, Ticket), decision
+    return decision
 
 
 def refused(decision: Refusal | Ticket) -> Refusal:
@@ -311,7 +317,7 @@ async def test_an_admitted_sessions_calls_are_never_refused() -> None:
     """Past the limit a new REST session gets 429, while the calls on one admitted before all pass; deleting it
     frees its room."""
     clock = Clock()
-    gate, _ = limited(clock, min_sessions=1, max_in_flight=1)
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=0)  # (refused at once, not queued)
     prefill = FakePrefill()
     async with sessions_client(gate, prefill) as client:
         made = await client.post(BASE, json={"messages": []})
@@ -333,7 +339,7 @@ async def test_a_rest_session_closed_by_its_owner_frees_its_room() -> None:
     router's ticket goes with it, and is kept while calls come; a call that finds the session gone (404) frees it
     at once."""
     clock = Clock()
-    gate, _ = limited(clock, min_sessions=2, max_in_flight=2)
+    gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=0)
     gone = error_body(404, "session not found", "session_id")
     prefill = FakePrefill({"create_session": {"expires_in": 4.0}, "session_info": gone})
     async with sessions_client(gate, prefill) as client:
@@ -414,3 +420,126 @@ async def test_a_client_that_leaves_while_its_session_is_made_leaves_nothing_cou
         for _ in range(50):
             await asyncio.sleep(0)
         assert prefill.calls == ["create_session", "session_delete"]
+
+
+# The queue (router/admission_queue.py): past the limit new work waits, first come first served, within max_wait_s.
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def warm(gate: Admission, clock: Clock, gap_s: float = 0.5, n: int = 4) -> None:
+    """Work seen leaving: `n` tickets released `gap_s` apart (the rate the queue's expected wait is taken from)."""
+    for _ in range(n):
+        clock.now += gap_s
+        issued(await gate.admit("request")).release()
+
+
+async def test_past_the_limit_new_work_waits_and_is_admitted_in_order_as_room_frees() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=5)
+    await warm(gate, clock)
+    held = [await gate.admit("request"), await gate.admit("session")]
+    waiting = [asyncio.ensure_future(gate.admit(kind)) for kind in ("session", "request", "request")]
+    await settle()
+    assert not any(w.done() for w in waiting) and gate.state()["waiting"] == 3 and gate.in_flight == 2
+    held[0].release()
+    await settle()
+    assert waiting[0].done() and not waiting[1].done()  # the first come, and only one: one room freed
+    assert issued(waiting[0].result()).kind == "session" and gate.in_flight == 2
+    held[1].release()
+    waiting[0].result().release()
+    await settle()
+    assert all(isinstance(w.result(), Ticket) for w in waiting[1:]) and gate.state()["waiting"] == 0
+
+
+async def test_a_newcomer_does_not_overtake_the_queue() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
+    await warm(gate, clock)
+    ticket = issued(await gate.admit("request"))
+    first = asyncio.ensure_future(gate.admit("request"))
+    await settle()
+    ticket.release()  # room for one: the waiter's, though the newcomer asks in the same turn of the loop
+    second = asyncio.ensure_future(gate.admit("request"))
+    await settle()
+    assert first.done() and issued(first.result()) and not second.done()
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+
+
+async def test_work_whose_expected_wait_is_past_the_bound_is_refused_at_once_with_that_wait() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=3, max_retry_after_s=60)
+    await warm(gate, clock, gap_s=2.0)  # 0.5 per second
+    held = [await gate.admit("request") for _ in range(2)]
+    one = asyncio.ensure_future(gate.admit("request"))  # expected 1 / 0.5 = 2 s: it waits
+    await settle()
+    assert not one.done()
+    no = refused(await gate.admit("request"))  # behind it: (1 + 1) / 0.5 = 4 s > 3 s
+    assert no.reason == "queued" and "expected wait 4.0 s" in no.message and no.retry_after == 4
+    assert error_headers(no.payload()) == {"Retry-After": "4"} and gate.state()["waiting"] == 1
+    held[0].release()
+    await settle()
+    assert issued(one.result())
+
+
+async def test_a_waiter_that_waits_the_bound_out_is_refused_and_leaves_the_queue() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=0.2)
+    await warm(gate, clock, gap_s=0.05)  # 20 a second: one waiter expects 0.05 s
+    held = issued(await gate.admit("session"))
+    no = refused(await gate.admit("session"))  # nothing released in 0.2 s (real time)
+    assert no.reason == "wait_timeout" and "not admitted within 0.2 s" in no.message and no.retry_after >= 1
+    assert gate.state()["waiting"] == 0 and gate.in_flight == 1
+    held.release()
+    assert issued(await gate.admit("session"))
+
+
+async def test_a_client_that_leaves_while_it_waits_leaves_nothing_counted() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
+    await warm(gate, clock)
+    held = issued(await gate.admit("request"))
+    waiting = asyncio.ensure_future(gate.admit("request"))
+    await settle()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert gate.state()["waiting"] == 0 and gate.in_flight == 1
+    # Admitted and cancelled in the same turn of the loop: the ticket it was handed goes back.
+    waiting = asyncio.ensure_future(gate.admit("request"))
+    await settle()
+    held.release()
+    gate._pump()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert gate.in_flight == 0 and gate.state()["waiting"] == 0
+
+
+async def test_a_full_pool_holds_back_its_own_kind_only() -> None:
+    """Sessions wait while every prefill replica is full; plain requests (decode can prefill them) go past."""
+    pools: dict[str, Any] = {"prefill": [prefill(open_=10)], "decode": []}
+    clock = Clock()
+    config = CONFIG.model_copy(update={"max_wait_s": 5})
+    gate = Admission(config, decode_capacity=4, stats=lambda name: pools[name], clock=clock)
+    await warm(gate, clock)
+    session = asyncio.ensure_future(gate.admit("session"))
+    await settle()
+    assert not session.done() and issued(await gate.admit("request"))
+    pools["prefill"] = [prefill(open_=2)]  # a session ended elsewhere: the stats say so, no release here
+    await asyncio.sleep(0.4)  # (the queue polls the stats)
+    assert session.done() and issued(session.result()).kind == "session"
+
+
+async def test_when_no_work_has_left_lately_new_work_is_refused_at_once() -> None:
+    """Every slot held by sessions that do not end: no wait can be promised, so none is made (Retry-After paced)."""
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
+    held = issued(await gate.admit("session"))
+    no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
+    assert no.reason == "latency" and no.message.endswith("no work has left lately") and no.retry_after == 2
+    clock.now += RATE_WINDOW_S + 1  # releases long ago count no more
+    held.release()
+    assert issued(await gate.admit("session"))

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class Overloaded:
-    def session(self) -> Refusal:
+    async def admit(self, kind: str) -> Refusal:
         return Refusal("sessions_full", "the server is overloaded", 4)
 
 
@@ -52,9 +52,10 @@ def serving(prefill: FakePrefill, admission: Any = None) -> Iterator[tuple[TestC
         yield client, stopping, watch
 
 
-def closed_with(ws: Any) -> int:
+def closed_with(ws: Any, reason: str | None = None) -> int:
     with pytest.raises(WebSocketDisconnect) as closed:
         ws.receive_json()
+    assert reason is None or closed.value.reason == reason
     return closed.value.code
 
 
@@ -133,7 +134,7 @@ def test_an_overloaded_server_refuses_new_sessions_with_1013() -> None:
     with serving(prefill, Overloaded()) as (client, _, _), client.websocket_connect("/v1/realtime") as ws:
         error = ws.receive_json()["error"]
         assert error["code"] == "server_overloaded" and error["retry_after"] == 4
-        assert closed_with(ws) == realtime.TRY_AGAIN_LATER
+        assert closed_with(ws, "try again in 4 s") == realtime.TRY_AGAIN_LATER  # the wait in the close too
     assert prefill.called("create_session") == []
     # A re-attach is not a new session: admission does not apply to it.
     with serving(prefill, Overloaded()) as (client, _, _), client.websocket_connect("/v1/realtime?session_id=s") as ws:
