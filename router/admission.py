@@ -1,4 +1,5 @@
-"""Overload admission: past the pools' capacity, new work is refused at once so that admitted work keeps its latency.
+"""Overload admission: past the pools' capacity, new work waits in the router's queue (router/admission_queue.py)
+while it can be served in time, and is refused beyond, so that admitted work keeps its latency.
 
 The input is what every replica last pushed in its routing stats (once a second; serve_app/placement.py `pool_stats`):
 a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`, `kv_blocks_total` and
@@ -7,22 +8,23 @@ a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`,
 
 - a new **session** is admitted while some prefill replica has room for it: open sessions under
   `max_session_fill` of its capacity, and at least `min_kv_free_fraction` of its KV blocks free;
-- a new **plain request** is refused only when no prefill replica can take it (each has `max_queue_per_replica`
+- a new **plain request** waits only while no prefill replica can take it (each has `max_queue_per_replica`
   requests waiting or too little KV free) *and* every decode replica is saturated (`max_streams_per_decode`
-  streams): with either free, it is served (decode prefills what prefill cannot).
+  streams): with either free, it is served (decode prefills what prefill cannot), and the engines queue it as a
+  plain vLLM server would.
 
 Calls on an admitted session (chunks, responses, answers) never come here. Unknown state (no stats yet, a key
 missing) admits: the replicas keep their own hard limits (prefill answers 429 past its session capacity or queue).
 
 Capacity in slots is not capacity in latency: a replica with room for 96 sessions may serve them slowly. So each
-router replica also keeps an **adaptive limit** on the work it admitted that is still in flight (open sessions
-and plain requests; `LatencyLimit`), as Netflix's concurrency-limits (AIMD on a latency percentile) and Envoy's
-adaptive concurrency do: it observes the time from end of input to first token of every answer it streams,
-and per window of samples shrinks the limit multiplicatively while their P90 is over the target (or the prefill
-engines' waiting queues are long: the early signal) and grows it additively while under, never under
-`min_sessions`. The target is `target_first_token_s` or `latency_tolerance` times the latency this router sees
-with no queue (its best windows' P10), whichever is larger: the same defaults fit a GPU (tens of ms) and a
-2-core CPU (seconds). Each admission returns a `Ticket`, released when the session or request ends.
+router replica also keeps an **adaptive limit** on the sessions it admitted that are still open (`LatencyLimit`,
+router/latency_limit.py), as Netflix's concurrency-limits (AIMD on a latency percentile) and Envoy's adaptive
+concurrency do: it observes the time from end of input to first token of every session answer it streams, and per
+window of samples shrinks the limit multiplicatively while their P90 is over the target (or the prefill engines'
+waiting queues are long: the early signal) and grows it additively while under, never under `min_sessions`.
+Sessions hold KV between chunks and are what input latency is promised to; plain requests are not bounded by it
+(cutting them could not make a session's answer faster: the engines' queues order them). Each admission returns
+a `Ticket`, released when the session or request ends.
 """
 
 from __future__ import annotations
@@ -201,6 +203,12 @@ class Admission:
         return len(self._open)
 
     @property
+    def sessions_in_flight(self) -> int:
+        """What the adaptive limit bounds: sessions (plain requests wait in the engines' own queues, as on a
+        plain vLLM server, and in the router's only when every pool is saturated)."""
+        return sum(1 for ticket in self._open if ticket.kind == "session")
+
+    @property
     def limit(self) -> int:
         return int(self.limiter.limit)
 
@@ -228,7 +236,7 @@ class Admission:
             prefill = self.stats("prefill") or []
         self._expire()
         self._pace_retries()
-        if self.limiter.update(self.in_flight, mean_queue_waiting(prefill)):
+        if self.limiter.update(self.sessions_in_flight, mean_queue_waiting(prefill)):
             metrics.set_gauge(metrics.ADMISSION_LIMIT, self.limiter.limit, "router admission limit", **self._tag)
             metrics.set_gauge(metrics.ADMISSION_IN_FLIGHT, self.in_flight, "admitted work in flight", **self._tag)
 
@@ -249,9 +257,9 @@ class Admission:
         return ticket
 
     def _release(self, ticket: Ticket) -> None:
-        if self._open.pop(ticket, None) is not None:
+        if (admitted_at := self._open.pop(ticket, None)) is not None:
             self._released += 1
-            self.queue.released()
+            self.queue.released(self.clock() - admitted_at)
             if self.queue:
                 self._wake_soon()
 
@@ -287,13 +295,13 @@ class Admission:
         return Refusal(reason, message, retry_after(wait, 1, self.config.max_retry_after_s))
 
     def _over_limit(self) -> Why | None:
-        if self.in_flight < self.limiter.limit:
+        if self.sessions_in_flight < self.limiter.limit:
             return None
         p90 = self.limiter.p90
         seen = f"first token P90 {p90:.2f} s, target {self.limiter.target:.2f} s" if p90 is not None else "queued"
         return Why(
             "latency",
-            f"the server is overloaded: {self.in_flight} in flight, this router's limit ({self.limit}; {seen})",
+            f"the server is overloaded: {self.sessions_in_flight} sessions, this router's limit ({self.limit}; {seen})",
         )
 
     def session(self) -> Refusal | Ticket:
@@ -317,10 +325,10 @@ class Admission:
         why = None if self.queue else self._check(kind)
         if why is None and not self.queue:
             return self._ticket(kind)
-        bound, expected = self.config.max_wait_s, self.queue.expected_wait()
+        bound, expected = self.config.max_wait_s, self._expected_wait()
         why = why or Why("queued", f"the server is overloaded: {len(self.queue)} waiting to be admitted")
         if expected > bound:
-            wait = f"expected wait {expected:.1f} s" if expected < math.inf else "no work has left lately"
+            wait = f"expected wait {expected:.1f} s" if expected < math.inf else "no wait can be promised"
             return self._refuse(kind, why.reason, f"{why.message}; {wait}", wait=expected)
         waiter = self.queue.push(kind)
         self._wake_soon()
@@ -336,10 +344,14 @@ class Admission:
         if not waiter.future.done():
             waiter.future.cancel()
             message = f"{why.message}; not admitted within {bound:g} s"
-            return self._refuse(kind, "wait_timeout", message, wait=self.queue.expected_wait())
+            return self._refuse(kind, "wait_timeout", message, wait=self._expected_wait())
         waited = self.clock() - waiter.since
         metrics.observe(metrics.ADMISSION_WAIT, waited, "time new work waited for admission", kind=kind)
         return waiter.future.result()
+
+    def _expected_wait(self) -> float:
+        now = self.clock()
+        return self.queue.expected_wait(self.in_flight, [now - at for at in self._open.values()])
 
     def _check(self, kind: str) -> Why | None:
         return self._session_check() if kind == "session" else self._request_check()
@@ -366,7 +378,7 @@ class Admission:
         if prefill_full and decode_full:
             message = "the server is overloaded: every prefill queue is full and every decode replica saturated"
             return Why("saturated", message)
-        return self._over_limit()
+        return None
 
     def _wake_soon(self) -> None:
         """Admit waiters now if they fit, and keep trying while any wait (the stats change without a release)."""
@@ -384,8 +396,8 @@ class Admission:
             self._pump()
 
     def _pump(self) -> None:
-        """Admit waiters in arrival order while they fit; one held back by its pool's rule (sessions full, KV low)
-        does not hold back the other kind, one held back by the shared limit holds back everyone."""
+        """Admit waiters in arrival order while they fit: the first of a kind that does not fit holds back the rest
+        of its kind, never the other kind (each has its own rules)."""
         blocked: set[str] = set()
         for waiter in list(self.queue.waiters):
             if waiter.future.done():
@@ -397,8 +409,6 @@ class Admission:
             if why is None:
                 self.queue.remove(waiter)
                 waiter.future.set_result(self._ticket(waiter.kind))
-            elif why.reason == "latency":
-                break
             else:
                 blocked.add(waiter.kind)
         metrics.set_gauge(metrics.ADMISSION_WAITING, len(self.queue), "new work waiting for admission", **self._tag)

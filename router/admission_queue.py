@@ -5,9 +5,11 @@ A plain server queues every request in its engine and serves them all, only late
 a 429 is worse for the client unless waiting would be worse than a retry. So the router refuses only when the
 expected wait is past the bound (at once, with that wait as Retry-After) or when a waiter has waited the bound out.
 
-The expected wait follows Little's law: the waiters ahead plus one, over the rate at which admitted work has been
-leaving (over the gaps between its releases in the last `RATE_WINDOW_S`). With fewer than two seen, work is not
-leaving (every slot held by long sessions, say): the wait has no bound, and the newcomer is refused at once.
+The expected wait follows Little's law: each of the `in_flight` holders frees its room after the mean time admitted
+work has been held lately, so room frees every `hold / in_flight` seconds, and the newcomer has the waiters ahead of
+it plus one to wait for. Before any release the holders' mean age stands in for the hold (a lower bound); with
+nothing in flight here (the room is held elsewhere: sessions of other routers) no wait can be promised, and the
+newcomer is refused at once.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-RATE_WINDOW_S = 30.0  # releases older than this no longer count in the rate
-MIN_SPAN_S = 0.1  # (a burst of releases at once is not an infinite rate)
+HOLDS_KEPT = 256  # the mean hold is taken over this many recent releases
 POLL_S = 0.25  # while anyone waits, admission is tried again this often (the replicas' stats change on their own)
 
 
@@ -42,33 +43,24 @@ class WaitQueue:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.waiters: deque[Waiter] = deque()
-        self.releases: deque[float] = deque(maxlen=512)
+        self.holds: deque[float] = deque(maxlen=HOLDS_KEPT)  # how long recently released work was held
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self.waiters)
 
-    def released(self) -> None:
-        self.releases.append(self.clock())
+    def released(self, held_s: float) -> None:
+        self.holds.append(held_s)
 
-    def rate(self) -> float | None:
-        """Releases per second lately: over the gaps between recent releases, and no more than one over the quiet
-        since the last (None: fewer than two in the window)."""
-        now = self.clock()
-        while self.releases and now - self.releases[0] > RATE_WINDOW_S:
-            self.releases.popleft()
-        if len(self.releases) < 2:
-            return None
-        rate = (len(self.releases) - 1) / max(MIN_SPAN_S, self.releases[-1] - self.releases[0])
-        quiet = now - self.releases[-1]
-        return min(rate, 1 / quiet) if quiet > 0 else rate
-
-    def expected_wait(self, ahead: int | None = None) -> float:
-        """Seconds until a newcomer (or the waiter with `ahead` others before it) is likely admitted: infinite
-        when work is not leaving."""
+    def expected_wait(self, in_flight: int, ages: list[float], ahead: int | None = None) -> float:
+        """Seconds until a newcomer (or the waiter with `ahead` others before it) is likely admitted, with
+        `in_flight` holders whose ages are `ages`: infinite when none holds room here."""
+        if in_flight <= 0:
+            return math.inf
         ahead = len(self.waiters) if ahead is None else ahead
-        rate = self.rate()
-        return math.inf if rate is None else (ahead + 1) / rate
+        samples = self.holds or ages
+        hold = sum(samples) / len(samples) if samples else math.inf
+        return (ahead + 1) * hold / in_flight
 
     def push(self, kind: str) -> Waiter:
         waiter = Waiter(next(self._seq), kind, asyncio.get_running_loop().create_future(), self.clock())

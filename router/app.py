@@ -398,7 +398,6 @@ class Router:
                     tool_calls.count(endpoint, sum(map(len, calls)))
             return JSONResponse(first, status_code=status, headers=headers)
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
-        self.admission.observe_first_token(time.monotonic() - ticket.admitted_at)
         assert isinstance(opened, DecodeStream)
         tools = endpoint if body.get("tools") else None
         frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)

@@ -212,12 +212,13 @@ class AdmissionConfig(_Strict):
     # Retry-After grows from `retry_after_s` up to this while refusals outpace the room that frees (and shrinks
     # back when they stop): every retry costs a handshake on the cores the admitted sessions need.
     max_retry_after_s: int = Field(default=30, ge=1)
-    # The adaptive limit on work in flight through each router replica (router/admission.py `LatencyLimit`):
+    # The adaptive limit on sessions open through each router replica (router/latency_limit.py; plain requests are
+    # left to the saturation rules above and the engines' queues, as on a plain vLLM server):
     # while the `latency_percentile` of end of input to first token in a window of answers is over the target
     # (`target_first_token_s`, or `latency_tolerance` times the best recent window's P10 if larger: about
     # the no-queue latency, so one default fits a GPU's tens of ms and a small CPU's seconds), or the prefill
     # engines wait on `max_queue_waiting` requests on average (the early signal), the limit shrinks to
-    # `backoff` times what is in flight; under target it grows by `growth` of itself per window; never under
+    # `backoff` times the sessions open; under target it grows by `growth` of itself per window; never under
     # `min_sessions`, never over `max_in_flight` (where it starts: no evidence, no limit).
     target_first_token_s: float = Field(default=0.5, gt=0)
     latency_tolerance: float = Field(default=4.0, ge=1)  # the target's floor: this times the no-queue latency
@@ -225,7 +226,7 @@ class AdmissionConfig(_Strict):
     min_sessions: int = Field(default=80, ge=1)  # the limit's floor: below it the slot rules alone decide
     max_in_flight: int = Field(default=4096, ge=1)  # the limit's ceiling, and where it starts
     max_queue_waiting: int = Field(default=16, ge=1)  # mean waiting requests per prefill engine: cut at once
-    backoff: float = Field(default=0.9, gt=0, lt=1)  # a cut: the limit becomes this times what is in flight
+    backoff: float = Field(default=0.9, gt=0, lt=1)  # a cut: the limit becomes this times the sessions open
     growth: float = Field(default=0.02, ge=0)  # under target, while the limit binds: its growth per window
     window_s: float = Field(default=1.0, gt=0)  # one window of answers (with at least `min_samples`)
     min_samples: int = Field(default=20, ge=1)  # answers a window needs before its percentile counts

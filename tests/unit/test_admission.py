@@ -22,7 +22,6 @@ from router.admission import (
     prefill_busy,
     session_room,
 )
-from router.admission_queue import RATE_WINDOW_S
 from router.latency_limit import LatencyLimit, quantile
 from serve_app.config import AdmissionConfig, AppConfig
 from serve_app.protocol import error_body, error_headers, error_status
@@ -209,7 +208,7 @@ def test_refusals_past_the_limit_give_retry_after_and_admitted_tickets_free_room
     no = refused(gate.session())
     assert no.reason == "latency" and "P90 5.00 s" in no.message
     assert error_status(no.payload()) == 429 and error_headers(no.payload()) == {"Retry-After": "2"}
-    assert refused(gate.request()).reason == "latency"  # plain requests count against the same limit
+    issued(gate.request()).release()  # plain requests are not bounded by it (the engines queue them)
     for t in tickets[:6]:
         assert isinstance(t, Ticket)
         t.release()
@@ -430,27 +429,30 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def warm(gate: Admission, clock: Clock, gap_s: float = 0.5, n: int = 4) -> None:
-    """Work seen leaving: `n` tickets released `gap_s` apart (the rate the queue's expected wait is taken from)."""
+async def warm(gate: Admission, clock: Clock, hold_s: float = 0.5, n: int = 4, kind: str = "session") -> None:
+    """Work seen leaving: `n` tickets each held `hold_s` (the hold the queue's expected wait is taken from)."""
     for _ in range(n):
-        clock.now += gap_s
-        issued(await gate.admit("request")).release()
+        ticket = issued(await gate.admit(kind))
+        clock.now += hold_s
+        ticket.release()
 
 
 async def test_past_the_limit_new_work_waits_and_is_admitted_in_order_as_room_frees() -> None:
     clock = Clock()
     gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=5)
     await warm(gate, clock)
-    held = [await gate.admit("request"), await gate.admit("session")]
-    waiting = [asyncio.ensure_future(gate.admit(kind)) for kind in ("session", "request", "request")]
+    held = [await gate.admit("session"), await gate.admit("session")]
+    waiting = [asyncio.ensure_future(gate.admit("session")) for _ in range(3)]
     await settle()
     assert not any(w.done() for w in waiting) and gate.state()["waiting"] == 3 and gate.in_flight == 2
     held[0].release()
     await settle()
     assert waiting[0].done() and not waiting[1].done()  # the first come, and only one: one room freed
     assert issued(waiting[0].result()).kind == "session" and gate.in_flight == 2
+    assert issued(await gate.admit("request"))  # (plain requests: not bounded by the sessions' limit)
     held[1].release()
     waiting[0].result().release()
+    gate._open.clear()  # (the plain request above too)
     await settle()
     assert all(isinstance(w.result(), Ticket) for w in waiting[1:]) and gate.state()["waiting"] == 0
 
@@ -459,11 +461,11 @@ async def test_a_newcomer_does_not_overtake_the_queue() -> None:
     clock = Clock()
     gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
     await warm(gate, clock)
-    ticket = issued(await gate.admit("request"))
-    first = asyncio.ensure_future(gate.admit("request"))
+    ticket = issued(await gate.admit("session"))
+    first = asyncio.ensure_future(gate.admit("session"))
     await settle()
     ticket.release()  # room for one: the waiter's, though the newcomer asks in the same turn of the loop
-    second = asyncio.ensure_future(gate.admit("request"))
+    second = asyncio.ensure_future(gate.admit("session"))
     await settle()
     assert first.done() and issued(first.result()) and not second.done()
     second.cancel()
@@ -473,12 +475,12 @@ async def test_a_newcomer_does_not_overtake_the_queue() -> None:
 async def test_work_whose_expected_wait_is_past_the_bound_is_refused_at_once_with_that_wait() -> None:
     clock = Clock()
     gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=3, max_retry_after_s=60)
-    await warm(gate, clock, gap_s=2.0)  # 0.5 per second
-    held = [await gate.admit("request") for _ in range(2)]
-    one = asyncio.ensure_future(gate.admit("request"))  # expected 1 / 0.5 = 2 s: it waits
+    await warm(gate, clock, hold_s=4.0)  # two holders of 4 s: room frees every 2 s
+    held = [await gate.admit("session") for _ in range(2)]
+    one = asyncio.ensure_future(gate.admit("session"))  # expected 1 x 4 / 2 = 2 s: it waits
     await settle()
     assert not one.done()
-    no = refused(await gate.admit("request"))  # behind it: (1 + 1) / 0.5 = 4 s > 3 s
+    no = refused(await gate.admit("session"))  # behind it: (1 + 1) x 4 / 2 = 4 s > 3 s
     assert no.reason == "queued" and "expected wait 4.0 s" in no.message and no.retry_after == 4
     assert error_headers(no.payload()) == {"Retry-After": "4"} and gate.state()["waiting"] == 1
     held[0].release()
@@ -489,7 +491,7 @@ async def test_work_whose_expected_wait_is_past_the_bound_is_refused_at_once_wit
 async def test_a_waiter_that_waits_the_bound_out_is_refused_and_leaves_the_queue() -> None:
     clock = Clock()
     gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=0.2)
-    await warm(gate, clock, gap_s=0.05)  # 20 a second: one waiter expects 0.05 s
+    await warm(gate, clock, hold_s=0.05)  # one waiter expects 0.05 s
     held = issued(await gate.admit("session"))
     no = refused(await gate.admit("session"))  # nothing released in 0.2 s (real time)
     assert no.reason == "wait_timeout" and "not admitted within 0.2 s" in no.message and no.retry_after >= 1
@@ -502,14 +504,14 @@ async def test_a_client_that_leaves_while_it_waits_leaves_nothing_counted() -> N
     clock = Clock()
     gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
     await warm(gate, clock)
-    held = issued(await gate.admit("request"))
-    waiting = asyncio.ensure_future(gate.admit("request"))
+    held = issued(await gate.admit("session"))
+    waiting = asyncio.ensure_future(gate.admit("session"))
     await settle()
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert gate.state()["waiting"] == 0 and gate.in_flight == 1
     # Admitted and cancelled in the same turn of the loop: the ticket it was handed goes back.
-    waiting = asyncio.ensure_future(gate.admit("request"))
+    waiting = asyncio.ensure_future(gate.admit("session"))
     await settle()
     held.release()
     gate._pump()
@@ -524,22 +526,51 @@ async def test_a_full_pool_holds_back_its_own_kind_only() -> None:
     clock = Clock()
     config = CONFIG.model_copy(update={"max_wait_s": 5})
     gate = Admission(config, decode_capacity=4, stats=lambda name: pools[name], clock=clock)
-    await warm(gate, clock)
+    await warm(gate, clock, kind="request")
+    answering = issued(await gate.admit("request"))  # (room held here: a wait can be promised)
     session = asyncio.ensure_future(gate.admit("session"))
     await settle()
     assert not session.done() and issued(await gate.admit("request"))
     pools["prefill"] = [prefill(open_=2)]  # a session ended elsewhere: the stats say so, no release here
     await asyncio.sleep(0.4)  # (the queue polls the stats)
     assert session.done() and issued(session.result()).kind == "session"
+    answering.release()
 
 
-async def test_when_no_work_has_left_lately_new_work_is_refused_at_once() -> None:
-    """Every slot held by sessions that do not end: no wait can be promised, so none is made (Retry-After paced)."""
-    clock = Clock()
-    gate, _ = limited(clock, min_sessions=1, max_in_flight=1, max_wait_s=5)
-    held = issued(await gate.admit("session"))
+async def test_with_the_room_held_elsewhere_new_work_is_refused_at_once() -> None:
+    """Every prefill replica full of sessions opened through other routers, none through this one: no wait can be
+    promised, so none is made (Retry-After: the paced one)."""
+    pools: dict[str, Any] = {"prefill": [prefill(open_=10)], "decode": []}
+    gate = Admission(CONFIG.model_copy(update={"max_wait_s": 5}), stats=lambda name: pools[name], clock=Clock())
     no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
-    assert no.reason == "latency" and no.message.endswith("no work has left lately") and no.retry_after == 2
-    clock.now += RATE_WINDOW_S + 1  # releases long ago count no more
-    held.release()
-    assert issued(await gate.admit("session"))
+    assert no.reason == "sessions_full" and no.message.endswith("no wait can be promised") and no.retry_after == 3
+
+
+async def test_before_any_release_the_holders_age_stands_in_for_the_hold() -> None:
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=3)
+    held = [issued(await gate.admit("session")) for _ in range(2)]
+    clock.now += 10.0  # held 10 s each so far: room frees every 5 s at least, past the 3 s bound
+    no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
+    assert "expected wait 5.0 s" in no.message and no.retry_after == 5
+    for ticket in held:
+        ticket.release()
+
+
+async def test_plain_requests_wait_only_while_every_pool_is_saturated() -> None:
+    clock = Clock()
+    busy, full = prefill(waiting=8), {"active_streams": 4}
+    pools: dict[str, Any] = {"prefill": [busy], "decode": [full]}
+    config = CONFIG.model_copy(update={"max_wait_s": 5})
+    gate = Admission(config, decode_capacity=4, stats=lambda name: pools[name], clock=clock)
+    pools["decode"] = [{"active_streams": 0}]
+    await warm(gate, clock, kind="request")
+    answering = issued(await gate.admit("request"))
+    pools["decode"] = [full]
+    waiting = asyncio.ensure_future(gate.admit("request"))
+    await settle()
+    assert not waiting.done() and gate.state()["waiting"] == 1
+    pools["decode"] = [{"active_streams": 3}]  # a stream ended on decode
+    await asyncio.sleep(0.4)
+    assert issued(waiting.result()).kind == "request"
+    answering.release()
