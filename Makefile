@@ -7,7 +7,7 @@ PORT   ?= 8000
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install model run test unit integration lint bench bench-quick bench-check manifests clean
+.PHONY: install model run test test-long unit integration lint bench bench-quick bench-check manifests clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,12 @@ run: install
 
 test: install lint
 	$(VENV)/bin/pytest -q -ra --durations=25
+
+# The hardening suites' long modes: the fuzz suite at 4x its cases (over 10,000, across HTTP and the WebSocket) and
+# a disconnect storm of 1,000 clients, with `make test`'s assertions (no 5xx, nothing leaked). Outside `make test`.
+test-long: install
+	RTPD_FUZZ_SCALE=4 RTPD_STORM_CLIENTS=1000 RTPD_STORM_CONCURRENCY=48 RTPD_STORM_SETTLE_S=120 \
+	  $(VENV)/bin/pytest -q -ra -s tests/integration/test_fuzz.py tests/integration/test_disconnect_storm.py
 
 unit: install
 	$(VENV)/bin/pytest -q tests/unit
