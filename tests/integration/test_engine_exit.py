@@ -39,7 +39,6 @@ pytestmark = pytest.mark.integration
 MARKER = "RTPD_ENGINE_EXIT_TEST"
 NO_SPEECH = "no_speech"  # a cluster param: the config without its speech role
 EXIT_WITHIN_S = 30.0
-ORPHANED_RAY_EXIT_S = 90.0  # Ray's processes after their raylet was killed (they find out by health checks)
 STARTUP_S = 420.0
 
 
@@ -285,5 +284,6 @@ def test_engines_exit_when_ray_dies_with_the_replicas(cluster: Cluster) -> None:
     took = wait_gone(engines, "after the raylet and the replicas were killed")
     print(f"engine processes gone {took:.1f} s after Ray")
     # With its raylet gone, Ray's own processes (the HTTP proxy among them, holding the port) notice it only
-    # through their health checks: seen once past 30 s on two busy cores. The engines, this test's point, went.
-    cluster.stop_like_a_supervisor(within=ORPHANED_RAY_EXIT_S)
+    # through their health checks, seen past 30 s on two busy cores: Ray's business, not this test's (the engines,
+    # its point, went). They go with the rest of the cluster, killed by the fixture.
+    os.killpg(cluster.make.pid, signal.SIGKILL)
