@@ -504,8 +504,9 @@ def leftovers(
                 if s.get("sessions_open"):
                     out.append(f"{where} has {s['sessions_open']} sessions open")
         router = serve.get_deployment_handle("router", app_name=app)
-        if in_flight := max(router.admission_state.remote().result(timeout_s=60)["in_flight"] for _ in range(4)):
-            out.append(f"a router counts {in_flight} in flight")
+        states = [router.admission_state.remote().result(timeout_s=60) for _ in range(4)]  # (any replica answers)
+        if (busy := max(states, key=lambda state: state["in_flight"]))["in_flight"]:
+            out.append(f"a router counts {busy['in_flight']} in flight: {busy}")
         keys = ray.experimental.internal_kv._internal_kv_list(b"s/", namespace=NAMESPACE)
         left = {k.decode().split("/")[1] for k in keys} & session_ids
         if left:
