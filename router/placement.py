@@ -81,9 +81,10 @@ class DecodeRouter(_Registered):
 
 
 class SpeechRouter(_Registered):
-    """The speech pool: a REST session's audio calls (`session_id`) go to the replica the id hashes to among the
-    live ones (speech/sessions.py holds the turn's audio there); transcriptions of audio the caller holds (the
-    realtime socket's) take power-of-two choices."""
+    """The speech pool: a call naming a `route_to` replica goes to it (the one a router learnt holds a REST
+    session's audio turn, router/voice/session_audio.py); other REST session audio calls (`session_id`) to the
+    replica the id hashes to among the live ones (speech/sessions.py holds the turn's audio there);
+    transcriptions of audio the caller holds (the realtime socket's) take power-of-two choices."""
 
     async def choose_replicas(
         self,
@@ -91,6 +92,10 @@ class SpeechRouter(_Registered):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        target = kwargs.get("route_to")
+        for replica in candidate_replicas:
+            if target is not None and replica.replica_id.unique_id == target:
+                return [[replica]]
         session_id = kwargs.get("session_id")
         if isinstance(session_id, str) and candidate_replicas:
             return [[rendezvous(session_id, candidate_replicas)]]

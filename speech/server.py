@@ -113,12 +113,20 @@ class SpeechServer:
         rate: int,
         end_of_input: bool = False,
         language: str | None = None,
+        route_to: str | None = None,
     ) -> dict[str, Any]:
-        """One REST audio chunk into its session's turn (speech/sessions.py); routed here by session id."""
-        return await self.sessions.append(session_id, sequence_id, pcm16, rate, end_of_input, language)
+        """One REST audio chunk into its session's turn (speech/sessions.py); routed here by session id (or by
+        `route_to`, router/placement.py). The answer names this replica: the router sends the turn's next chunks
+        here."""
+        answer = await self.sessions.append(session_id, sequence_id, pcm16, rate, end_of_input, language)
+        return answer if "error" in answer else {**answer, "replica": self.replica}
 
-    def session_audio_close(self, *, session_id: str) -> None:
+    def session_audio_close(self, *, session_id: str, route_to: str | None = None) -> None:
         self.sessions.close(session_id)
+
+    def session_audio_holds(self, *, session_id: str, route_to: str | None = None) -> dict[str, Any]:
+        """Whether this replica holds the session's audio turn (a router looking for it after the pool grew)."""
+        return {"holds": session_id in self.sessions.turns, "replica": self.replica}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         metrics.set_gauge(metrics.SPEECH_IN_FLIGHT, self.in_flight, "transcriptions in flight", replica=self.replica)
