@@ -371,6 +371,14 @@ class SessionAPI(HandOff, Failover, Preemptive):
         return {"session_id": session_id, "deleted": True}
 
     @session_api
+    async def session_status(self, *, session_id: str) -> dict[str, Any]:
+        """Whether a session still holds room a router admitted it to: its state and its last answer's status
+        (cheap: a router asks it of the REST sessions it admitted that went quiet there)."""
+        session = self._get(session_id, allow_closed=True)
+        last = session.answers[-1].status if session.answers else None
+        return {"session_id": session_id, "state": session.state.value, "answer_status": last}
+
+    @session_api
     async def session_info(self, *, session_id: str) -> dict[str, Any]:
         session = self._get(session_id, allow_closed=True)
         stats = await self.engine.compute_stats(session_id)

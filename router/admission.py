@@ -90,11 +90,12 @@ class Ticket:
 
 
 class HeldSession:
-    """A REST session's ticket, with when a call on the session last came through this router."""
+    """A REST session's ticket, with when a call on the session last came through this router, when the router
+    last asked its owner about it, and its API key's id (to ask as)."""
 
-    def __init__(self, ticket: Ticket, idle_timeout_s: float, clock: Callable[[], float]) -> None:
-        self.ticket, self.idle_timeout_s = ticket, idle_timeout_s
-        self.seen_at = clock()
+    def __init__(self, ticket: Ticket, idle_timeout_s: float, clock: Callable[[], float], tenant: str = "") -> None:
+        self.ticket, self.idle_timeout_s, self.tenant = ticket, idle_timeout_s, tenant
+        self.seen_at = self.checked_at = clock()
 
     def idle(self, now: float) -> bool:
         return now - self.seen_at > self.idle_timeout_s + IDLE_GRACE_S
@@ -114,11 +115,14 @@ def release_session(ingress: Any, session_id: str) -> None:
         admission.release_session(session_id)
 
 
-def bind_session(ingress: Any, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None) -> None:
+def bind_session(
+    ingress: Any, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None, tenant: str = ""
+) -> None:
     """Keep a REST session's ticket until the session ends (its calls come one HTTP request at a time): deleted or
-    answered here, found gone by a call, or idle past `idle_timeout_s` (when its owner closes it)."""
+    answered here, found gone by a call, found ended by its owner when quiet here (deleted or answered through
+    another router replica: router/sessions.py `reconcile_sessions`), or idle past `idle_timeout_s`."""
     if (admission := getattr(ingress, "admission", None)) is not None and hasattr(admission, "bind_session"):
-        admission.bind_session(session_id, ticket, idle_timeout_s)
+        admission.bind_session(session_id, ticket, idle_timeout_s, tenant)
 
 
 def session_seen(ingress: Any, session_id: str, result: Any) -> None:
@@ -274,9 +278,22 @@ class Admission:
         paced = self.retry_after * min(2.0, max(0.5, ratio))
         self.retry_after = min(float(self.config.max_retry_after_s), max(float(self.config.retry_after_s), paced))
 
-    def bind_session(self, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None) -> None:
+    def bind_session(
+        self, session_id: str, ticket: Ticket, idle_timeout_s: float | None = None, tenant: str = ""
+    ) -> None:
         if ticket.owner is self:
-            self._sessions[session_id] = HeldSession(ticket, idle_timeout_s or self.max_hold_s, self.clock)
+            held = HeldSession(ticket, idle_timeout_s or self.max_hold_s, self.clock, tenant)
+            self._sessions[session_id] = held
+
+    def quiet_sessions(self, after_s: float) -> list[tuple[str, str]]:
+        """The REST sessions held here with no call through here, and not asked about, for `after_s`: (session
+        id, tenant) to ask their owners about (each counts as asked now)."""
+        now, quiet = self.clock(), []
+        for session_id, held in self._sessions.items():
+            if now - max(held.seen_at, held.checked_at) >= after_s:
+                held.checked_at = now
+                quiet.append((session_id, held.tenant))
+        return quiet
 
     def touch_session(self, session_id: str) -> None:
         if (held := self._sessions.get(session_id)) is not None:

@@ -239,6 +239,8 @@ class Router:
         )
         self.restart = RestartWatch()  # closes realtime connections with 1012 when this replica stops
         self.restart.start()
+        # REST sessions admitted here and ended through another router replica stop counting here.
+        self._reconcile = asyncio.get_running_loop().create_task(sessions.reconcile_sessions(self))
         self._ready_at = 0.0  # when both engines last answered
         app.state.ingress = self  # the session and realtime routes reach the handles through it
 

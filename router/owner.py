@@ -99,6 +99,12 @@ async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, An
     return result
 
 
+async def session_status(ingress: Any, session_id: str, tenant: str) -> dict[str, Any]:
+    """The session's state, asked by the router itself for admission: no client's call, so not counted as the
+    session's activity here."""
+    return await _owner_call(ingress, "session_status", session_id=session_id, tenant=tenant)
+
+
 async def _owner_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     kwargs.setdefault("tenant", current_tenant.get())
     session_id = kwargs.get("session_id")

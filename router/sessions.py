@@ -18,6 +18,7 @@ after `[DONE]` where OpenAI parsers stop reading, one `event: session.done` with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
@@ -29,12 +30,15 @@ from pydantic import ValidationError
 from router import owner, tool_calls
 from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
-from router.owner import session_call
+from router.owner import current_tenant, session_call, session_status
 from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
 from router.tasks import detached
 from router.voice import session_audio
 from serve_app.protocol import error_body, error_response, error_status, sse, streaming_response
+
+QUIET_S = 10.0  # a REST session with no call through this router this long is looked up at its owner
+ANSWER_DONE = frozenset({"completed", "cancelled", "failed"})  # (prefill/answer.py DONE)
 
 api = APIRouter(prefix="/v1/streaming_input/sessions", tags=["streaming-input"])
 
@@ -82,7 +86,8 @@ async def create_session(request: Request) -> Response:
     if "error" in result:
         ticket.release()
         return _reply(result)
-    bind_session(ingress, result["session_id"], ticket, result.get("expires_in"))  # until deleted, answered or idle
+    tenant = current_tenant.get()
+    bind_session(ingress, result["session_id"], ticket, result.get("expires_in"), tenant)  # until it ends (or idles)
     if body.get("audio") is not None:
         session_audio.remember(result["session_id"], body["audio"])
     return JSONResponse(
@@ -249,3 +254,25 @@ def provisional_event(event: Provisional) -> str:
     kind, fields = event
     name = "rtpd.provisional" if kind == "delta" else "rtpd.provisional.done"
     return f"event: {name}\ndata: {json.dumps(fields)}\n\n"
+
+
+def ended_for_admission(status: dict[str, Any]) -> bool:
+    """Whether a session no longer holds the room its router admitted it to: gone, closed, or its last answer over
+    (as when its answer is read to its end through this router)."""
+    if "error" in status:
+        return error_status(status) == 404
+    return status.get("state") == "closed" or (
+        status.get("state") != "answering" and status.get("answer_status") in ANSWER_DONE
+    )
+
+
+async def reconcile_sessions(ingress: Any, period_s: float = QUIET_S) -> None:
+    """Forever: the REST sessions this router admitted that went quiet here are looked up at their owners, and
+    the ones that ended (deleted, or answered, through another router replica) no longer count here; otherwise
+    their room stayed taken until their idle timeout (the chaos run left 21 counted on one of two routers)."""
+    while True:
+        await asyncio.sleep(period_s)
+        for session_id, tenant in ingress.admission.quiet_sessions(period_s):
+            with contextlib.suppress(Exception):  # (its owner failing over: asked again next time)
+                if ended_for_admission(await session_status(ingress, session_id, tenant)):
+                    release_session(ingress, session_id)

@@ -574,3 +574,37 @@ async def test_plain_requests_wait_only_while_every_pool_is_saturated() -> None:
     await asyncio.sleep(0.4)
     assert issued(waiting.result()).kind == "request"
     answering.release()
+
+
+async def test_rest_sessions_ended_through_another_router_stop_counting_here() -> None:
+    """A REST session made through this router, then deleted or answered through another one, stops counting here
+    once it has been quiet here and its owner says so (the chaos run, two routers: 21 left counted); one that
+    is only quiet, its answer not over, still counts."""
+    clock = Clock()
+    gate, _ = limited(clock, min_sessions=10, max_in_flight=10, max_wait_s=0)
+    prefill = FakePrefill()
+    async with sessions_client(gate, prefill) as client:
+        made = [(await client.post(BASE, json={"messages": []})).json()["session_id"] for _ in range(3)]
+    assert gate.in_flight == 3 and gate.quiet_sessions(10.0) == []  # (not quiet yet)
+    statuses = {
+        made[0]: error_body(404, "session not found", "session_id"),  # deleted elsewhere
+        made[1]: {"state": "open", "answer_status": "completed"},  # answered elsewhere, the next turn not begun
+        made[2]: {"state": "answering", "answer_status": "streaming"},  # still answering: still counts
+    }
+    ingress = SimpleNamespace(admission=gate, prefill=SimpleNamespace())
+
+    async def status(ingress: Any, session_id: str, tenant: str) -> dict[str, Any]:
+        return statuses[session_id]
+
+    clock.now += 11.0
+    original = sessions.session_status
+    sessions.session_status = status
+    try:
+        reconciling = asyncio.ensure_future(sessions.reconcile_sessions(ingress, period_s=0.01))
+        await asyncio.sleep(0.1)
+        reconciling.cancel()
+        await asyncio.gather(reconciling, return_exceptions=True)
+    finally:
+        sessions.session_status = original
+    assert gate.in_flight == 1 and list(gate._sessions) == [made[2]]
+    assert gate.quiet_sessions(10.0) == []  # (asked just now: not again before it is quiet again)
