@@ -189,6 +189,7 @@ async def soak(traffic: Traffic, rate: float, args: argparse.Namespace, app: str
 
 # --- the run -------------------------------------------------------------------------------------------
 async def drive(base: str, model: str, args: argparse.Namespace, app: str) -> dict[str, Any]:
+    quiet()
     traffic = Traffic(base, model, args.max_tokens, args.seed)
     try:
         for kind in MIX:  # the first answers are slow (the engines' first batches): warm each path once
@@ -220,10 +221,15 @@ async def drive(base: str, model: str, args: argparse.Namespace, app: str) -> di
         await traffic.close()
 
 
-def main() -> None:
-    args = parse_args()
+def quiet() -> None:
+    """Library log lines off the terminal (Serve sets its logger's level when it starts: call after)."""
     for name in ("ray", "ray.serve", "httpx", "httpcore", "websockets"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main() -> None:
+    args = parse_args()
+    quiet()
     app_args: dict[str, Any] = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
     systems.PORTS["app"] = args.port
     started = datetime.now(timezone.utc)

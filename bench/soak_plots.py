@@ -22,13 +22,16 @@ TITLES = {
 }
 
 
-def _finish(ax: Axes, path: Path, title: str, ylabel: str, warmup_s: float) -> Path:
+def _finish(ax: Axes, path: Path, title: str, ylabel: str, warmup_s: float, outside: bool = True) -> Path:
     ax.axvspan(0, warmup_s / 60, color="0.9", label="warm-up")
     ax.set_title(title)
     ax.set_xlabel("minutes into the soak")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="x-small", ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    if outside:  # many series: beside the axes
+        ax.legend(fontsize="x-small", ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    else:
+        ax.legend(fontsize="x-small", ncol=3, loc="upper left")
     ax.figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     ax.figure.savefig(path, dpi=DPI)
@@ -68,7 +71,9 @@ def latency(rows: list[dict[str, Any]], path: Path, warmup_s: float) -> Path:
     rate = ax.twinx()
     rate.plot(ts, [r["arrivals_per_s"] for r in rows], color="0.5", linewidth=0.8, label="arrivals/s")
     rate.set_ylabel("arrivals/s (grey)")
-    return _finish(ax, path, "text answers' latency per sample interval (by arrival)", "ms (log)", warmup_s)
+    return _finish(
+        ax, path, "text answers' latency per sample interval (by arrival)", "ms (log)", warmup_s, outside=False
+    )
 
 
 def all_plots(

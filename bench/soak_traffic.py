@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import websockets
-from clients import SESSIONS, Sample, _until, read_stream
+from clients import SESSIONS, SYSTEM, Sample, _until, read_stream
 
 WORDS = [
     "the",
@@ -108,8 +108,9 @@ async def chat(http: httpx.AsyncClient, rng: random.Random, model: str, max_toke
 
 async def rest(http: httpx.AsyncClient, rng: random.Random, model: str, max_tokens: int) -> Sample:
     s = Sample()
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body["stream_options"] = {"include_usage": True}
+    # A system message makes it a chat session (chunks are the user's turn; chat.completion.chunk frames).
+    body = {"model": model, "messages": [{"role": "system", "content": SYSTEM}], "max_tokens": max_tokens}
+    body |= {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     r = await http.post(SESSIONS, json=body)
     if r.status_code != 201:
         return http_error(s, "create: ", r)
