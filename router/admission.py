@@ -263,7 +263,7 @@ class Admission:
     def _release(self, ticket: Ticket) -> None:
         if (admitted_at := self._open.pop(ticket, None)) is not None:
             self._released += 1
-            self.queue.released(self.clock() - admitted_at)
+            self.queue.released(ticket.kind, self.clock() - admitted_at)
             if self.queue:
                 self._wake_soon()
 
@@ -339,13 +339,14 @@ class Admission:
         served); a refusal when the expected wait is past `max_wait_s`, or once a waiter has waited that long."""
         if not self.config.enabled:
             return Ticket()
-        why = None if self.queue else self._check(kind)
-        if why is None and not self.queue:
+        queued = any(waiter.kind == kind for waiter in self.queue.waiters)  # (first come, first served)
+        why = None if queued else self._check(kind)
+        if why is None and not queued:
             return self._ticket(kind)
-        bound, expected = self.config.max_wait_s, self._expected_wait()
+        bound, expected = self.config.max_wait_s, self._expected_wait(kind)
         why = why or Why("queued", f"the server is overloaded: {len(self.queue)} waiting to be admitted")
         if expected > bound:
-            wait = f"expected wait {expected:.1f} s" if expected < math.inf else "no wait can be promised"
+            wait = f"expected wait {expected:.1f} s" if expected < math.inf else f"no {kind} has ended here lately"
             return self._refuse(kind, why.reason, f"{why.message}; {wait}", wait=expected)
         waiter = self.queue.push(kind)
         self._wake_soon()
@@ -361,14 +362,14 @@ class Admission:
         if not waiter.future.done():
             waiter.future.cancel()
             message = f"{why.message}; not admitted within {bound:g} s"
-            return self._refuse(kind, "wait_timeout", message, wait=self._expected_wait())
+            return self._refuse(kind, "wait_timeout", message, wait=self._expected_wait(kind))
         waited = self.clock() - waiter.since
         metrics.observe(metrics.ADMISSION_WAIT, waited, "time new work waited for admission", kind=kind)
         return waiter.future.result()
 
-    def _expected_wait(self) -> float:
+    def _expected_wait(self, kind: str) -> float:
         now = self.clock()
-        return self.queue.expected_wait(self.in_flight, [now - at for at in self._open.values()])
+        return self.queue.expected_wait(kind, [now - at for ticket, at in self._open.items() if ticket.kind == kind])
 
     def _check(self, kind: str) -> Why | None:
         return self._session_check() if kind == "session" else self._request_check()

@@ -5,11 +5,11 @@ A plain server queues every request in its engine and serves them all, only late
 a 429 is worse for the client unless waiting would be worse than a retry. So the router refuses only when the
 expected wait is past the bound (at once, with that wait as Retry-After) or when a waiter has waited the bound out.
 
-The expected wait follows Little's law: each of the `in_flight` holders frees its room after the mean time admitted
-work has been held lately, so room frees every `hold / in_flight` seconds, and the newcomer has the waiters ahead of
-it plus one to wait for. Before any release the holders' mean age stands in for the hold (a lower bound); with
-nothing in flight here (the room is held elsewhere: sessions of other routers) no wait can be promised, and the
-newcomer is refused at once.
+The expected wait follows Little's law, per kind (sessions, plain requests): each of the kind's holders here frees
+its room after the time the kind's work has been held (the mean over its releases of the last `HOLD_WINDOW_S`, or
+the holders' mean age if longer: long sessions), so room frees every `hold / holders` seconds, and the newcomer has
+the kind's waiters ahead of it plus one to wait for. With none of the kind released lately, or none held here (the
+room is held elsewhere: sessions of other routers), no wait can be promised, and the newcomer is refused at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-HOLDS_KEPT = 256  # the mean hold is taken over this many recent releases
+HOLDS_KEPT = 256  # the mean hold is taken over at most this many recent releases of a kind
+HOLD_WINDOW_S = 60.0  # ... released no longer ago than this
 POLL_S = 0.25  # while anyone waits, admission is tried again this often (the replicas' stats change on their own)
 
 
@@ -43,24 +44,25 @@ class WaitQueue:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.waiters: deque[Waiter] = deque()
-        self.holds: deque[float] = deque(maxlen=HOLDS_KEPT)  # how long recently released work was held
+        self.holds: dict[str, deque[tuple[float, float]]] = {}  # kind -> (released at, held for), recent ones
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self.waiters)
 
-    def released(self, held_s: float) -> None:
-        self.holds.append(held_s)
+    def released(self, kind: str, held_s: float) -> None:
+        self.holds.setdefault(kind, deque(maxlen=HOLDS_KEPT)).append((self.clock(), held_s))
 
-    def expected_wait(self, in_flight: int, ages: list[float], ahead: int | None = None) -> float:
-        """Seconds until a newcomer (or the waiter with `ahead` others before it) is likely admitted, with
-        `in_flight` holders whose ages are `ages`: infinite when none holds room here."""
-        if in_flight <= 0:
+    def expected_wait(self, kind: str, ages: list[float]) -> float:
+        """Seconds until a newcomer of `kind` is likely admitted, with the kind's holders here `ages` old:
+        infinite when no wait can be promised."""
+        holds, now = self.holds.get(kind, ()), self.clock()
+        recent = [held for at, held in holds if now - at <= HOLD_WINDOW_S]
+        if not ages or not recent:
             return math.inf
-        ahead = len(self.waiters) if ahead is None else ahead
-        samples = self.holds or ages
-        hold = sum(samples) / len(samples) if samples else math.inf
-        return (ahead + 1) * hold / in_flight
+        hold = max(sum(recent) / len(recent), sum(ages) / len(ages))
+        ahead = sum(1 for waiter in self.waiters if waiter.kind == kind)
+        return (ahead + 1) * hold / len(ages)
 
     def push(self, kind: str) -> Waiter:
         waiter = Waiter(next(self._seq), kind, asyncio.get_running_loop().create_future(), self.clock())

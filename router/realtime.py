@@ -125,6 +125,7 @@ class RealtimeConnection(SessionSettings, Conversation):
         self._send_lock = asyncio.Lock()
         self._restart = asyncio.Event()  # set by router/restart.py when this replica stops
         self._restart_by = 0.0  # a response streaming then may finish until this time
+        self.accepted = False  # the handshake completed (`accept`)
         self.restarting = False  # closed for a restart: the session stays for the client's reconnect
 
     def restart(self) -> None:
@@ -160,9 +161,15 @@ class RealtimeConnection(SessionSettings, Conversation):
         return result
 
     # --- lifecycle ---------------------------------------------------------------------------------
+    async def accept(self) -> None:
+        """Complete the handshake (once)."""
+        if not self.accepted:
+            self.accepted = True
+            await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+
     async def refuse(self, message: str, code: str, close_code: int, **extra: Any) -> None:
         """Accept the handshake, say why in an `error` event, and close (a refusal the client can read)."""
-        await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+        await self.accept()
         error = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None, **extra}
         await self.send("error", error=error)
         wait = extra.get("retry_after")
@@ -215,7 +222,7 @@ class RealtimeConnection(SessionSettings, Conversation):
         if watch is not None and not watch.register(self):
             self.restart()  # the replica began stopping during the handshake
         try:
-            await self.ws.accept(subprotocol=getattr(self.ws.state, "subprotocol", None))
+            await self.accept()
             await self.send("session.created", session=self.session_object())
             self.opened = self.last_event = time.monotonic()  # the session's clocks start once the client has it
             while (message := await self.next_message()) is not None:
@@ -374,6 +381,10 @@ async def realtime(ws: WebSocket) -> None:
     if watch is not None and watch.stopping:  # (Serve may route a connection here until it knows)
         await connection.refuse("the server is restarting: reconnect", "server_restarting", SERVICE_RESTART)
         return
+    if resume is None:
+        # A new session may wait to be admitted (router/admission.py), longer than a client's connect timeout
+        # (often 10 s) if the handshake waited too: the handshake completes now, `session.created` once admitted.
+        await connection.accept()
     ticket = await admit_session(ingress) if resume is None else Ticket()  # (a re-attach is no new session)
     if isinstance(ticket, Refusal):
         await connection.refuse(ticket.message, OVERLOADED, TRY_AGAIN_LATER, retry_after=ticket.retry_after)

@@ -192,10 +192,10 @@ class AdmissionConfig(_Strict):
 
     enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
     # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
-    # (the waiters ahead over the rate work leaves) is longer is refused at once, with that wait as Retry-After;
-    # a waiter still waiting after it is refused then. 0: refuse at once, never queue. (A realtime handshake
-    # waits too: keep it under the clients' connect timeout, often 10 s.)
-    max_wait_s: float = Field(default=8.0, ge=0)
+    # (Little's law over its kind's recent holds: router/admission_queue.py) is longer is refused at once, with that wait as Retry-After;
+    # a waiter still waiting after it is refused then. 0: refuse at once, never queue. (A realtime connection
+    # waits after its handshake, before `session.created`.)
+    max_wait_s: float = Field(default=30.0, ge=0)
     # A prefill replica takes new sessions while its open sessions are under this share of its capacity
     # (`prefill.scheduler.max_open_sessions`, or three quarters of the engine's slots): the stats are up to
     # a second old, and the replica itself refuses past its capacity.

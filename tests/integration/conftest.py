@@ -19,6 +19,7 @@ from ray import serve
 ROOT = Path(__file__).resolve().parents[2]
 APP = "realtime-pd"
 TEST_DRAINING_PERIOD_S = 3
+TEST_MAX_WAIT_S = 5.0
 PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
 METRICS_PORT = int(os.environ.get("RTPD_TEST_METRICS_PORT", "8767"))
 
@@ -30,6 +31,8 @@ def for_tests(args: dict[str, Any]) -> dict[str, Any]:
     the shipped setting."""
     if not os.environ.get("RTPD_TEST_COMPILE"):
         args.setdefault("engine", {})["enforce_eager"] = True
+    # New work past capacity waits this long at most before its 429 / 1013 (the shipped 30 s: tests would wait it)
+    args.setdefault("router", {}).setdefault("admission", {})["max_wait_s"] = TEST_MAX_WAIT_S
     return args
 
 

@@ -522,19 +522,20 @@ async def test_a_client_that_leaves_while_it_waits_leaves_nothing_counted() -> N
 
 async def test_a_full_pool_holds_back_its_own_kind_only() -> None:
     """Sessions wait while every prefill replica is full; plain requests (decode can prefill them) go past."""
-    pools: dict[str, Any] = {"prefill": [prefill(open_=10)], "decode": []}
+    pools: dict[str, Any] = {"prefill": [prefill(open_=2)], "decode": []}
     clock = Clock()
     config = CONFIG.model_copy(update={"max_wait_s": 5})
     gate = Admission(config, decode_capacity=4, stats=lambda name: pools[name], clock=clock)
-    await warm(gate, clock, kind="request")
-    answering = issued(await gate.admit("request"))  # (room held here: a wait can be promised)
+    await warm(gate, clock)  # sessions have been ending here
+    talking = issued(await gate.admit("session"))
+    pools["prefill"] = [prefill(open_=10)]
     session = asyncio.ensure_future(gate.admit("session"))
     await settle()
     assert not session.done() and issued(await gate.admit("request"))
     pools["prefill"] = [prefill(open_=2)]  # a session ended elsewhere: the stats say so, no release here
     await asyncio.sleep(0.4)  # (the queue polls the stats)
     assert session.done() and issued(session.result()).kind == "session"
-    answering.release()
+    talking.release()
 
 
 async def test_with_the_room_held_elsewhere_new_work_is_refused_at_once() -> None:
@@ -543,16 +544,24 @@ async def test_with_the_room_held_elsewhere_new_work_is_refused_at_once() -> Non
     pools: dict[str, Any] = {"prefill": [prefill(open_=10)], "decode": []}
     gate = Admission(CONFIG.model_copy(update={"max_wait_s": 5}), stats=lambda name: pools[name], clock=Clock())
     no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
-    assert no.reason == "sessions_full" and no.message.endswith("no wait can be promised") and no.retry_after == 3
+    assert no.reason == "sessions_full" and no.message.endswith("no session has ended here lately")
+    assert no.retry_after == 3
 
 
-async def test_before_any_release_the_holders_age_stands_in_for_the_hold() -> None:
+async def test_a_kind_none_of_which_ended_lately_is_refused_at_once() -> None:
     clock = Clock()
     gate, _ = limited(clock, min_sessions=2, max_in_flight=2, max_wait_s=3)
+    await warm(gate, clock, hold_s=0.1, kind="request")  # (requests ending says nothing of sessions)
     held = [issued(await gate.admit("session")) for _ in range(2)]
-    clock.now += 10.0  # held 10 s each so far: room frees every 5 s at least, past the 3 s bound
+    no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
+    assert no.message.endswith("no session has ended here lately") and no.retry_after == 2
+    held[0].release()
+    held[0] = issued(await gate.admit("session"))
+    clock.now += 10.0  # sessions held 10 s so far, one of 0 s ended: room frees every 10 / 2 = 5 s > 3 s
     no = refused(await asyncio.wait_for(gate.admit("session"), 0.5))
     assert "expected wait 5.0 s" in no.message and no.retry_after == 5
+    clock.now += 61.0  # that release is no longer recent
+    assert refused(await asyncio.wait_for(gate.admit("session"), 0.5)).message.endswith("ended here lately")
     for ticket in held:
         ticket.release()
 
