@@ -1,10 +1,11 @@
 """Conditional disaggregation: whether a request's prompt is prefilled on a prefill replica or by decode.
 
 As in Dynamo and llm-d, disaggregation is a per-request decision. A short prompt costs less to compute on
-decode than to prefill elsewhere and move over NIXL (which moves whole blocks only), and when prefill is the
-bottleneck (this router already waits on many prefills, or a prefill replica refuses for capacity) decode
-computes the prompt rather than queue it. Streaming-input sessions always hand off: their KV is already on
-their prefill replica.
+decode than to prefill elsewhere and move over NIXL (which moves whole blocks only), unless decode is the
+bottleneck (every decode replica runs `decode_busy_streams` streams: its replicas' routing stats); and when
+prefill is the bottleneck (this router already waits on many prefills, or a prefill replica refuses for
+capacity) decode computes the prompt rather than queue it. Streaming-input sessions always hand off: their KV is
+already on their prefill replica.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from serve_app import metrics
 from serve_app.config import AppConfig, DisaggregationConfig
+from serve_app.placement import pool_stats
 from serve_app.protocol import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -25,9 +27,10 @@ _CHARS_PER_TOKEN_MAX = 16  # a prompt this many characters per threshold token i
 
 
 class Disaggregation:
-    def __init__(self, app: AppConfig) -> None:
+    def __init__(self, app: AppConfig, stats: Callable[[str], list[dict[str, Any]] | None] = pool_stats) -> None:
         self.config: DisaggregationConfig = app.router.disaggregation
         self.app = app
+        self.stats = stats
         self.inflight = 0
         self.tokenizer: Any = None
         self._loading: asyncio.Task[None] | None = None
@@ -72,13 +75,23 @@ class Disaggregation:
 
     def choose(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Where, str]:
         """(where the prompt is prefilled, why)."""
+        why = "long"
         if self.config.min_prompt_tokens > 0:
             tokens = self.prompt_tokens(endpoint, body)
             if tokens is not None and tokens < self.config.min_prompt_tokens:
-                return "decode", "short"
+                if not self.decode_busy():
+                    return "decode", "short"
+                why = "decode_busy"
         if self.config.max_inflight_prefills is not None and self.inflight >= self.config.max_inflight_prefills:
             return "decode", "prefill_busy"
-        return "prefill", "long"
+        return "prefill", why
+
+    def decode_busy(self) -> bool:
+        """Every decode replica runs `decode_busy_streams` streams or more (their last routing stats)."""
+        threshold, decode = self.config.decode_busy_streams, self.stats("decode")
+        if threshold is None or not decode:
+            return False
+        return all(isinstance(s.get("active_streams"), int) and s["active_streams"] >= threshold for s in decode)
 
     @contextlib.contextmanager
     def prefilling(self) -> Iterator[None]:

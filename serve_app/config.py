@@ -159,6 +159,11 @@ class DisaggregationConfig(_Strict):
     max_inflight_prefills: int | None = Field(default=32, ge=1)
     # A prefill refused for capacity (429) is computed by decode instead of failing the request.
     fallback_on_overload: bool = True
+    # A short prompt still goes through a prefill replica while every decode replica runs this many streams or
+    # more (as Dynamo's conditional disaggregation weighs decode's load): then decode's engine is the bottleneck,
+    # and a prompt computed there slows every stream it runs while prefill's engine idles (bench/token_path.py,
+    # 256 streamed chats on two cores: 1.53x the tokens/s with every prompt through prefill). None: never.
+    decode_busy_streams: int | None = Field(default=16, ge=1)
 
 
 class LimitsConfig(_Strict):
@@ -192,9 +197,9 @@ class AdmissionConfig(_Strict):
 
     enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
     # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
-    # (Little's law over its kind's recent holds: router/admission_queue.py) is longer is refused at once, with that wait as Retry-After;
-    # a waiter still waiting after it is refused then. 0: refuse at once, never queue. (A realtime connection
-    # waits after its handshake, before `session.created`.)
+    # (Little's law over its kind's recent holds: router/admission_queue.py) is longer is refused at once, with
+    # that wait as Retry-After; a waiter still waiting after it is refused then. 0: refuse at once, never queue.
+    # (A realtime connection waits after its handshake, before `session.created`.)
     max_wait_s: float = Field(default=30.0, ge=0)
     # A prefill replica takes new sessions while its open sessions are under this share of its capacity
     # (`prefill.scheduler.max_open_sessions`, or three quarters of the engine's slots): the stats are up to

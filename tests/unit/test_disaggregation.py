@@ -168,3 +168,18 @@ def test_no_in_flight_limit(tokenizer: Any) -> None:
 def test_count_never_raises() -> None:
     Disaggregation.count("decode", "short")
     Disaggregation.count("prefill", "long")
+
+
+def test_short_prompts_go_through_prefill_while_every_decode_replica_is_busy(tokenizer: Any) -> None:
+    """Decode's engine is the bottleneck under load: a short prompt computed there slows every stream it runs."""
+    decode: list[dict[str, Any]] = [{"active_streams": 16}, {"active_streams": 20}]
+    d = disaggregation(tokenizer)
+    d.stats = lambda name: decode if name == "decode" else None
+    assert d.choose("chat", chat("Hello there")) == ("prefill", "decode_busy")
+    decode[0]["active_streams"] = 15  # one decode replica has room
+    assert d.choose("chat", chat("Hello there")) == ("decode", "short")
+    decode[0]["active_streams"] = 99
+    d.config.decode_busy_streams = None
+    assert d.choose("chat", chat("Hello there")) == ("decode", "short")
+    d.config.decode_busy_streams, d.inflight = 16, 32  # prefill busy too: decode computes it after all
+    assert d.choose("chat", chat("Hello there")) == ("decode", "prefill_busy")
