@@ -7,6 +7,7 @@ same methods the calls used (no engine involved: the new owner prefills the rebu
     create   the session's spec               chunk    a chunk as sent (applied or held out of order)
     message  a conversation item              buffer   an in-progress text edit (append, replace, commit, clear)
     update   instructions and parameters      answer   an answer started (end of input, finish, respond)
+    attach   a client re-attached through another router replica (the one holding its connection now)
     claimed  a router streams answer `turn`   released its reader left before any text
     ended    answer `turn` is over (its summary: text, usage, status)
 
@@ -90,6 +91,7 @@ def create_record(session: Session) -> dict[str, Any]:
         "ephemeral": session.ephemeral,
         "close_after_answer": session.close_after_answer,
         "audio": session.audio,
+        "connection": session.connection,
         "preemptive": session.preempt.options.model_dump() if session.preempt is not None else None,
     }
 
@@ -109,6 +111,7 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
     session.instructions, session.tenant, session.ephemeral = spec["instructions"], spec["tenant"], spec["ephemeral"]
     session.close_after_answer = spec.get("close_after_answer", False)
     session.audio = spec.get("audio")
+    session.connection = spec.get("connection")
     if spec.get("preemptive") is not None:
         session.preempt = PreemptState(PreemptiveOptions.model_validate(spec["preemptive"]))
     for record in records[1:]:
@@ -141,6 +144,8 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
             "commit": session.commit_buffer,
             "clear": session.clear_text,
         }[record["kind"]]()
+    elif op == "attach":
+        session.connection = record["connection"]
     elif op == "update":
         if record["instructions"] is not None:
             session.instructions = record["instructions"] or None

@@ -25,6 +25,9 @@ from prefill.preemptive import PreemptState
 from prefill.streaming import StreamingPrefill
 
 MAX_REMEMBERED_CALLS = 64
+# A session whose client's connection was held by a router replica that died (realtime, NDJSON) is closed this long
+# after: time for the client to reconnect through another router and re-attach (a realtime `?session_id=`).
+ORPHAN_GRACE_S = 15.0
 
 
 class SessionState(str, Enum):
@@ -125,10 +128,24 @@ class Session(Conversation):
         self.preempt: PreemptState | None = None  # its preemptive answers (prefill/preemptive.py), if it asked
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
+        # The router replica (its Ray actor's name) holding the client's connection (realtime, NDJSON): the client
+        # is gone when it dies unless it re-attaches elsewhere (`orphaned`), and nobody else would close it.
+        self.connection: str | None = None
+        self.orphaned_at: float | None = None
         # Where its changes are recorded so that it outlives this replica (prefill/journal.py); None in unit tests.
         self.journal: Any = None
         # Ids of the last client calls applied (a call retried after a failover is acknowledged, not reapplied).
         self.applied_calls: OrderedDict[str, None] = OrderedDict()
+
+    def orphaned(self, now: float, connection_alive: bool) -> bool:
+        """Whether the session's connection died with its router replica over `ORPHAN_GRACE_S` ago (and no
+        client re-attached meanwhile): then nothing would ever close it but its idle timeout."""
+        if connection_alive or self.connection is None:
+            self.orphaned_at = None
+            return False
+        if self.orphaned_at is None:
+            self.orphaned_at = now
+        return now - self.orphaned_at > ORPHAN_GRACE_S
 
     def remember_call(self, call: str) -> None:
         self.applied_calls[call] = None
@@ -338,6 +355,7 @@ class Session(Conversation):
             "ephemeral": self.ephemeral,
             "close_after_answer": self.close_after_answer,
             "audio": self.audio,
+            "connection": self.connection,
             # A finished answer is history; one not yet done is handed off again by the adopter (its KV stays
             # here), or, if a router is streaming it, is reported to the adopter when it ends.
             "answers": [{**a.summary(), "overrides": a.overrides} for a in self.answers],
@@ -366,6 +384,7 @@ class Session(Conversation):
         session.ephemeral = state.get("ephemeral", False)
         session.close_after_answer = state.get("close_after_answer", False)
         session.audio = state.get("audio")
+        session.connection = state.get("connection")
         for summary in state["answers"]:
             answer = Answer.from_summary(summary)
             answer.overrides = summary.get("overrides") or {}

@@ -161,6 +161,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
         if spec.get("preemptive") is not None:
             session.preempt = PreemptState(preemptive)
         session.audio = spec.get("audio")  # (checked by the router, which alone reads it)
+        session.connection = spec.get("connection")
         session.tenant = tenant
         self.sessions[session_id] = session
         try:
@@ -371,6 +372,16 @@ class SessionAPI(HandOff, Failover, Preemptive):
         return {"session_id": session_id, "deleted": True}
 
     @session_api
+    async def session_attach(self, *, session_id: str, connection: str | None = None) -> dict[str, Any]:
+        """A client re-attached to the session through the router replica `connection` (its connection's holder
+        now: the session no longer dies with the old one)."""
+        session = self._get(session_id)
+        session.connection, session.orphaned_at = connection, None
+        if session.journal is not None:
+            await session.journal.write("attach", connection=connection)
+        return session.describe()
+
+    @session_api
     async def session_status(self, *, session_id: str) -> dict[str, Any]:
         """Whether a session still holds room a router admitted it to: its state and its last answer's status
         (cheap: a router asks it of the REST sessions it admitted that went quiet there)."""
@@ -496,6 +507,11 @@ class SessionAPI(HandOff, Failover, Preemptive):
         async with session.changed:
             session.changed.notify_all()
 
+    def _connections_alive(self) -> dict[str, bool]:
+        """Whether each router replica holding an open session's connection is alive (a Ray actor lookup)."""
+        names = {s.connection for s in self.sessions.values() if s.connection and s.state != SessionState.CLOSED}
+        return {name: _actor_alive(name) for name in names}
+
     async def _sweep(self) -> None:
         """Expire idle sessions, sessions whose chunk gap never filled and answers whose reader vanished;
         forget closed sessions; export the scheduler's figures."""
@@ -510,6 +526,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
                 count = sum(s.state == state for s in self.sessions.values())
                 metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
             await self._promote_buffered()
+            alive = self._connections_alive() if ticks % 10 == 0 else None  # (every 5 s: a GCS lookup each)
             for session in list(self.sessions.values()):
                 if session.lock.locked():
                     continue  # a call is applying input to it: next tick
@@ -523,6 +540,8 @@ class SessionAPI(HandOff, Failover, Preemptive):
                         await self._give_up_answer(session, why)
                     elif not session.answering and now - session.last_active > session.limits.idle_timeout_s:
                         await self._close(session, "expired")
+                    elif alive is not None and session.orphaned(now, alive.get(session.connection or "", True)):
+                        await self._close(session, "its client's connection ended with its router replica")
                     elif not session.answering and now - session.created_at > session.limits.max_session_s:
                         await self._close(session, "expired: the session's time limit passed")
                 except asyncio.CancelledError:
@@ -533,3 +552,16 @@ class SessionAPI(HandOff, Failover, Preemptive):
                     logger.exception("sweeping session %s was cancelled", session.id)
                 except Exception:
                     logger.exception("sweeping session %s failed", session.id)
+
+
+def _actor_alive(name: str) -> bool:
+    """Whether the named Ray actor (a Serve replica: its full id is its actor's name) is alive."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace="serve")
+    except ValueError:  # (no such live actor)
+        return False
+    except Exception:  # the GCS unreachable a moment: assume alive, ask again next time
+        return True
+    return True

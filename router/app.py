@@ -225,7 +225,11 @@ class Router:
         # 1.7-1.9x the tokens/s at 32 and 128 streams (serve_app/serve_env.py has the proxy's half).
         self.prefill = prefill.options(_by_reference=False)
         self.decode = decode.options(_by_reference=False)
-        self.feeds = Feeds(self.decode, serve.get_replica_context().replica_id.unique_id)
+        replica_id = serve.get_replica_context().replica_id
+        self.feeds = Feeds(self.decode, replica_id.unique_id)
+        # This replica's Ray actor name: the sessions whose client connection it holds (realtime, NDJSON) are
+        # closed by their owners if it dies (prefill/session.py `orphaned`).
+        self.replica_name = replica_id.to_full_id_str()
         self.created = int(time.time())
         self.api_keys = APIKeys(self.config.router.api_keys)
         self.budgets = TokenBudgets(self.config.limits.tokens_per_minute_per_key if self.api_keys.enabled else None)

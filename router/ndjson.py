@@ -98,6 +98,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     if isinstance(asked, dict) and isinstance(asked.get("idle_timeout_s"), (int, float)):
         idle = min(idle, asked["idle_timeout_s"])
     spec.update(ephemeral=True, limits={**(spec.get("limits") or {}), "idle_timeout_s": idle})
+    spec["connection"] = getattr(ingress, "replica_name", None)  # (closed by its owner if this router replica dies)
     if isinstance(ticket := await admit_session(ingress), Refusal):
         return error_response(ticket.payload())  # the body's session, refused before it exists
     created = await create_session(ingress, spec, abandoned=ticket.release)

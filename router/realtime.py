@@ -181,6 +181,7 @@ class RealtimeConnection(SessionSettings, Conversation):
         spec = {
             "request": {"model": model, "messages": [], **self.sampling(self.settings)},
             "close_after_answer": self.close_after_answer,
+            "connection": getattr(self.ingress, "replica_name", None),  # (closed if this router replica dies)
         }
         created = await create_session(self.ingress, spec)  # (the client left meanwhile: the session goes too)
         if "error" in created:
@@ -213,6 +214,13 @@ class RealtimeConnection(SessionSettings, Conversation):
                 sampling["tools"], sampling.get("tool_choice")
             )
         self.buffer = info.get("buffer") or ""
+        # The connection is this router replica's now: the session no longer dies with the one it left.
+        await session_call(
+            self.ingress,
+            "session_attach",
+            session_id=session_id,
+            connection=getattr(self.ingress, "replica_name", None),
+        )
         return True
 
     async def run(self, resume: str | None = None) -> None:

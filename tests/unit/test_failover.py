@@ -99,6 +99,18 @@ async def test_a_multi_turn_conversation_is_replayed_exactly(pool) -> None:
     assert adopted.instructions == "Be brief." and adopted.request["temperature"] == 0
 
 
+async def test_the_router_holding_a_sessions_connection_is_replayed(pool) -> None:
+    """A client re-attached through another router replica: the adopter knows the new one holds its connection
+    (an old one, dead, would make it close the session as orphaned)."""
+    a, b, dead = pool
+    session = await a.open_journaled()
+    await a.session_attach(session_id=session.id, connection="SERVE_REPLICA::app#router#old")
+    await a.session_attach(session_id=session.id, connection="SERVE_REPLICA::app#router#new")
+    dead.add("a")
+    await b.session_status(session_id=session.id)
+    assert b.sessions[session.id].connection == "SERVE_REPLICA::app#router#new"
+
+
 async def test_an_answer_being_streamed_is_reported_to_the_adopter(pool) -> None:
     a, b, dead = pool
     session = await a.open_journaled()

@@ -216,3 +216,21 @@ def test_preemptive_options_turned_off_replay_as_off():
     assert isinstance(s.preempt, PreemptState) and s.preempt.options == PreemptiveOptions(after_idle_ms=None)
     _apply(s, {"op": "update", "instructions": None, "params": None, "preemptive": False})
     assert s.preempt is None
+
+
+def test_a_session_whose_connection_died_with_its_router_is_orphaned_after_a_grace() -> None:
+    """A realtime or NDJSON session's client connection was held by a router replica that died (SIGKILLed: no
+    DELETE): after the grace for a reconnect, its owner closes it (the chaos run found one left, KV and all);
+    a client re-attaching meanwhile (alive again) resets it; a session with no connection never is."""
+    from prefill.session import ORPHAN_GRACE_S
+
+    s = session()
+    assert not s.orphaned(0.0, connection_alive=False)  # no connection recorded (a REST session)
+    s.connection = "SERVE_REPLICA::app#router#abc"
+    assert not s.orphaned(100.0, connection_alive=True)
+    assert not s.orphaned(101.0, connection_alive=False)  # its router died: the grace starts
+    assert not s.orphaned(101.0 + ORPHAN_GRACE_S - 1, connection_alive=False)
+    assert not s.orphaned(101.0 + ORPHAN_GRACE_S, connection_alive=True)  # re-attached through a live one
+    assert not s.orphaned(200.0, connection_alive=False)
+    assert s.orphaned(200.0 + ORPHAN_GRACE_S + 1, connection_alive=False)
+    assert Session.adopt(s.export(), StreamingPrefill(None, "x")).connection == s.connection  # (outlives its owner)
