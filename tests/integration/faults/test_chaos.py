@@ -21,8 +21,8 @@ from tests.integration.faults.conftest import APP, SPEC, deploy, replicas
 
 pytestmark = pytest.mark.integration
 
-PLAN = [(6.0, "prefill_kill"), (16.0, "decode_kill"), (26.0, "router_kill")]  # seconds after traffic starts
-DURATION_S = 45.0
+PLAN = [(4.0, "prefill_kill"), (10.0, "decode_kill"), (16.0, "router_kill")]  # seconds after traffic starts
+DURATION_S = 32.0  # (the router replaced ~5 s after its kill, every surface answering again ~8 s after)
 RETRYABLE = ("http_429", "http_503", "close_1012", "close_1013", "realtime_error_", "sse_", "cut")
 
 
