@@ -10,14 +10,14 @@ from typing import Any
 from prefill.conversation import SessionError
 from prefill.journal import current_call
 from serve_app import metrics
-from serve_app.protocol import error_body
+from serve_app.protocol import CAPACITY_EXHAUSTED, error_body
 
 
 def overloaded(retry_after: int, why: str = "no KV memory could be freed in time") -> dict[str, Any]:
     """429 with `Retry-After`: the replica is at capacity (KV memory held by work that cannot be evicted,
     or every session slot taken)."""
     metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="overloaded")
-    body = error_body(429, f"prefill capacity exhausted: {why}; retry later")
+    body = error_body(429, f"{CAPACITY_EXHAUSTED}: {why}; retry later")
     body["error"]["retry_after"] = retry_after
     return body
 

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from router.admission import session_seen
 from router.tasks import detached
 from serve_app import metrics
-from serve_app.protocol import error_body, error_status
+from serve_app.protocol import capacity_exhausted, error_body, error_status
 
 # Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
 # it, and a session answers only calls with the id of the key that created it (others get 404).
@@ -34,6 +34,7 @@ def tenant() -> str:
 
 
 HANDOVER_RETRY_S = 0.25
+CAPACITY_RETRY_S = 0.5  # a new session refused by a full prefill replica is asked for again this often
 # How long a call keeps trying while its session changes owner: Serve notices a dead replica within seconds,
 # and a drained replica's sessions are handed over within its drain timeout.
 FAILOVER_WAIT_S = 30.0
@@ -71,9 +72,18 @@ async def create_session(
     does not cut it half-way; the session it makes is deleted, and `abandoned` runs at once (the caller's
     admission ticket: nothing the client left behind stays counted or open)."""
     spec = {**spec, "tenant": current_tenant.get()}
+    admission = getattr(getattr(getattr(ingress, "config", None), "router", None), "admission", None)
+    wait_s = admission.max_wait_s if admission is not None and admission.enabled else 0.0
 
     async def create() -> dict[str, Any]:
-        return await ingress.prefill.create_session.remote(spec)
+        # Admission read the replicas' stats up to a second old: a replica found full when asked is asked again
+        # (room frees as sessions end) within the admission's wait, rather than the client refused at once.
+        deadline = time.monotonic() + wait_s
+        while True:
+            made = await ingress.prefill.create_session.remote(spec)
+            if not capacity_exhausted(made) or time.monotonic() + CAPACITY_RETRY_S > deadline:
+                return made
+            await asyncio.sleep(CAPACITY_RETRY_S)
 
     call = detached(create())
     try:

@@ -55,6 +55,17 @@ def error_response(payload: dict[str, Any]) -> Any:
     return JSONResponse(payload, status_code=error_status(payload), headers=error_headers(payload))
 
 
+CAPACITY_EXHAUSTED = "prefill capacity exhausted"  # how a prefill replica's 429 at its own capacity begins
+
+
+def capacity_exhausted(payload: dict[str, Any]) -> bool:
+    """A prefill replica's refusal at its own capacity (every session slot, or its KV, taken): room may free any
+    moment, unlike a key's session cap."""
+    error = payload.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    return error_status(payload) == 429 and isinstance(message, str) and message.startswith(CAPACITY_EXHAUSTED)
+
+
 def error_status(payload: dict[str, Any]) -> int:
     error = payload.get("error")
     code = error.get("code") if isinstance(error, dict) else None

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from prefill.errors import overloaded
 from router import sessions
 from router.admission import (
     Admission,
@@ -298,9 +299,9 @@ class FakePrefill:
         return Method()
 
 
-def sessions_client(gate: Admission, prefill: FakePrefill) -> httpx.AsyncClient:
+def sessions_client(gate: Admission, prefill: FakePrefill, config: AppConfig | None = None) -> httpx.AsyncClient:
     ingress = SimpleNamespace(
-        config=AppConfig(), prefill=prefill, admission=gate, check_model=lambda body: None,
+        config=config or AppConfig(), prefill=prefill, admission=gate, check_model=lambda body: None,
         check_max_tokens=lambda body: None, read_body=lambda request: request.json(),
     )  # fmt: skip
     app = FastAPI()
@@ -617,3 +618,47 @@ async def test_rest_sessions_ended_through_another_router_stop_counting_here() -
         sessions.session_status = original
     assert gate.in_flight == 1 and list(gate._sessions) == [made[2]]
     assert gate.quiet_sessions(10.0) == []  # (asked just now: not again before it is quiet again)
+
+
+class FullThenFree(FakePrefill):
+    """A prefill pool whose replica is found full (its own 429) `full` times, then makes the session."""
+
+    def __init__(self, full: int) -> None:
+        super().__init__()
+        self.full = full
+
+    def __getattr__(self, method: str) -> Any:
+        if method != "create_session":
+            return super().__getattr__(method)
+        pool = self
+
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                pool.calls.append(method)
+
+                async def reply() -> dict[str, Any]:
+                    if pool.calls.count(method) <= pool.full:
+                        return overloaded(1, "96 sessions open, the replica's limit")
+                    return {"session_id": "sess_r1_made"}
+
+                return reply()
+
+        return Method()
+
+
+async def test_a_replica_found_full_is_asked_again_within_the_wait_not_refused_at_once() -> None:
+    """Admission's stats are up to a second old: a replica full when the session is made (its own 429) is asked
+    again as room frees, within `max_wait_s` (the disconnect storm at 1,000 clients: 278 such 429s)."""
+    gate, _ = limited(Clock(), min_sessions=10, max_in_flight=10, max_wait_s=5)
+    prefill = FullThenFree(full=2)
+    async with sessions_client(
+        gate, prefill, AppConfig.model_validate({"router": {"admission": {"max_wait_s": 5}}})
+    ) as client:
+        made = await client.post(BASE, json={"messages": []})
+    assert made.status_code == 201 and prefill.calls.count("create_session") == 3
+    prefill = FullThenFree(full=99)
+    async with sessions_client(
+        gate, prefill, AppConfig.model_validate({"router": {"admission": {"max_wait_s": 0}}})
+    ) as client:
+        refused_now = await client.post(BASE, json={"messages": []})
+    assert refused_now.status_code == 429 and prefill.calls.count("create_session") == 1
