@@ -24,6 +24,12 @@ PORT = int(os.environ.get("RTPD_TEST_PORT", "8765"))
 METRICS_PORT = int(os.environ.get("RTPD_TEST_METRICS_PORT", "8767"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "long: past `make test`'s 25-minute budget; `make test-long` runs it (with the long hardening modes)"
+    )
+
+
 def for_tests(args: dict[str, Any]) -> dict[str, Any]:
     """The engines of a test app run eager (no torch.compile): on two cores, compiling the model takes 30-80 s of
     each of the ~20 engine starts of a run, and the tests exercise this project's code, not vLLM's compiler (the

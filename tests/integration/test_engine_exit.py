@@ -267,6 +267,7 @@ def test_engines_exit_with_a_killed_replica_and_with_make_run(cluster: Cluster) 
 
 
 @pytest.mark.timeout(STARTUP_S + 120)
+@pytest.mark.long  # (~90 s: `make test-long`; the other test here stops `make run` with its engines in `make test`)
 # The speech engine's exit is the other test's (make run as shipped); without it here, two cores start ~40 s sooner.
 @pytest.mark.parametrize("cluster", [{NO_SPEECH: True}], indirect=True, ids=["prefill_decode"])
 def test_engines_exit_when_ray_dies_with_the_replicas(cluster: Cluster) -> None:

@@ -7,6 +7,10 @@ left on any engine, in the routers' admission or in the journal store. The packa
 freshly started 2 + 2 replicas, and Serve's replacements of its victims start meanwhile, so that the next test
 waits only for what is left of them. (The drain by scale-down is test_scale_down's, the package's last, and the
 full run's: `python bench/chaos.py`.)
+
+In `make test-long`, not `make test`: it adds about 70 s to a run already at its 25-minute budget, and a realtime
+handshake cut by the router's kill came back as HTTP 500 from the proxy once, which the run's client does not yet
+count as the retryable cut it is.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 from bench.chaos import FAULTS, SURFACES, Cluster, chaos, fault_of, leftovers, markdown, tables
 from tests.integration.faults.conftest import APP, SPEC, deploy, replicas
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 PLAN = [(4.0, "prefill_kill"), (10.0, "decode_kill"), (16.0, "router_kill")]  # seconds after traffic starts
 DURATION_S = 32.0  # (the router replaced ~5 s after its kill, every surface answering again ~8 s after)
