@@ -156,6 +156,24 @@ async def _until(ws: Any, wanted: str) -> dict[str, Any]:
             return event
 
 
+async def realtime_answer(ws: Any, s: Sample) -> None:
+    """Read to `response.done`, timing `response.output_text.delta` events."""
+    while True:
+        raw = await ws.recv()
+        now = time.perf_counter()
+        event = json.loads(raw)
+        if event["type"] == "response.output_text.delta" and event.get("delta"):
+            s.text_at(now)
+        elif event["type"] == "error":
+            s.error = f"error event: {event['error'].get('code')}: {event['error'].get('message')}"[:200]
+        elif event["type"] == "response.done":
+            usage = event["response"].get("usage") or {}
+            s.prompt_tokens, s.tokens = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
+            if event["response"].get("status") not in ("completed", "incomplete"):
+                s.error = s.error or f"response {event['response'].get('status')}"
+            return
+
+
 async def realtime(ws_base: str, model: str, max_tokens: int) -> Sample:
     """A realtime WebSocket conversation: session.update, one user item (acknowledged), then response.create;
     TTFT from sending response.create, tokens are `response.output_text.delta` events."""
@@ -171,20 +189,7 @@ async def realtime(ws_base: str, model: str, max_tokens: int) -> Sample:
             await _until(ws, "conversation.item.created")
             s.begin()
             await ws.send(json.dumps({"type": "response.create"}))
-            while True:
-                raw = await ws.recv()
-                now = time.perf_counter()
-                event = json.loads(raw)
-                if event["type"] == "response.output_text.delta" and event.get("delta"):
-                    s.text_at(now)
-                elif event["type"] == "error":
-                    s.error = str(event["error"].get("message"))[:200]
-                elif event["type"] == "response.done":
-                    usage = event["response"].get("usage") or {}
-                    s.prompt_tokens, s.tokens = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
-                    if event["response"].get("status") not in ("completed", "incomplete"):
-                        s.error = s.error or f"response {event['response'].get('status')}"
-                    break
+            await realtime_answer(ws, s)
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError, websockets.WebSocketException) as e:
         s.error = f"{type(e).__name__}: {e}"
     return s.finish()

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import websockets
-from clients import SESSIONS, SYSTEM, Sample, _until, read_stream
+from clients import SESSIONS, SYSTEM, Sample, _until, read_stream, realtime_answer
 
 WORDS = [
     "the",
@@ -160,24 +160,6 @@ async def ndjson(http: httpx.AsyncClient, rng: random.Random, model: str, max_to
             return http_error(s, "", r)
         await read_stream(r, s)
     return s.finish()
-
-
-async def realtime_answer(ws: Any, s: Sample) -> None:
-    """Read to `response.done`, timing `response.output_text.delta` events."""
-    while True:
-        raw = await ws.recv()
-        now = time.perf_counter()
-        event = json.loads(raw)
-        if event["type"] == "response.output_text.delta" and event.get("delta"):
-            s.text_at(now)
-        elif event["type"] == "error":
-            s.error = f"error event: {event['error'].get('code')}: {event['error'].get('message')}"[:200]
-        elif event["type"] == "response.done":
-            usage = event["response"].get("usage") or {}
-            s.prompt_tokens, s.tokens = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
-            if event["response"].get("status") not in ("completed", "incomplete"):
-                s.error = s.error or f"response {event['response'].get('status')}"
-            return
 
 
 async def connect(ws_base: str, s: Sample) -> Any:
