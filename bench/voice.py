@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import random
@@ -84,7 +85,9 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     pcm = pcm24k(audio)
     step = int(24000 * FRAME_S) * 2
     frames = [base64.b64encode(pcm[i : i + step]).decode() for i in range(0, len(pcm), step)]
-    url = base.replace("http://", "ws://") + "/v1/realtime"
+    # One turn per connection, as the cascade's turn is one request: the session ends with its answer, and its
+    # conversation is not prefilled again for a next turn (docs/api.md).
+    url = base.replace("http://", "ws://") + "/v1/realtime?close_after_answer=true"
     detection = {"type": "server_vad", "silence_duration_ms": args.silence_ms, "create_response": True}
     session: dict[str, Any] = {
         "output_modalities": ["text"],
@@ -123,7 +126,13 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
                     return
 
         reader = asyncio.create_task(read())
-        start = await paced(frames, lambda f: ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": f})))
+
+        async def append(frame: str) -> None:
+            if not reader.done():  # (the microphone goes on; the one-turn connection closes after its answer)
+                with contextlib.suppress(websockets.ConnectionClosedOK):
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": frame}))
+
+        start = await paced(frames, append)
         try:
             await asyncio.wait_for(reader, 60)
         except TimeoutError:

@@ -36,6 +36,8 @@ PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinar
 BUSY, AT_CAP = "the engine is busy", "the replica's preemptive work is at its cap"
 PASSING = (BUSY, AT_CAP)
 RETRY_MAX_S = 2.0
+# The session's request computes the input before the hand-off is made (at most this long): the hand-off reuses it.
+CATCH_UP_S = 1.0
 
 
 class PreemptiveOptions(BaseModel):
@@ -210,6 +212,8 @@ class Preemptive:
         try:
             request = dict(session.full_request())
             request.update(stream=True, stream_options={"include_usage": True}, request_id=live.stream_id)
+            if session.streaming.active:  # the input may still grow: its tokens are the session's to compute, once
+                await session.streaming.catch_up(CATCH_UP_S)
             handoff = await self.prefill(session.endpoint, request, session.streaming, preemptive=True)
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))

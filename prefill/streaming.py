@@ -137,9 +137,8 @@ class StreamingPrefill:
             cap = self._stable
         if self._holding(now):
             assert self.depth is not None
-            held = int(self.depth.hold_fraction() * len(self.target))
-            cap = min(cap, max(held, common_prefix_len(self.sent, self.target)))  # (what is resident stays)
-        return self.target[:cap]
+            cap = min(cap, int(self.depth.hold_fraction() * len(self.target)))
+        return self.target[: max(cap, common_prefix_len(self.sent, self.target))]  # (what is resident stays)
 
     def _holding(self, now: float) -> bool:
         """Whether the latest version's tail waits for it to stand (see prefill/rewrite_depth.py)."""
@@ -154,7 +153,8 @@ class StreamingPrefill:
         while self._changes and self._changes[0][0] <= now - self.settle_s:
             self._changes.popleft()
         wanted = self._wanted(now)
-        return wanted[: min((kept for _, kept in self._changes), default=len(wanted))]
+        settled = min((kept for _, kept in self._changes), default=len(wanted))
+        return wanted[: max(settled, common_prefix_len(self.sent, wanted))]  # (what is resident stays)
 
     def _grows_at(self, now: float) -> float | None:
         """When `goal` may next grow by itself (a version settles, or the rewrites' quiet time ends)."""
@@ -303,6 +303,26 @@ class StreamingPrefill:
             await asyncio.wait_for(waiting, timeout or self.timeout)
         if self._error is not None:
             raise self._error
+
+    async def catch_up(self, timeout: float) -> bool:
+        """Send the whole latest input now, settling and rewrite holds notwithstanding, and wait (at most `timeout`)
+        until the engine has computed it. For a hand-off made while the input may still grow (a preemptive answer
+        at a pause): it then reuses the session's KV (full blocks from the prefix cache, the partial one copied),
+        where otherwise it would compute the input and the session's request compute it again once it settled.
+        Whether the engine holds the whole input (if not, the caller goes on without it; nothing is cut)."""
+        if self.closed or self.input_done or self._error is not None:
+            return False
+        await asyncio.shield(self._send_all())  # (a caller cancelled meanwhile leaves the request consistent)
+        with contextlib.suppress(TimeoutError):
+            async with self._progress:
+                idle = self._progress.wait_for(lambda: not self.busy or self._error is not None or self.closed)
+                await asyncio.wait_for(idle, timeout)
+        return self.prefilled
+
+    async def _send_all(self) -> None:
+        async with self._lock:
+            while not self.closed and not self.input_done and self.sent != self.target:
+                await self._apply(list(self.target))  # (in max_chunk_tokens pieces, queued behind each other)
 
     async def wait_computed(self, timeout: float | None = None) -> None:
         """Wait until the engine has prefilled the session's latest tokens (at most `timeout`, default the

@@ -51,7 +51,7 @@ class Conversation:
     def read_early(self, turn: int) -> None:
         """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
         it (router/realtime_response.py `EarlyRead`)."""
-        if self.closing or self.close_after_answer or self.settings.get("preemptive") is None:
+        if self.closing or (self.close_after_answer and turn > 0) or self.settings.get("preemptive") is None:
             return
         if self.early is not None:
             if self.early.turn == turn and self.early.usable():

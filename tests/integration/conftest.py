@@ -154,8 +154,8 @@ def model_name(server: str) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
 
 
-def engine_stats(role: str, request_id_prefix: str | None = None) -> dict[str, Any]:
-    handle = serve.get_deployment_handle(role, app_name=APP)
+def engine_stats(role: str, request_id_prefix: str | None = None, app: str = APP) -> dict[str, Any]:
+    handle = serve.get_deployment_handle(role, app_name=app)
     return handle.stats.remote(request_id_prefix).result(timeout_s=60)
 
 

@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 from serve_app.local_fit import PARIS, TOOLS
 from speech.engine import wav_bytes
 from speech.local_model import SENTENCES, load_sample
-from tests.integration.conftest import TOOLS_APP
+from tests.integration.conftest import TOOLS_APP, engine_stats
 
 pytestmark = pytest.mark.integration
 
@@ -136,12 +136,14 @@ def test_a_spoken_turn_with_server_vad_is_transcribed_and_answered_as_the_same_t
 
 async def paced_turn(base: str, slug: str, silence_ms: int) -> list[dict[str, Any]]:
     """One spoken turn sent as a microphone sends it (100 ms appends paced at the audio's rate), with the default
-    voice settings (preemptive answers on) and their text streamed: every event up to `response.done`."""
+    voice settings (preemptive answers on) and their text streamed, on a one-turn connection: every event up to
+    `response.done`."""
     detection = {"type": "server_vad", "silence_duration_ms": silence_ms}
     audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": detection}}
     session = {**SESSION, "audio": audio, "preemptive": {"after_idle_ms": None, "stream": True}}
     seen: list[dict[str, Any]] = []
-    async with websockets.connect(base.replace("http://", "ws://") + "/v1/realtime", max_size=None) as ws:
+    url = base.replace("http://", "ws://") + "/v1/realtime?close_after_answer=true"
+    async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.update", "session": session}))
 
         async def read() -> None:
@@ -155,6 +157,8 @@ async def paced_turn(base: str, slug: str, silence_ms: int) -> list[dict[str, An
         start = time.perf_counter()
         for i, b64 in enumerate(chunks(pcm24k(slug, after_s=silence_ms / 1000 + 0.5))):
             await asyncio.sleep(max(0.0, start + i * CHUNK_S - time.perf_counter()))
+            if reader.done():
+                break  # (answered: the one-turn connection closes)
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64}))
         await asyncio.wait_for(reader, TIMEOUT_S)
     return seen
@@ -175,6 +179,16 @@ def test_a_spoken_turn_is_answered_by_the_answer_its_pause_started(tools_app: st
     answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     typed, _ = asyncio.run(typed_answer(tools_app, SENTENCES[slug]))
     assert answer == typed and typed
+    # Each token of the turn's input is computed once: streamed as it was heard, and not again by the hand-off
+    # of an answer started at a pause, which computes only the assistant's header over it (and decode its last
+    # token). The answer given up at the inner pause computed its own header and last token too.
+    sid = events[0]["session"]["id"]
+    prompt = next(e for e in events if e["type"] == "response.done")["response"]["usage"]["input_tokens"]
+    prefill, decode = (engine_stats(role, sid, TOOLS_APP) for role in ("prefill", "decode"))
+    computed = prefill["prompt_tokens_computed"] + decode["prompt_tokens_computed"]
+    # (The two answers' assistant headers, ~10 tokens each, and decode's last token of each: 360 of 340 here;
+    # 438 when the answer started at a pause computed its input itself, and the session's request did again.)
+    assert computed <= prompt + 32, (computed, prompt, prefill, decode)
 
 
 def test_a_spoken_turn_committed_by_the_client_is_answered_on_response_create(tools_app: str) -> None:

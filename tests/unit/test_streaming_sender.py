@@ -294,3 +294,34 @@ async def test_a_session_that_appends_streams_every_version_whole_on_a_rewriting
     await asyncio.sleep(0.05)
     assert [t for _, c in engine.chunks for t in c] == list(range(150)) and streaming.appends
     await streaming.close()
+
+
+async def test_catch_up_sends_the_whole_input_now_and_waits_for_it(engine: Engine) -> None:
+    """A hand-off about to be made while the input may still grow (a preemptive answer at a pause) first has the
+    session's request compute the latest input, settling and rewrite holds notwithstanding: the hand-off then
+    reuses it (the prefix cache and the partial block's copy), and the input is not computed twice, by the
+    hand-off now and by the session's request once it settles."""
+    engine.instant = True
+    streaming = StreamingPrefill(engine, "sess_r_c", timeout=2, settle_s=10, rewrite_quiet_s=10)
+    await streaming.sync(list(range(20)))
+    await settle()
+    assert engine.chunks == []  # (not settled yet)
+    await asyncio.wait_for(streaming.catch_up(1.0), 1.0)
+    assert engine.chunks == [("sess_r_c-stream1", list(range(20)))]
+    await streaming.sync([*range(10), 7, 7])  # a rewrite: held (rewrite_quiet_s) ...
+    await asyncio.wait_for(streaming.catch_up(1.0), 1.0)  # ... unless a hand-off is about to compute it
+    assert streaming.sent == [*range(10), 7, 7] and engine.chunks[-1][1] == [7, 7]
+    await settle()
+    assert sum(len(c) for _, c in engine.chunks) == 22  # and the sender does not cut it back
+    await streaming.close()
+
+
+async def test_catch_up_is_bounded_and_leaves_the_input_streaming(engine: Engine) -> None:
+    streaming = StreamingPrefill(engine, "sess_r_d2", timeout=2, settle_s=0, rewrite_quiet_s=0)
+    await streaming.sync(list(range(8)))
+    await settle()  # in flight, never finished by the engine
+    assert not await streaming.catch_up(0.05)  # not computed in time: the caller goes on without it
+    engine.finish()
+    await settle()
+    assert streaming.prefilled
+    await streaming.close()
