@@ -6,7 +6,10 @@ model's per-frame speech probability (32 ms frames at 16 kHz) into OpenAI's `ser
 clock: speech starts when a frame's probability reaches `threshold`; it stops `silence_duration_ms` after the last
 frame at `threshold` or above, once the frames since have fallen under `threshold - 0.15` (Silero's own
 hysteresis); `speech_started` carries the onset less `prefix_padding_ms` and `speech_stopped` the end plus the
-silence window, as OpenAI's do. A pause of
+silence window, as OpenAI's do. The model's probability stays high for a frame or two after the sound stops (its
+recurrent state lags); the end is therefore placed by the audio itself within those last confident frames: after
+the last 4 ms whose level is within 20 dB of the turn's speech (`END_LOOKBACK` frames at most). The model decides
+that speech ended; the level only says where, so that the window counts the silence the user left. A pause of
 `PAUSE_MS` inside that window is reported too: the turn's audio is transcribed then, so that its transcript, and
 a preemptive answer, are ready when the window ends.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import deque
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
@@ -27,6 +31,9 @@ CONTEXT = 64  # samples of the previous frame the model sees with each one
 FRAME_MS = FRAME * 1000 // RATE
 PAUSE_MS = 96  # silence (3 frames) after speech that counts as a pause: its audio is transcribed at once
 NEG_MARGIN = 0.15  # Silero's hysteresis: speech goes on while the probability stays over threshold - this
+END_LOOKBACK = 3  # confident frames at the end of speech in which the sound's own end is looked for
+END_BLOCK = 64  # samples (4 ms) the sound's end is placed to
+END_LEVEL = 0.1  # a block quieter than this share of the turn's speech RMS (-20 dB) is silence after it
 
 
 @functools.cache
@@ -77,6 +84,8 @@ class SpeechDetector:
         self.speech_end: int | None = None  # while speaking: where the current silence began
         self.last_speech = 0  # the end of the last frame at `threshold` or above
         self.paused = False  # that silence has lasted PAUSE_MS
+        self._recent: deque[np.ndarray] = deque(maxlen=END_LOOKBACK + 1)  # the last frames' audio (the newest last)
+        self._level = [0.0, 0]  # the turn's confident frames: sum of their mean squares, and how many
 
     def probability(self, frame: np.ndarray) -> float:
         x = np.concatenate([self._context, frame])[None, :]
@@ -97,7 +106,12 @@ class SpeechDetector:
     def _frame(self, frame: np.ndarray, events: list[VadEvent]) -> None:
         p = self.probability(frame)
         start, self.samples = self.samples, self.samples + FRAME
+        self._recent.append(frame)
         s = self.settings
+        if p >= s.threshold:
+            self._level = [0.0, 0] if not self.speaking else self._level
+            self._level[0] += float(np.mean(np.square(frame)))
+            self._level[1] += 1
         if not self.speaking:
             if p >= s.threshold:
                 self.speaking, self.speech_end, self.paused = True, None, False
@@ -112,8 +126,8 @@ class SpeechDetector:
                 events.append(VadEvent("resumed", start * 1000 // RATE, start))
             self.speech_end, self.paused = None, False
             return
-        if self.speech_end is None:  # silence since the last confident frame: Silero's probability decays for a few
-            self.speech_end = self.last_speech  # frames after speech ends, and the window counts from the speech
+        if self.speech_end is None:  # silence since the last confident frame (or the sound's end within it)
+            self.speech_end = self._sound_end()
         silent_ms = (self.samples - self.speech_end) * 1000 // RATE
         if not self.paused and silent_ms >= PAUSE_MS:
             self.paused = True
@@ -122,3 +136,20 @@ class SpeechDetector:
             end = self.speech_end + s.silence_duration_ms * RATE // 1000
             events.append(VadEvent("stopped", end * 1000 // RATE, end))
             self.speaking, self.speech_end, self.paused = False, None, False
+
+    def _sound_end(self) -> int:
+        """Where the speech ended (a sample): the end of the last END_BLOCK within END_LOOKBACK confident frames
+        of `last_speech` that is within -20 dB of the turn's speech; `last_speech` if the frames are not at hand."""
+        frames = list(self._recent)[:-1]  # (the newest is the one the model found silent)
+        back = (self.samples - FRAME - self.last_speech) // FRAME  # silent-ish frames between (over neg threshold)
+        if back < 0 or back >= len(frames) or not self._level[1]:
+            return self.last_speech
+        confident = frames[: len(frames) - back][-END_LOOKBACK:]
+        if not confident:
+            return self.last_speech
+        audio = np.concatenate(confident)
+        floor = END_LEVEL**2 * self._level[0] / self._level[1]  # (in mean squares)
+        blocks = np.mean(np.square(audio[: len(audio) // END_BLOCK * END_BLOCK].reshape(-1, END_BLOCK)), axis=1)
+        loud = np.nonzero(blocks >= floor)[0]
+        earliest = self.last_speech - len(audio)
+        return earliest + (int(loud[-1]) + 1) * END_BLOCK if len(loud) else earliest

@@ -52,3 +52,24 @@ def test_a_silence_shorter_than_the_window_keeps_the_turn_open() -> None:
     assert "resumed" in kinds and kinds.count("stopped") == 1
     shorter = run(np.concatenate([first, second]), VadSettings(silence_duration_ms=200))
     assert [e.kind for e in shorter].count("stopped") >= 2
+
+
+def test_the_silence_window_counts_from_where_the_sound_ended() -> None:
+    """Silero's probability stays over the threshold for a frame or two of silence after speech (up to 104 ms past
+    a clip's end here): the window must count the silence the user left, not the model's lag. On every clip, the
+    turn's end (`stopped` less the window) is within 32 ms of the clip's last sample, and the stop is decided
+    within a frame of the window's end."""
+    from speech.local_model import SENTENCES
+
+    window = 500 * RATE // 1000
+    for slug in SENTENCES:
+        audio, _, end = padded(slug, 0.5, 1.0)
+        detector = SpeechDetector(VadSettings(silence_duration_ms=500))
+        for i in range(0, len(audio), 320):
+            stopped = [e for e in detector.feed(audio[i : i + 320]) if e.kind == "stopped"]
+            if stopped:
+                break
+        assert stopped, slug
+        off_ms = (stopped[0].sample - window - end) * 1000 // RATE
+        assert abs(off_ms) <= 32, (slug, off_ms)
+        assert detector.samples - stopped[0].sample <= FRAME, slug
