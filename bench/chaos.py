@@ -252,10 +252,21 @@ async def realtime(http: httpx.AsyncClient, prompt: str, rng: random.Random, ans
         status = e.response.status_code
         if status in (429, 503):
             raise Retry(f"http_{status}", 1.0) from e
-        raise Wrong(f"WebSocket handshake HTTP {status}") from e
+        if status in (500, 502) and not _json(e.response.body):
+            # The proxy's own answer (not the app's JSON error) to a handshake whose router replica died under it:
+            # the connection never opened and nothing was admitted; the run checks that cuts come only then.
+            raise Retry("cut") from e
+        raise Wrong(f"WebSocket handshake HTTP {status}: {e.response.body[:200]!r}") from e
     except (OSError, TimeoutError) as e:
         raise Retry("cut") from e
     raise AssertionError("unreachable")
+
+
+def _json(body: bytes | None) -> bool:
+    with contextlib.suppress(ValueError, TypeError):
+        json.loads(body or b"")
+        return True
+    return False
 
 
 CLIENTS: dict[str, Callable[..., Any]] = {"rest": rest, "realtime": realtime, "ndjson": ndjson, "chat": chat}

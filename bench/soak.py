@@ -10,7 +10,7 @@
 3. Soak: Poisson arrivals at `--load` (0.7) x capacity for `--duration-s`, sampling every `--sample-s` each
    process's RSS, fds and threads (bench/soak_probe.py) and the app's state; a line per sample on the terminal.
 4. Stop, let the app settle, sample it idle; then judge (bench/soak_report.py): every series flat after
-   `--warmup-s`, everything back to 0 once idle, the last `--window-s` of latency within 10 % of the first window
+   `--warmup-s`, everything back to 0 once idle, the last `--window-s` of latency at most 10 % over the first window
    after the warm-up, no errors. Writes bench/results/soak.{json,md} and soak_*.png.
 
     flock /tmp/rtpd-heavy.lock .venv/bin/python bench/soak.py            # the hour

@@ -37,7 +37,8 @@ def markdown(r: dict[str, Any]) -> str:
         + ", ".join(f"{k} {f:g}" for k, f in FLOORS.items())
         + ")",
         f"- idle once the traffic stopped (every gauge 0): {_ok(v['idle'])}",
-        f"- latency of the last window within {LATENCY_BOUND:.0%} of the first after the warm-up: {_ok(v['latency'])}",
+        f"- latency of the last window at most {LATENCY_BOUND:.0%} over the first (after the warm-up): "
+        f"{_ok(v['latency'])}",
         f"- no errors, no process restarted: {_ok(v['no_errors'])}"
         + (f" — errors {r['errors']}" if r["errors"] else "")
         + (f" — restarts {r['restarts']}" if r["restarts"] else ""),

@@ -8,9 +8,9 @@ freshly started 2 + 2 replicas, and Serve's replacements of its victims start me
 waits only for what is left of them. (The drain by scale-down is test_scale_down's, the package's last, and the
 full run's: `python bench/chaos.py`.)
 
-In `make test-long`, not `make test`: it adds about 70 s to a run already at its 25-minute budget, and a realtime
-handshake cut by the router's kill came back as HTTP 500 from the proxy once, which the run's client does not yet
-count as the retryable cut it is.
+In `make test-long`, not `make test`: it adds about 70 s to a run near its 25-minute budget. (A realtime handshake
+cut by the router's kill gets the proxy's own HTTP 500, not the app's JSON error: the client counts it as the cut
+it is, which must come only across the router's kill.)
 """
 
 from __future__ import annotations
