@@ -123,6 +123,7 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
                     out["error"] = event["error"]
                 elif kind == "response.done":
                     out["status"] = event["response"]["status"]
+                    out["prompt_tokens"] = (event["response"].get("usage") or {}).get("input_tokens")
                     return
 
         reader = asyncio.create_task(read())
