@@ -113,6 +113,10 @@ def refused(r: httpx.Response, body: str = "") -> Exception:
         return Retry(
             f"http_{r.status_code}" + ("" if "retry-after" in r.headers else "_no_retry_after"), retry_after(r)
         )
+    if r.status_code in (500, 502) and not _json(body.encode()):
+        # The proxy's own answer (the app's errors are OpenAI JSON) to a request whose router replica died before
+        # answering: the cut a dead process makes, which the run checks comes only across a router's kill.
+        return Retry("cut")
     return Wrong(f"HTTP {r.status_code}: {body[:300]}")
 
 
@@ -353,6 +357,7 @@ class Cluster:
     replicas: Callable[[str], dict[str, int]]  # role -> {replica id: pid}
     counts: Callable[[], dict[str, int]]  # role -> replicas deployed
     scale_prefill: Callable[[int], None]
+    running: Callable[[str], int]  # role -> replicas Serve runs (started and serving: an alive actor may still load)
 
 
 def schedule(seed: int, duration_s: float, gap_s: float) -> list[tuple[float, str]]:
@@ -369,9 +374,10 @@ def schedule(seed: int, duration_s: float, gap_s: float) -> list[tuple[float, st
 
 
 def wait_full(cluster: Cluster, role: str, timeout: float = 600) -> float:
-    """Until `role` runs as many replicas as deployed; how long that took."""
+    """Until `role` runs as many replicas as deployed, each serving (a replica whose engine still loads is no
+    survivor: killing the other one would be an outage); how long that took."""
     start = time.monotonic()
-    while len(cluster.replicas(role)) < cluster.counts()[role]:
+    while min(len(cluster.replicas(role)), cluster.running(role)) < cluster.counts()[role]:
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"{role} was not replaced within {timeout:.0f} s")
         time.sleep(0.5)
@@ -596,6 +602,7 @@ def main() -> None:
             replicas=faults.replicas,
             counts=lambda: {k: v["num_replicas"] for k, v in faults.SPEC.items()},
             scale_prefill=lambda n: faults.deploy(prefill={"num_replicas": n}),
+            running=faults.running,
         )
         start, answers, done, drift = asyncio.run(chaos(base, cluster, plan, args.duration_s, args.clients, args.seed))
         faults.wait_running()

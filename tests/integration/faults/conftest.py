@@ -54,6 +54,13 @@ def replicas(role: str) -> dict[str, int]:
     return {a["Name"][len(prefix) :]: a["Pid"] for a in actors if a["Name"].startswith(prefix) and a["Pid"]}
 
 
+def running(role: str) -> int:
+    """The replicas of a deployment of the app that Serve runs (RUNNING: started and serving, not only alive)."""
+    status = serve.status().applications.get(APP)
+    deployment = status.deployments.get(role) if status is not None else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+
+
 def wait_running(timeout: float = START_S) -> None:
     """Until the app runs as deployed: every deployment at its replica count, and no other replica alive."""
     deadline = time.time() + timeout

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from bench.chaos import FAULTS, SURFACES, Cluster, chaos, fault_of, leftovers, markdown, tables
-from tests.integration.faults.conftest import APP, SPEC, deploy, replicas
+from tests.integration.faults.conftest import APP, SPEC, deploy, replicas, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
 
@@ -35,7 +35,9 @@ def counts() -> dict[str, int]:
 
 
 def test_mixed_traffic_survives_a_run_of_replica_kills(faults: str, pytestconfig: pytest.Config) -> None:
-    cluster = Cluster(replicas=replicas, counts=counts, scale_prefill=lambda n: deploy(prefill={"num_replicas": n}))
+    cluster = Cluster(
+        replicas=replicas, counts=counts, scale_prefill=lambda n: deploy(prefill={"num_replicas": n}), running=running
+    )
     start, answers, done, drift = asyncio.run(chaos(faults, cluster, PLAN, DURATION_S, per_surface=1, seed=31))
     result = tables(answers, done, start)
     leaks = leftovers(APP, replicas, {sid for a in answers for sid in a.session_ids})
