@@ -56,6 +56,7 @@ SESSIONS = "/v1/streaming_input/sessions"
 MAX_TOKENS = 32
 ATTEMPTS = 30  # (a lone router's death refuses connections until Serve replaces it)
 ANSWER_TIMEOUT_S = 180.0
+EFFECT_S = 30.0  # a fault's effect, when its victim's replacement was not timed
 RETRYABLE_CODES = {"server_restarting", "server_overloaded", "rate_limit_exceeded", "service_unavailable"}
 BASE_TEXT = (
     "Retrieved document one: the pipeline streams tokens as the crawler finds pages. "
@@ -91,6 +92,7 @@ class Answer:
     started: float
     ended: float = 0.0
     retries: list[str] = field(default_factory=list)  # the kinds of error each retried attempt ended in
+    retry_times: list[float] = field(default_factory=list)  # when each of them ended (monotonic)
     outcome: str = ""  # intact | retried | cut | failed
     detail: str = ""
     attempt_started: float = 0.0  # the successful attempt's start
@@ -287,10 +289,12 @@ async def ask(http: httpx.AsyncClient, surface: str, prompt_index: int, rng: ran
             text = await asyncio.wait_for(CLIENTS[surface](http, PROMPTS[prompt_index], rng, answer), left)
         except Retry as e:
             answer.retries.append(e.kind)
+            answer.retry_times.append(time.monotonic())
             await asyncio.sleep(min(e.after_s, 10.0))
             continue
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:  # the ingress's router died
             answer.retries.append("cut")
+            answer.retry_times.append(time.monotonic())
             answer.detail = type(e).__name__
             await asyncio.sleep(2.0)
             continue
@@ -462,8 +466,15 @@ async def report_progress(start: float, answers: list[Answer], faults: list[Faul
 
 
 def fault_of(answer: Answer, faults: list[Fault]) -> str:
-    """The first fault done while the answer was being asked (first attempt to end), or `none`."""
-    during = [f.kind for f in faults if answer.started <= f.at <= answer.ended]
+    """The first fault done while the answer was being asked (first attempt to end), or whose effect one of its
+    attempts met (it ended between the fault and the victim's replacement: a request the proxy still sent to the
+    router just killed), or `none`."""
+
+    def met(f: Fault) -> bool:
+        lasted = f.replaced_s if f.replaced_s is not None else EFFECT_S
+        return answer.started <= f.at <= answer.ended or any(f.at <= t <= f.at + lasted for t in answer.retry_times)
+
+    during = [f.kind for f in faults if met(f)]
     return during[0] if during else "none"
 
 
