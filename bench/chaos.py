@@ -29,7 +29,7 @@ Reported (bench/results/chaos.md and chaos.json): answers intact / retried / cut
 (an answer started after the fault that completed) and until Serve ran the replacement.
 
 The speech role is left out: four vLLM engines (two per core) already share the two cores, a fifth (Whisper) would
-share decode's core with two of them and slow every answer, and audio only adds a transcription before the same
+share a core with two of them and slow every answer, and audio only adds a transcription before the same
 text path (a voice session is a realtime session: its faults are the ones measured here).
 
     flock /tmp/rtpd-heavy.lock .venv/bin/python bench/chaos.py [--duration-s 300] [--seed 7] [--quick]
