@@ -110,14 +110,23 @@ def retry_after(r: httpx.Response) -> float:
     return 1.0
 
 
+def proxy_error(status: int, body: bytes | None) -> bool:
+    """The proxy's own answer (the app's errors are OpenAI JSON) to a request or handshake whose router replica
+    died under it: the cut a dead process makes, which the run checks comes only across a router's kill."""
+    if status not in (500, 502):
+        return False
+    with contextlib.suppress(ValueError, TypeError):
+        json.loads(body or b"")
+        return False
+    return True
+
+
 def refused(r: httpx.Response, body: str = "") -> Exception:
     if r.status_code in (429, 503):
         return Retry(
             f"http_{r.status_code}" + ("" if "retry-after" in r.headers else "_no_retry_after"), retry_after(r)
         )
-    if r.status_code in (500, 502) and not _json(body.encode()):
-        # The proxy's own answer (the app's errors are OpenAI JSON) to a request whose router replica died before
-        # answering: the cut a dead process makes, which the run checks comes only across a router's kill.
+    if proxy_error(r.status_code, body.encode()):
         return Retry("cut")
     return Wrong(f"HTTP {r.status_code}: {body[:300]}")
 
@@ -258,21 +267,12 @@ async def realtime(http: httpx.AsyncClient, prompt: str, rng: random.Random, ans
         status = e.response.status_code
         if status in (429, 503):
             raise Retry(f"http_{status}", 1.0) from e
-        if status in (500, 502) and not _json(e.response.body):
-            # The proxy's own answer (not the app's JSON error) to a handshake whose router replica died under it:
-            # the connection never opened and nothing was admitted; the run checks that cuts come only then.
+        if proxy_error(status, e.response.body):  # (the connection never opened: nothing was admitted)
             raise Retry("cut") from e
         raise Wrong(f"WebSocket handshake HTTP {status}: {e.response.body[:200]!r}") from e
     except (OSError, TimeoutError) as e:
         raise Retry("cut") from e
     raise AssertionError("unreachable")
-
-
-def _json(body: bytes | None) -> bool:
-    with contextlib.suppress(ValueError, TypeError):
-        json.loads(body or b"")
-        return True
-    return False
 
 
 CLIENTS: dict[str, Callable[..., Any]] = {"rest": rest, "realtime": realtime, "ndjson": ndjson, "chat": chat}

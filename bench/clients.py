@@ -89,18 +89,18 @@ async def read_stream(resp: httpx.Response, s: Sample) -> None:
             s.text_at(now)
 
 
-def chat_body(model: str, max_tokens: int) -> dict[str, Any]:
-    messages = [{"role": "user", "content": PROMPT}]
+def chat_body(model: str, max_tokens: int, prompt: str = PROMPT) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}]
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def chat(client: httpx.AsyncClient, model: str, max_tokens: int) -> Sample:
+async def chat(client: httpx.AsyncClient, model: str, max_tokens: int, prompt: str = PROMPT) -> Sample:
     """One streaming chat completion; TTFT from sending the request."""
     s = Sample()
     s.begin()
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=chat_body(model, max_tokens)) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body(model, max_tokens, prompt)) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 s.error = f"HTTP {resp.status_code}: {resp.text[:200]}"

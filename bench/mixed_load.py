@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
+import clients
 import httpx
 import systems
 import yaml
@@ -28,35 +28,16 @@ DURATION_S = 30.0
 
 async def chats(client: httpx.AsyncClient, model: str, stop: asyncio.Event, gaps: list[float], n: int) -> None:
     while not stop.is_set():
-        content = f"hi {n}"
-        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 128}
-        body |= {"stream": True, "ignore_eos": True, "temperature": 0}
-        last = None
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content"' in line:
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
+        gaps.extend((await clients.chat(client, model, 128, prompt=f"hi {n}")).itls)
 
 
 async def long_prompts(client: httpx.AsyncClient, model: str, stop: asyncio.Event, ttfts: list[float], k: int) -> None:
     i = 0
     while not stop.is_set():
         i += 1
-        messages = [{"role": "user", "content": f"{k}-{i} " + LONG}]
-        body = {"model": model, "messages": messages, "max_tokens": 2, "stream": True, "temperature": 0}
-        start, first = time.perf_counter(), False
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not first and line.startswith("data: {") and "delta" in line and "role" not in line:
-                    ttfts.append(time.perf_counter() - start)
-                    first = True
-
-
-def pct_ms(values: list[float], p: float) -> float | None:
-    return sorted(values)[int(p * (len(values) - 1))] * 1000 if values else None
+        answer = await clients.chat(client, model, 2, prompt=f"{k}-{i} " + LONG)
+        if answer.ttft is not None:
+            ttfts.append(answer.ttft)
 
 
 async def run(app: Any) -> dict[str, Any]:
@@ -71,11 +52,11 @@ async def run(app: Any) -> dict[str, Any]:
         stop.set()
         await asyncio.gather(*tasks)
     return {
-        "itl_p50_ms": pct_ms(gaps, 0.5),
-        "itl_p90_ms": pct_ms(gaps, 0.9),
+        "itl_p50_ms": clients.pct_ms(gaps, 50),
+        "itl_p90_ms": clients.pct_ms(gaps, 90),
         "chat_tokens": len(gaps),
-        "long_ttft_p50_ms": pct_ms(ttfts, 0.5),
-        "long_ttft_p90_ms": pct_ms(ttfts, 0.9),
+        "long_ttft_p50_ms": clients.pct_ms(ttfts, 50),
+        "long_ttft_p90_ms": clients.pct_ms(ttfts, 90),
         "long_prompts": len(ttfts),
     }
 

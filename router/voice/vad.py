@@ -109,7 +109,8 @@ class SpeechDetector:
         self._recent.append(frame)
         s = self.settings
         if p >= s.threshold:
-            self._level = [0.0, 0] if not self.speaking else self._level
+            if not self.speaking:  # (a new turn: its own level)
+                self._level = [0.0, 0]
             self._level[0] += float(np.mean(np.square(frame)))
             self._level[1] += 1
         if not self.speaking:
@@ -144,10 +145,7 @@ class SpeechDetector:
         back = (self.samples - FRAME - self.last_speech) // FRAME  # silent-ish frames between (over neg threshold)
         if back < 0 or back >= len(frames) or not self._level[1]:
             return self.last_speech
-        confident = frames[: len(frames) - back][-END_LOOKBACK:]
-        if not confident:
-            return self.last_speech
-        audio = np.concatenate(confident)
+        audio = np.concatenate(frames[: len(frames) - back][-END_LOOKBACK:])  # (back < len(frames): not empty)
         floor = END_LEVEL**2 * self._level[0] / self._level[1]  # (in mean squares)
         blocks = np.mean(np.square(audio[: len(audio) // END_BLOCK * END_BLOCK].reshape(-1, END_BLOCK)), axis=1)
         loud = np.nonzero(blocks >= floor)[0]
