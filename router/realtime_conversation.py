@@ -5,6 +5,7 @@ read early, router/realtime_response.py) and `response.cancel`."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router.owner import current_tenant
@@ -21,6 +22,8 @@ from router.realtime_events import (
     new_id,
 )
 from router.realtime_response import EarlyRead, ResponseStream
+
+RESPONDING = ("a response is already in progress", "conversation_already_has_active_response")
 
 
 class Conversation:
@@ -157,36 +160,81 @@ class Conversation:
         if cleared:
             await self.send("input_text_buffer.cleared")
 
-    async def response_create(self, event: ResponseCreate) -> None:
-        if self.responding:
-            await self.error("a response is already in progress", "conversation_already_has_active_response")
+    async def commit_and_respond(
+        self, item_id: str, parts: list[dict[str, Any]], announced: Callable[[], Awaitable[None]]
+    ) -> None:
+        """A spoken turn's end (server VAD's `create_response`): the input becomes the user's item, then the answer.
+        A held preemptive answer made from this very input (the owner's last reply named it) streams at once after
+        the item's events (and `announced`'s): the owner's commit and the answer's claim follow it, and a refusal of
+        either ends that response with an error. Otherwise the ordinary way: commit, then `response.create`."""
+        async with self.audio.lock:  # (no typed text in between)
+            early = self.early
+            released = None
+            if not self.responding and self._refusal(Sampling()) is None and early is not None:
+                released = early if early.release(self.input_seen.tag) else None
+            if released is not None:
+                buffer, self.buffer = self.buffer, ""
+                await self.announce_item(item_id, "user", parts)
+                await announced()
+                self.early, self.response = None, ResponseStream(self, released.turn, released)
+                if not (committed := await self.call("session_buffer", op="commit")):
+                    self.buffer = buffer
+        if released is None:
+            committed = await self.commit_input(item_id, parts)
+            await announced()
+            if committed:
+                await self.response_create(ResponseCreate(type="response.create"))
             return
+        if not committed:
+            released.revoke({"message": "the input was not committed", "type": "invalid_request_error", "code": 409})
+            return
+        await self._claim(self._overrides(Sampling()), released)
+
+    def _refusal(self, response: Sampling) -> tuple[str, str] | None:
+        """Why a response cannot start now (message, code), or None."""
+        if self.responding:
+            return RESPONDING
+        budgets = getattr(self.ingress, "budgets", None)
+        if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
+            return f"this API key has used its tokens per minute; retry in {wait} s", "rate_limit_exceeded"
+        return None
+
+    def _overrides(self, response: Sampling) -> dict[str, Any]:
+        settings = {**self.settings, **response.given()}
+        self.check_tools(settings, "response")
+        overrides = self.sampling(settings, self.settings)
+        if settings["instructions"] != self.settings["instructions"]:
+            overrides["instructions"] = settings["instructions"]
+        return overrides
+
+    async def response_create(self, event: ResponseCreate) -> None:
         response = event.response or Sampling()
+        if self.responding:
+            await self.error(*RESPONDING)
+            return
         if response.preemptive is not None:
             await self.error(
                 "preemptive answers are a session setting (session.update)", "invalid_value", "response.preemptive"
             )
             return
         self.text_only(response, "response")
-        budgets = getattr(self.ingress, "budgets", None)
-        if budgets is not None and (wait := budgets.retry_after(current_tenant.get())) is not None:
-            message = f"this API key has used its tokens per minute; retry in {wait} s"
-            await self.error(message, "rate_limit_exceeded")
+        if (refused := self._refusal(response)) is not None:
+            await self.error(*refused)
             return
         await self.audio.end_spoken_turn()
         if self.buffer:  # text typed but not committed is part of the user's turn
             await self.buffer_commit()
-        settings = {**self.settings, **response.given()}
-        self.check_tools(settings, "response")
-        overrides = self.sampling(settings, self.settings)
-        if settings["instructions"] != self.settings["instructions"]:
-            overrides["instructions"] = settings["instructions"]
+        overrides = self._overrides(response)
         # Nothing of its own, and the held preemptive answer made from the input the owner last named: it streams
         # now, before the owner has this call, whose reply (its claim's) confirms it (router/provisional.py).
         early = self.early if not response.given() else None
         released = early if early is not None and early.release(self.input_seen.tag) else None
         if released is not None:
             self.early, self.response = None, ResponseStream(self, released.turn, released)
+        await self._claim(overrides, released)
+
+    async def _claim(self, overrides: dict[str, Any], released: EarlyRead | None) -> None:
+        """The owner's answer to the response (`session_respond`); `released`: the held answer already streaming."""
         started = None
         try:
             started = await self.call("session_respond", overrides=overrides)

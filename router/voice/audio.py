@@ -120,9 +120,9 @@ class Resampler:
     """One stream's audio, resampled chunk by chunk to `MODEL_RATE` (libsoxr keeps the filter's state between
     chunks: no edge effects where one append ends and the next begins)."""
 
-    def __init__(self, fmt: AudioFormat) -> None:
+    def __init__(self, fmt: AudioFormat, quality: str = "LQ") -> None:
         self.format = fmt
-        self._stream = None if fmt.rate == MODEL_RATE else resample_stream(fmt.rate)
+        self._stream = None if fmt.rate == MODEL_RATE else resample_stream(fmt.rate, quality)
 
     def __call__(self, raw: bytes, param: str = "audio") -> np.ndarray:
         x = samples(raw, self.format, param)

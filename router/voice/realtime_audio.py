@@ -55,7 +55,9 @@ class AudioInput(SpokenTurn):
         self.conn = connection
         self.settings = VoiceSettings()
         self.vllm_flow = False  # vLLM's realtime client: `transcription.delta` / `transcription.done`
-        self._resampler: Resampler | None = None
+        self._resampler: Resampler | None = None  # what is transcribed (LQ: 6 ms held back at 24 kHz)
+        self._heard: Resampler | None = None  # what the VAD hears (QQ: none held back, the end of speech at once)
+        self.heard_clock = 0  # 16 kHz samples the VAD's resampler has given
         self._detector: SpeechDetector | None = None
         self.history: deque[np.ndarray] = deque()  # recent audio while nobody speaks (the prefix padding)
         self.history_start = 0  # its first sample's position on the clock
@@ -138,7 +140,7 @@ class AudioInput(SpokenTurn):
         detection_changed = settings.turn_detection != self.settings.turn_detection
         self.settings = settings
         if format_changed:
-            self._resampler = None
+            self._resampler = self._heard = None
         if detection_changed:
             self._detector = None
 
@@ -148,7 +150,7 @@ class AudioInput(SpokenTurn):
         self.vllm_flow = True
         self.settings.turn_detection = None
         self.settings.format = AudioFormat("pcm16", MODEL_RATE)  # vLLM's: PCM16 at 16 kHz
-        self._resampler, self._detector = None, None
+        self._resampler, self._heard, self._detector = None, None, None
 
     # --- client events -----------------------------------------------------------------------------
     def _refuse_without_speech(self) -> None:
@@ -175,13 +177,18 @@ class AudioInput(SpokenTurn):
                 hint = "commit or clear the input audio buffer; this audio was not taken"
                 raise AudioError(f"{message}: {hint}", "audio_limit_exceeded")
             x = self._resampler(raw)
+            heard = None
+            if self.settings.turn_detection is not None:
+                if self._heard is None:
+                    self._heard = Resampler(self.settings.format, "QQ")
+                heard = self._heard(raw)
         except AudioError as e:
             raise InvalidEvent(e.message, e.code, e.param) from None
         self.session_seconds += seconds
         metrics.inc(metrics.VOICE_AUDIO_SECONDS, seconds, "audio seconds received", surface="realtime")
         if not self.defaulted:
             await self.voice_defaults()
-        await self.take(x)
+        await self.take(x, heard)
 
     async def voice_defaults(self) -> None:
         """A session that speaks answers preemptively (`speech.preemptive`) unless it set `preemptive` itself."""
@@ -195,8 +202,9 @@ class AudioInput(SpokenTurn):
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
                 conn.read_early(turns)
 
-    async def take(self, x: np.ndarray) -> None:
-        """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD."""
+    async def take(self, x: np.ndarray, heard: np.ndarray | None = None) -> None:
+        """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD (`heard`: the same
+        audio from the VAD's own resampler, which holds none back)."""
         start = self.clock
         self.clock += len(x)
         detection = self.settings.turn_detection
@@ -212,12 +220,15 @@ class AudioInput(SpokenTurn):
         keep = (detection.prefix_padding_ms + 1000) * MODEL_RATE // 1000
         while self.history and self.clock - self.history_start - len(self.history[0]) > keep:
             self.history_start += len(self.history.popleft())
+        heard = x if heard is None else heard
+        self.heard_clock += len(heard)
         if self._detector is None:
             self._detector = SpeechDetector(detection.vad())
-            self._detector.samples = start  # (the detector's clock is the connection's)
+            # (the detector's clock is the connection's: the two resamplers' outputs are aligned, sample for sample)
+            self._detector.samples = self.heard_clock - len(heard)
         detector = self._detector
         # ~0.1-0.2 ms a 32 ms frame: a long append (seconds of audio) runs in a thread, off the replica's loop.
-        found = await asyncio.to_thread(detector.feed, x) if len(x) > 16 * 512 else detector.feed(x)
+        found = await asyncio.to_thread(detector.feed, heard) if len(heard) > 16 * 512 else detector.feed(heard)
         for vad in found:
             await self.on_vad(vad, detection)
         if self.turn is None and not self.conn.responding:
@@ -313,8 +324,10 @@ class AudioInput(SpokenTurn):
         if self._detector is not None:  # a manual commit ends the turn the VAD was in
             self._detector.speaking = False
         if self._resampler is not None:
-            self.turn.extend(self._resampler.flush())
-            self._resampler = None
+            flushed = self._resampler.flush()
+            self.turn.extend(flushed)
+            self.clock += len(flushed)  # (the VAD's resampler held none back: the clocks stay the same)
+            self._resampler = self._heard = None
         await self.end_turn(self.turn.length, respond=False)
 
     async def clear(self, event: AudioClear) -> None:

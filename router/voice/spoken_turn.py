@@ -14,7 +14,6 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from router.realtime_events import ResponseCreate
 from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance
 
 if TYPE_CHECKING:
@@ -165,25 +164,26 @@ class SpokenTurn:
             return
         await self.conn.send("input_audio_buffer.committed", previous_item_id=self.conn.last_item_id, item_id=item_id)
         part = {"type": "input_audio", "transcript": text}
-        committed = True
+
+        async def completed() -> None:
+            await self.conn.send(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=0,
+                transcript=text,
+                usage=usage,
+            )
+
         if not self.transcription_only:
             await self.revise(text)
-            if self.conn.buffer.strip():
-                committed = await self.conn.commit_input(item_id, [part])
-            else:
-                await self.conn.announce_item(item_id, "user", [part])
-                respond = False  # nothing was said: nothing to answer
-        else:
+        if self.transcription_only or not self.conn.buffer.strip():  # (nothing was said: nothing to answer)
             await self.conn.announce_item(item_id, "user", [part])
-        await self.conn.send(
-            "conversation.item.input_audio_transcription.completed",
-            item_id=item_id,
-            content_index=0,
-            transcript=text,
-            usage=usage,
-        )
-        if respond and committed and not self.transcription_only:
-            await self.conn.response_create(ResponseCreate(type="response.create"))
+            await completed()
+        elif respond:  # (a held preemptive answer made from this input leaves before the owner's commit)
+            await self.conn.commit_and_respond(item_id, [part], completed)
+        else:
+            await self.conn.commit_input(item_id, [part])
+            await completed()
 
     async def failed(self, item_id: str, e: TranscriptionFailed) -> None:
         """The recognizer failed: the turn's audio is not lost silently: the client hears of it, and the session

@@ -9,9 +9,13 @@ hysteresis); `speech_started` carries the onset less `prefix_padding_ms` and `sp
 silence window, as OpenAI's do. The model's probability stays high for a frame or two after the sound stops (its
 recurrent state lags); the end is therefore placed by the audio itself within those last confident frames: after
 the last 4 ms whose level is within 20 dB of the turn's speech (`END_LOOKBACK` frames at most). The model decides
-that speech ended; the level only says where, so that the window counts the silence the user left. A pause of
-`PAUSE_MS` inside that window is reported too: the turn's audio is transcribed then, so that its transcript, and
-a preemptive answer, are ready when the window ends.
+that speech ended; the level only says where, so that the window counts the silence the user left. The window
+ends with the append that completes it, not at the end of the frame it falls in (up to 32 ms later): what the
+model has heard since the sound's end is silence, and the rest of the window is under a frame, less than the model
+needs to hear an onset (speech that resumes in the window's last ~30 ms starts the next turn; a frame ending past
+the window's end used to hear some of it, by chance of where it fell). A pause of `PAUSE_MS` inside that window is
+reported too: the turn's audio is transcribed then, so that its transcript, and a preemptive answer, are ready
+when the window ends.
 """
 
 from __future__ import annotations
@@ -101,7 +105,15 @@ class SpeechDetector:
         for i in range(0, n, FRAME):
             self._frame(data[i : i + FRAME], events)
         self._pending = data[n:].copy()
+        if self.speaking and self.speech_end is not None:  # (the window may end inside the frame to come)
+            end = self.speech_end + self.settings.silence_duration_ms * RATE // 1000
+            if end <= self.samples + len(self._pending):
+                self._stop(end, events)
         return events
+
+    def _stop(self, end: int, events: list[VadEvent]) -> None:
+        events.append(VadEvent("stopped", end * 1000 // RATE, end))
+        self.speaking, self.speech_end, self.paused = False, None, False
 
     def _frame(self, frame: np.ndarray, events: list[VadEvent]) -> None:
         p = self.probability(frame)
@@ -134,9 +146,7 @@ class SpeechDetector:
             self.paused = True
             events.append(VadEvent("paused", self.speech_end * 1000 // RATE, self.speech_end))
         if silent_ms >= s.silence_duration_ms:
-            end = self.speech_end + s.silence_duration_ms * RATE // 1000
-            events.append(VadEvent("stopped", end * 1000 // RATE, end))
-            self.speaking, self.speech_end, self.paused = False, None, False
+            self._stop(self.speech_end + s.silence_duration_ms * RATE // 1000, events)
 
     def _sound_end(self) -> int:
         """Where the speech ended (a sample): the end of the last END_BLOCK within END_LOOKBACK confident frames

@@ -33,11 +33,19 @@ class RealtimeOwner(Owner):
         self.tag = tag
         self.responds = asyncio.Event()
         self.refuse: dict[str, Any] | None = None
+        self.commits: asyncio.Event | None = None  # (set: a commit waits for it)
+        self.refuse_commit: dict[str, Any] | None = None
+        self.calls: list[str] = []
         self.session_buffer = SimpleNamespace(remote=self._buffer)
         self.session_respond = SimpleNamespace(remote=self._respond)
         self.session_delete = SimpleNamespace(remote=self._buffer)
 
     async def _buffer(self, **kwargs: Any) -> dict[str, Any]:
+        if kwargs.get("op") == "commit" and self.commits is not None:
+            self.calls.append("commit")
+            await self.commits.wait()
+            if self.refuse_commit is not None:
+                return {"error": self.refuse_commit}
         return {"session_id": SESSION, "preemptive": {"input": self.tag}}
 
     async def _claim(self, **kwargs: Any) -> dict[str, Any]:
@@ -48,6 +56,7 @@ class RealtimeOwner(Owner):
         return self.final
 
     async def _respond(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append("respond")
         await self.responds.wait()
         if self.refuse is not None:
             return {"error": self.refuse}
@@ -145,6 +154,60 @@ async def test_a_refused_response_create_withdraws_the_released_answer() -> None
     assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
     assert "withdrawn" in done["response"]["status_details"]["error"]["message"]
     assert not ingress.prefill.reports  # nothing of it is the owner's
+
+
+async def spoken_turn_end(connection: RealtimeConnection, socket: Socket) -> asyncio.Future[None]:
+    """A spoken turn ends with server VAD's `create_response` (router/voice/spoken_turn.py `end_turn`)."""
+    connection.buffer = "What is the weather in Paris?"
+
+    async def announced() -> None:
+        await connection.send("conversation.item.input_audio_transcription.completed", item_id="item_1")
+
+    part = {"type": "input_audio", "transcript": connection.buffer}
+    return asyncio.ensure_future(connection.commit_and_respond("item_1", [part], announced))
+
+
+async def test_a_spoken_turns_end_streams_the_held_answer_before_the_owner_commits() -> None:
+    """The commit's round trip to the owner is not on the answer's path: the user's item, then the held answer,
+    go out while the owner's commit is still in flight; the commit and then the claim follow."""
+    connection, socket, ingress = await connection_holding(TAG)
+    owner = ingress.prefill
+    owner.commits = asyncio.Event()
+    ending = await spoken_turn_end(connection, socket)
+    for _ in range(100):
+        if "response.output_text.delta" in socket.types():
+            break
+        await asyncio.sleep(0.005)
+    assert "response.output_text.delta" in socket.types() and owner.calls == ["commit"]  # (still in flight)
+    kinds = socket.types()
+    created = kinds.index("conversation.item.created")
+    assert created < kinds.index("conversation.item.input_audio_transcription.completed")
+    assert kinds.index("conversation.item.input_audio_transcription.completed") < kinds.index("response.created")
+    owner.commits.set()
+    owner.responds.set()
+    await asyncio.wait_for(ending, 5)
+    await end(connection, ingress)
+    assert owner.calls == ["commit", "respond"] and connection.buffer == ""
+    assert socket.sent[-1]["response"]["status"] == "completed"
+    assert "".join(e["delta"] for e in socket.sent if e["type"] == "response.output_text.delta") == "Hello, world"
+    assert [r["outcome"]["status"] for r in owner.reports] == ["completed"]
+
+
+async def test_a_refused_commit_withdraws_the_answer_it_released() -> None:
+    connection, socket, ingress = await connection_holding(TAG)
+    owner = ingress.prefill
+    owner.commits = asyncio.Event()
+    owner.refuse_commit = {"message": "session gone", "type": "NotFoundError", "code": 404}
+    ending = await spoken_turn_end(connection, socket)
+    await asyncio.sleep(0.02)
+    owner.commits.set()
+    await asyncio.wait_for(ending, 5)
+    await end(connection, ingress)
+    assert owner.calls == ["commit"]  # (no claim)
+    assert connection.buffer == "What is the weather in Paris?"  # as the owner still has it
+    done = socket.sent[-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
+    assert not owner.reports
 
 
 async def test_input_seen_names_the_input_only_after_calls_that_did_not_overlap() -> None:

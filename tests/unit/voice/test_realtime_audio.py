@@ -313,3 +313,28 @@ def test_text_typed_during_a_spoken_turn_stays_before_its_transcript_on_both_sid
         completed, _ = until(ws, "conversation.item.input_audio_transcription.completed")
     committed = owner_text_at_commits(prefill)
     assert committed[0] == "Note: urgent " + completed["transcript"], committed
+
+
+def test_the_vad_hears_the_end_of_speech_without_the_resamplers_delay() -> None:
+    """24 kHz audio reaches the VAD through a resampler that holds none of it back (the one for transcription
+    holds back ~6 ms): audio up to 1 ms past the silence window's end is enough for `speech_stopped`."""
+    import soxr
+
+    from router.voice.vad import SpeechDetector, VadSettings
+
+    pcm = pcm24k(after_s=1.0)
+    x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+    stream = soxr.ResampleStream(24000, 16000, 1, dtype="float32", quality="QQ")
+    detector, stop = SpeechDetector(VadSettings()), None  # (where the server's VAD ends the turn)
+    for i in range(0, len(x), 480):
+        stop = next(
+            (e.sample for e in detector.feed(stream.resample_chunk(x[i : i + 480])) if e.kind == "stopped"), None
+        )
+        if stop is not None:
+            break
+    assert stop is not None
+    with connect(FakePrefill(), FakeSpeech()) as ws:
+        send_audio(ws, pcm[: (stop + 16) * 3 // 2 * 2])
+        ws.send_json({"type": "session.update", "session": {}})  # (answered after every append before it)
+        _, seen = until(ws, "session.updated")
+    assert "input_audio_buffer.speech_stopped" in [e["type"] for e in seen]

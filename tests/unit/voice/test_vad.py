@@ -73,3 +73,36 @@ def test_the_silence_window_counts_from_where_the_sound_ended() -> None:
         off_ms = (stopped[0].sample - window - end) * 1000 // RATE
         assert abs(off_ms) <= 32, (slug, off_ms)
         assert detector.samples - stopped[0].sample <= FRAME, slug
+
+
+def test_the_window_ends_with_the_append_that_completes_it() -> None:
+    """A microphone's 20 ms appends: the turn stops in the append that holds the window's end, not up to a frame
+    (32 ms) later when the frame it falls in is complete."""
+    from speech.local_model import SENTENCES
+
+    append = 320
+    for slug in SENTENCES:
+        audio, _, _ = padded(slug, 0.5, 1.0)
+        detector = SpeechDetector(VadSettings(silence_duration_ms=500))
+        for i in range(0, len(audio), append):
+            stopped = [e for e in detector.feed(audio[i : i + append]) if e.kind == "stopped"]
+            if stopped:
+                break
+        assert stopped, slug
+        received = i + append
+        assert 0 <= received - stopped[0].sample < append, (slug, received - stopped[0].sample)
+
+
+def test_speech_again_before_the_window_ends_keeps_the_turn() -> None:
+    """Deciding before the frame is complete still heeds every frame the model has heard: speech that resumes
+    50 ms before the window's end, wherever that falls within the model's frame, is one turn with what came
+    before."""
+    clip, _, _ = padded("weather_paris", 0.5, 1.0)
+    for shift in range(0, FRAME, 64):
+        first = np.concatenate([np.zeros(shift, np.float32), clip])
+        stop = next(e for e in run(first, VadSettings(silence_duration_ms=500), 320) if e.kind == "stopped").sample
+        for slug in ("joke", "two_plus_two", "thanks"):
+            cut = stop - 50 * RATE // 1000
+            audio = np.concatenate([first[:cut], load_sample(slug).astype(np.float32), np.zeros(RATE, np.float32)])
+            kinds = [e.kind for e in run(audio, VadSettings(silence_duration_ms=500), 320)]
+            assert kinds.count("started") == 1 and kinds.count("stopped") == 1, (shift, slug, kinds)
