@@ -16,10 +16,11 @@ same app (the default config's, as `make run` serves it), alternating turn by tu
 Reported: end of speech → first token P50/P95/P99; how long the transcript lags the end of speech (the
 `completed` event, or the cascade's transcription reply); the share of turns answered preemptively; whether each
 voice answer is the cascade's answer for the same transcript (greedy: the same text); and the work per turn (audio
-seconds transcribed, LLM prompt tokens computed on prefill and decode, tokens generated). At `--voices 1` and at
+seconds transcribed, LLM prompt tokens computed on prefill and decode, tokens decoded), each system on the same
+sentences. At `--voices 1` and at
 many voices at once.
 
-    .venv/bin/python bench/voice.py [--quick] [--voices 1 4] [--turns 6]
+    .venv/bin/python bench/voice.py [--quick] [--voices 1 4] [--turns 16] [--pause-lead-ms N|none]
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from clients import pct_ms
 from tqdm import tqdm
 
 from router.voice.vad import SpeechDetector, VadSettings
+from serve_app.config import SpeechConfig
 from speech.engine import wav_bytes
 from speech.local_model import SENTENCES, load_sample
 
@@ -54,6 +56,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 FRAME_S = 0.02
 SYSTEMS = ("voice", "voice+preemptive", "cascade")
+WORK = (
+    ("llm_prompt_tokens_per_turn", "prompt tokens"),
+    ("llm_generated_tokens_per_turn", "tokens decoded"),
+    ("audio_s_transcribed_per_turn", "audio transcribed"),
+    ("transcriptions_per_turn", "transcriptions"),
+)
 
 
 def turn_audio(slug: str, lead_s: float, tail_s: float) -> tuple[np.ndarray, float]:
@@ -97,7 +105,11 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     }
     # Off for `voice` (a spoken session's default is on: `speech.preemptive`); `voice+preemptive` as the default
     # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
-    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
+    preemptive_options = {
+        "after_idle_ms": args.after_idle_ms,
+        "max_tokens": args.max_tokens,
+        "stream": True,
+    }
     session["preemptive"] = preemptive_options if preemptive else None
     out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
     async with websockets.connect(url, max_size=None) as ws:
@@ -107,6 +119,7 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
             pass
         times: dict[str, float] = {}
         text: list[str] = []
+        made: dict[Any, float] = {}  # a preemptive answer's first token (by attempt)
 
         async def read() -> None:
             async for raw in ws:
@@ -117,8 +130,12 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
                     out["transcript"] = event["transcript"]
                 elif kind == "response.output_text.delta":
                     text.append(event["delta"])
+                elif kind == "rtpd.response.provisional.delta":
+                    made.setdefault(event.get("attempt"), now)
                 elif kind == "rtpd.response.provisional.done":
                     out["preemptive"] = event.get("status")
+                    if event.get("status") == "confirmed" and event.get("attempt") in made:
+                        times["answer made"] = made[event["attempt"]]
                 elif kind == "error":
                     out["error"] = event["error"]
                 elif kind == "response.done":
@@ -146,6 +163,8 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
         out["transcript_lag_s"] = times["conversation.item.input_audio_transcription.completed"] - eos
     if "input_audio_buffer.speech_stopped" in times:
         out["eos_to_stopped_s"] = times["input_audio_buffer.speech_stopped"] - eos
+        if "answer made" in times:  # (how long before the VAD's stop the delivered preemptive answer was ready)
+            out["made_before_stop_s"] = times["input_audio_buffer.speech_stopped"] - times["answer made"]
     return out
 
 
@@ -203,14 +222,15 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
 
 
 def work(handles: dict[str, Any]) -> dict[str, float]:
-    """Running totals of the engines' work (prefill + decode prompt tokens computed, tokens generated, audio
-    seconds transcribed)."""
+    """Running totals of the engines' work: prompt tokens computed on prefill and decode, tokens decoded (a
+    prefill's sampled token is not counted: its logits come with the prompt's, no pass of its own), audio seconds
+    transcribed."""
     prefill = handles["prefill"].stats.remote().result(timeout_s=60)
     decode = handles["decode"].stats.remote().result(timeout_s=60)
     speech = handles["speech"].stats.remote().result(timeout_s=60)
     return {
         "llm_prompt_tokens": prefill["prompt_tokens_computed_total"] + decode["prompt_tokens_computed_total"],
-        "llm_generated_tokens": decode["generation_tokens"] + prefill["generation_tokens"],
+        "llm_generated_tokens": decode["generation_tokens"],
         "audio_s_transcribed": speech["audio_seconds"],
         "transcriptions": speech["transcriptions"],
     }
@@ -219,15 +239,16 @@ def work(handles: dict[str, Any]) -> dict[str, float]:
 async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(voices)
     slugs = list(SENTENCES)
+    rng.shuffle(slugs)  # (each round's sentences are every system's: their work compares the same turns)
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     spent: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
     bar = tqdm(total=args.turns * len(SYSTEMS) * voices, desc=f"{voices} voice(s)", unit="turn")
     async with httpx.AsyncClient() as client:
-        for _ in range(args.turns):
+        for round_ in range(args.turns):
             order = list(SYSTEMS)
             rng.shuffle(order)
+            turn_slugs = [slugs[(round_ * voices + v) % len(slugs)] for v in range(voices)]
             for system in order:
-                turn_slugs = [rng.choice(slugs) for _ in range(voices)]
                 before = await asyncio.to_thread(work, handles)
                 if system == "cascade":
                     runs = [cascade_turn(args, base, s, client) for s in turn_slugs]
@@ -253,6 +274,7 @@ def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[st
         lag = [r["transcript_lag_s"] for r in ok if "transcript_lag_s" in r]
         vad = [r["eos_to_stopped_s"] for r in ok if "eos_to_stopped_s" in r]
         after_vad = [r["eos_to_first_s"] - r["eos_to_stopped_s"] for r in ok if "eos_to_stopped_s" in r]
+        made = [r["made_before_stop_s"] for r in ok if "made_before_stop_s" in r]
         n = max(len(turns), 1)
         same = [r for r in ok if r.get("transcript") in cascade_answer]
         row = {
@@ -266,6 +288,9 @@ def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[st
             "vad_stop_p50_ms": pct_ms(vad, 50),
             "stop_to_first_p50_ms": pct_ms(after_vad, 50),
             "stop_to_first_p95_ms": pct_ms(after_vad, 95),
+            # A delivered preemptive answer's first token: how long before the VAD's stop it was made (P50, P5).
+            "made_before_stop_p50_ms": pct_ms(made, 50),
+            "made_before_stop_p5_ms": pct_ms(made, 5),
             "transcripts_exact": sum(r.get("transcript") == SENTENCES[r["slug"]] for r in turns) / n,
             "preemptive_delivered": sum(r.get("preemptive") == "confirmed" for r in turns) / n,
             "same_answer_as_cascade": (
@@ -291,12 +316,16 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         + (f"every {args.partial_every_ms} ms of audio" if args.partial_every_ms else "at pauses only")
         + "; server_vad silence "
         f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
-        f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it); audio paced in "
+        f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it); speech.pause_lead_ms "
+        f"{args.pause_lead_ms} (a pause counts that long before the window ends; null: at 96 ms of silence); each "
+        "round's sentences the same for every system, the 16 in "
+        "turn; work per turn: prompt tokens computed on prefill and decode, tokens decoded; audio paced in "
         f'{FRAME_S * 1000:.0f} ms frames. "VAD stop": end of speech → the VAD\'s end of turn (`speech_stopped`; '
         'the cascade\'s own VAD, the same model and settings); "stop → first": from there to the first token.',
         "",
         "| voices | system | P50 / P95 / P99 ms | P50 over silence | VAD stop P50 | stop → first P50 / P95 "
-        "| transcript lag P50 | exact transcripts | preemptive delivered | same answer as cascade | audio s / turn "
+        "| transcript lag P50 | exact transcripts | preemptive delivered (made before stop P50 / P5) "
+        "| same answer as cascade | audio s / turn "
         "| transcriptions / turn | LLM prompt tok / turn | generated / turn |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -308,11 +337,25 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
                 f"| {_ms(row['over_silence_p50_ms'])} | {_ms(row['vad_stop_p50_ms'])} "
                 f"| {_ms(row['stop_to_first_p50_ms'])} / {_ms(row['stop_to_first_p95_ms'])} "
                 f"| {_ms(row['transcript_lag_p50_ms'])} "
-                f"| {row['transcripts_exact']:.0%} | {row['preemptive_delivered']:.0%} | {same} "
+                f"| {row['transcripts_exact']:.0%} | {row['preemptive_delivered']:.0%}"
+                + (
+                    f" ({_ms(row.get('made_before_stop_p50_ms'))} / {_ms(row.get('made_before_stop_p5_ms'))} ms)"
+                    if row.get("made_before_stop_p50_ms") is not None
+                    else ""
+                )
+                + f" | {same} "
                 f"| {row.get('audio_s_transcribed_per_turn', 0):.1f} | {row.get('transcriptions_per_turn', 0):.1f} "
-                f"| {row.get('llm_prompt_tokens_per_turn', 0):.0f} "
-                f"| {row.get('llm_generated_tokens_per_turn', 0):.0f} |"
+                f"| {row.get('llm_prompt_tokens_per_turn', 0):.1f} "
+                f"| {row.get('llm_generated_tokens_per_turn', 0):.1f} |"
             )
+    lines += ["", "Work per turn against the cascade's (the same sentences):", ""]
+    for run in record["runs"]:
+        base = run["summary"].get("cascade", {})
+        for system, row in run["summary"].items():
+            if system == "cascade" or not base:
+                continue
+            ratios = [f"{label} {row.get(key, 0) / base[key]:.2f}x" for key, label in WORK if base.get(key)]
+            lines.append(f"- {run['voices']} voice(s), {system}: " + ", ".join(ratios))
     decode_step = record.get("decode_step_ms")
     if decode_step:
         lines += ["", f"Decode step (median inter-token time of a plain streamed chat here): {decode_step:.1f} ms."]
@@ -340,10 +383,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 turns, 1 and 2 voices")
     parser.add_argument("--voices", type=int, nargs="+", default=[1, 4], help="voices at once")
-    parser.add_argument("--turns", type=int, default=8, help="turns per voice and system")
+    parser.add_argument("--turns", type=int, default=16, help="rounds: turns per voice and system")
     parser.add_argument("--silence-ms", type=int, default=500, help="server_vad's silence window (OpenAI's default)")
     parser.add_argument(
         "--after-idle-ms", type=int, default=None, help="voice+preemptive: after_idle_ms (default: none, pauses only)"
+    )
+    parser.add_argument(
+        "--pause-lead-ms",
+        default=None,
+        help="speech.pause_lead_ms for the run ('none': pauses at 96 ms of silence; default: the config's)",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
     parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
@@ -366,6 +414,10 @@ def main() -> None:
         every = None if args.partial_every_ms.lower() == "none" else int(args.partial_every_ms)
         app_args["speech"]["partial_every_ms"] = every
     args.partial_every_ms = app_args["speech"].get("partial_every_ms", "default (300)")
+    if args.pause_lead_ms is not None:
+        lead = None if args.pause_lead_ms.lower() == "none" else int(args.pause_lead_ms)
+        app_args["speech"]["pause_lead_ms"] = lead
+    args.pause_lead_ms = SpeechConfig.model_validate(app_args["speech"]).pause_lead_ms
     with systems.app(app_args) as app:
         from ray import serve
 

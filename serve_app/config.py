@@ -130,9 +130,16 @@ class SpeechConfig(RoleConfig):
     # What a client may send: audio seconds in one turn (an input buffer before its commit) and in a session.
     max_turn_audio_s: float = Field(default=120.0, gt=0)
     max_session_audio_s: float = Field(default=3600.0, gt=0)  # audio seconds in one session, all turns
+    # A pause in a spoken turn (server VAD) counts once the silence has lasted the VAD's window less this: its audio
+    # is transcribed then, its transcript prefilled and, with preemptive answers, answered, so that the answer is
+    # made when the window ends, and a pause inside the turn that ends sooner costs none of that work (at least
+    # 96 ms of silence). It must cover a transcription and the answer's first token: here (CPU, the recognizer
+    # sharing prefill's core) a transcription takes ~100-150 ms, and with 120 no answer made at the pause was
+    # ready in time (bench/voice.py --pause-lead-ms 120). None: at 96 ms of silence.
+    pause_lead_ms: int | None = Field(default=None, ge=0)
     # Preemptive answers (prefill/preemptive.py) for realtime sessions that speak and did not set `preemptive`
-    # themselves: the VAD's pause (~100 ms of silence, well inside its window) starts the answer from the
-    # pause's transcript, so it is made when the window ends (bench/voice.py measured why this is on).
+    # themselves: the VAD's pause (`pause_lead_ms` before its window ends) starts the answer from the pause's
+    # transcript, so it is made when the window ends (bench/voice.py measured why this is on).
     # `after_idle_ms: null`: only pauses start one (partial transcripts' gaps are not the user pausing). None: off.
     preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": None})
 

@@ -223,7 +223,7 @@ class AudioInput(SpokenTurn):
         heard = x if heard is None else heard
         self.heard_clock += len(heard)
         if self._detector is None:
-            self._detector = SpeechDetector(detection.vad())
+            self._detector = SpeechDetector(detection.vad(self.conn.ingress.config.speech.pause_lead_ms))
             # (the detector's clock is the connection's: the two resamplers' outputs are aligned, sample for sample)
             self._detector.samples = self.heard_clock - len(heard)
         detector = self._detector

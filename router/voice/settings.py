@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.voice.audio import PCM24K, AudioFormat
-from router.voice.vad import VadSettings
+from router.voice.vad import PAUSE_MS, VadSettings
 
 # semantic_vad's eagerness as the silence that ends a turn. OpenAI's semantic model waits up to 8 / 4 / 2 s for
 # low / medium / high when the user seems unfinished, less when they seem done; with no turn model, the windows
@@ -38,9 +38,12 @@ class TurnDetection(_Model):
     idle_timeout_ms: int | None = Field(None, ge=1000, le=600_000)
     eagerness: Literal["low", "medium", "high", "auto"] = "auto"
 
-    def vad(self) -> VadSettings:
+    def vad(self, pause_lead_ms: int | None = None) -> VadSettings:
+        """The VAD's settings; `pause_lead_ms` (`speech.pause_lead_ms`): a pause is reported this long before the
+        silence window would end (None: at PAUSE_MS)."""
         silence = SEMANTIC_WAIT_MS[self.eagerness] if self.type == "semantic_vad" else self.silence_duration_ms
-        return VadSettings(self.threshold, self.prefix_padding_ms, silence)
+        pause = PAUSE_MS if pause_lead_ms is None else max(PAUSE_MS, silence - pause_lead_ms)
+        return VadSettings(self.threshold, self.prefix_padding_ms, silence, pause)
 
     def shown(self) -> dict[str, Any]:
         if self.type == "semantic_vad":

@@ -13,9 +13,9 @@ that speech ended; the level only says where, so that the window counts the sile
 ends with the append that completes it, not at the end of the frame it falls in (up to 32 ms later): what the
 model has heard since the sound's end is silence, and the rest of the window is under a frame, less than the model
 needs to hear an onset (speech that resumes in the window's last ~30 ms starts the next turn; a frame ending past
-the window's end used to hear some of it, by chance of where it fell). A pause of `PAUSE_MS` inside that window is
-reported too: the turn's audio is transcribed then, so that its transcript, and a preemptive answer, are ready
-when the window ends.
+the window's end used to hear some of it, by chance of where it fell). A pause of `pause_ms` (at least
+`PAUSE_MS`) inside that window is reported too: the turn's audio is transcribed then, so that its transcript, and a
+preemptive answer, are ready when the window ends.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class VadSettings:
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
+    pause_ms: int = PAUSE_MS  # (this server's: silence that counts as a pause, at least PAUSE_MS)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class SpeechDetector:
         if self.speech_end is None:  # silence since the last confident frame (or the sound's end within it)
             self.speech_end = self._sound_end()
         silent_ms = (self.samples - self.speech_end) * 1000 // RATE
-        if not self.paused and silent_ms >= PAUSE_MS:
+        if not self.paused and silent_ms >= max(PAUSE_MS, s.pause_ms):
             self.paused = True
             events.append(VadEvent("paused", self.speech_end * 1000 // RATE, self.speech_end))
         if silent_ms >= s.silence_duration_ms:

@@ -60,12 +60,11 @@ def pcm24k(slug: str = "weather_paris", after_s: float = 1.0) -> bytes:
 
 
 @contextlib.contextmanager
-def connect(prefill: FakePrefill, speech: FakeSpeech | None) -> Iterator[Any]:
+def connect(prefill: FakePrefill, speech: FakeSpeech | None, **speech_config: Any) -> Iterator[Any]:
     app = FastAPI()
     app.include_router(realtime.api)
-    config = SimpleNamespace(
-        model_name="local:tiny-llama", limits=AppConfig().limits, speech=SpeechConfig(model="local:tiny-whisper")
-    )
+    speech_settings = SpeechConfig(model="local:tiny-whisper", **speech_config)
+    config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits, speech=speech_settings)
     app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=prefill, speech=speech)
     with TestClient(app).websocket_connect("/v1/realtime") as ws:
         assert ws.receive_json()["type"] == "session.created"
@@ -110,7 +109,7 @@ def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preempt
     `speech.preemptive`) is asked for then, once, not at the gaps between transcripts."""
     prefill, speech = FakePrefill(), FakeSpeech()
     with connect(prefill, speech) as ws:
-        send_audio(ws, pcm24k(after_s=0.25))  # the clip and a pause (the rest of the window comes later)
+        send_audio(ws, pcm24k(after_s=0.45))  # the clip and a pause (the rest of the window comes later)
         for _ in range(500):
             if prefill.called("session_preempt"):
                 break
@@ -338,3 +337,34 @@ def test_the_vad_hears_the_end_of_speech_without_the_resamplers_delay() -> None:
         ws.send_json({"type": "session.update", "session": {}})  # (answered after every append before it)
         _, seen = until(ws, "session.updated")
     assert "input_audio_buffer.speech_stopped" in [e["type"] for e in seen]
+
+
+def spoken_twice(gap_s: float) -> bytes:
+    """ "Tell me a joke.", a pause of `gap_s` inside the turn, "Thank you very much.", then the window's silence."""
+    import soxr
+
+    parts = [np.zeros(4800), load_sample("joke"), np.zeros(int(gap_s * 16000)), load_sample("thanks")]
+    audio = np.concatenate([*parts, np.zeros(16000)]).astype(np.float32)
+    return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+@pytest.mark.parametrize(("pause_lead_ms", "answers"), [(None, 2), (120, 1)])
+def test_a_pause_counts_late_in_the_window_so_a_shorter_one_costs_nothing(
+    pause_lead_ms: int | None, answers: int
+) -> None:
+    """A pause of 250 ms inside the turn: at 96 ms of silence (`pause_lead_ms` None) it is transcribed and starts an
+    answer, given up when speech resumes; 120 ms before a 500 ms window ends (380 ms into the silence) it is
+    neither, and the turn's end is both, before the VAD ends the turn."""
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech, pause_lead_ms=pause_lead_ms, partial_every_ms=None) as ws:
+        pcm = spoken_twice(0.25)
+        for i in range(0, len(pcm), 4800):  # at 4x the audio's pace (the fake recognizer keeps up: 1 ms a call)
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + 4800]).decode()})
+            time.sleep(0.025)
+        until(ws, "response.done")
+    names = [name for name, _ in prefill.calls]
+    assert names.count("session_preempt") == answers
+    # (transcribed at pauses only, as configs/config.yaml has it: late in the window, once)
+    assert len(speech.calls) == 1 if pause_lead_ms is not None else len(speech.calls) >= 2
+    commit = [i for i, (name, kw) in enumerate(prefill.calls) if name == "session_buffer" and kw["op"] == "commit"]
+    assert max(i for i, name in enumerate(names) if name == "session_preempt") < commit[0]
