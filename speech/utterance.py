@@ -77,7 +77,9 @@ class Utterance:
             return
         self._chunks.append(audio)
         self.length += len(audio)
-        if self.held_end is None and self.every is not None and self.length - self._last_asked >= self.every:
+        if self.held_end is not None and self._last_asked < self.held_end <= self.length:  # (the pause's audio is in)
+            self.ask(self.held_end)
+        elif self.held_end is None and self.every is not None and self.length - self._last_asked >= self.every:
             self.ask(self.length)
 
     def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -100,10 +102,12 @@ class Utterance:
             self._worker = asyncio.create_task(self._run())
 
     def hold(self, end: int) -> None:
-        """A pause in the speech (the VAD's): transcribe up to `end` now, and nothing more until `resume`, so that
-        if the pause ends the turn its final transcript is this one, already made."""
-        self.ask(end)
+        """A pause in the speech (the VAD's): transcribe up to `end` now (once the audio is in: the VAD may hear it a
+        few ms before the transcription's resampler gives it), and nothing more until `resume`, so that if the pause
+        ends the turn its final transcript is this one, already made."""
         self.held_end = end
+        if end <= self.length:
+            self.ask(end)
 
     def resume(self) -> None:
         self.held_end = None

@@ -81,6 +81,22 @@ async def test_without_partials_only_pauses_and_the_end_are_transcribed() -> Non
     utterance.close()
 
 
+async def test_a_pause_past_the_audio_in_is_transcribed_once_its_audio_is_in() -> None:
+    """The VAD may hear a pause a few ms before the transcription's resampler gives its audio: the pause's one
+    transcription covers the pause's end (not the audio in so far), so it is the turn's final one."""
+    speech = FakeSpeech()
+    utterance, seen = await collect(speech, every_ms=None)
+    utterance.extend(np.zeros(16000, np.float32))
+    utterance.hold(16100)  # (100 samples not in yet)
+    await asyncio.sleep(0.02)
+    assert speech.calls == [] and not utterance.at_pause
+    utterance.extend(np.zeros(320, np.float32))
+    await asyncio.sleep(0.02)
+    assert speech.calls == [16100] and utterance.at_pause and seen == ["1006ms"]
+    assert await utterance.final(16100) == "1006ms" and speech.calls == [16100]
+    utterance.close()
+
+
 async def test_a_dead_replica_is_retried_and_a_refusal_fails_the_turn() -> None:
     utterance, _ = await collect(FakeSpeech(fail=1), every_ms=10_000)
     utterance.extend(np.zeros(8000, np.float32))
