@@ -77,15 +77,13 @@ def pcm24k(audio: np.ndarray) -> bytes:
     return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
 
 
-async def paced(frames: list[Any], send: Any) -> float:
-    """Send `frames` (one per FRAME_S of audio) as a microphone makes them; returns the start time."""
-    start = time.perf_counter()
+async def paced(frames: list[Any], send: Any, start: float) -> None:
+    """Send `frames` (one per FRAME_S of audio, the first spoken from `start` on) as a microphone makes them."""
     for i, frame in enumerate(frames):
         delay = start + (i + 1) * FRAME_S - time.perf_counter()  # a frame leaves once it has been spoken
         if delay > 0:
             await asyncio.sleep(delay)
         await send(frame)
-    return start
 
 
 async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive: bool) -> dict[str, Any]:
@@ -150,7 +148,8 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
                 with contextlib.suppress(websockets.ConnectionClosedOK):
                     await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": frame}))
 
-        start = await paced(frames, append)
+        start = time.perf_counter()
+        await paced(frames, append, start)
         try:
             await asyncio.wait_for(reader, 60)
         except TimeoutError:
@@ -189,8 +188,13 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
                 stopped.set()
 
     out: dict[str, Any] = {"slug": slug, "system": "cascade"}
-    start = await paced(frames, send)
+    start = time.perf_counter()
     eos = start + speech_end
+    # The microphone goes on while the client transcribes and asks: it acts on its VAD's stop at once.
+    microphone = asyncio.create_task(paced(frames, send, start))
+    waiting = asyncio.create_task(stopped.wait())
+    await asyncio.wait({microphone, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
     if not stopped.is_set():
         return {**out, "error": "the VAD did not end the turn"}
     out["eos_to_stopped_s"] = stopped_at[0] - eos
@@ -218,6 +222,7 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
                 text.append(delta)
     out["answer"] = "".join(text)
     out["status"] = "completed"
+    await microphone
     return out
 
 
