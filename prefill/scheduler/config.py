@@ -58,7 +58,7 @@ class SchedulerSettings(BaseModel):
     # complete work arriving meanwhile waits little, and a rewrite wastes at most one chunk in flight.
     partial_chunk_tokens: int = Field(default=512, ge=16)
     # Preemptive answers (prefill/preemptive.py) in progress at once on this replica; past it (or while the
-    # engine has work queued) a session's preemptive answer is skipped, never queued. 0: none.
+    # engine has work queued, except a spoken pause's) a session's preemptive answer is skipped, never queued. 0: none.
     max_preemptive_in_flight: int = Field(default=4, ge=0)
 
     def session_capacity(self, max_num_seqs: int) -> int:

@@ -210,6 +210,28 @@ async def test_a_pause_asks_for_the_preemptive_answer_at_once_and_idleness_alone
     assert session.describe()["preemptive"]["delivered"] == 1
 
 
+async def test_a_pause_starts_its_answer_while_the_engine_has_work_queued_up_to_the_cap(
+    server: PreemptiveServer,
+) -> None:
+    """A spoken pause's answer is due within the VAD's window: work queued on the engine (other sessions' input,
+    read from stats up to 1 s old) does not defer it past the turn's end, as it defers an answer the input's
+    idling started; it runs at the lowest priority, and `max_preemptive_in_flight` still bounds it."""
+    server._scheduler_stats["queue_waiting"] = 3
+    session = server.open_preemptive()
+    session.preempt.options.after_idle_ms = None
+    await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
+    assert (await server.session_preempt(session_id=session.id))["preempting"] is True
+    await asyncio.sleep(0.01)
+    assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls] == ["p1"]
+    server.settings.max_preemptive_in_flight = 1  # (that one is in flight: the next session's is at the cap)
+    other = server.open_preemptive()
+    other.preempt.options.after_idle_ms = None
+    await server.session_buffer(session_id=other.id, op="append", text="And a block?")
+    assert (await server.session_preempt(session_id=other.id))["preempting"] is False
+    await server._close(other, "test")
+    await server._close(session, "test")
+
+
 async def test_a_pause_on_a_session_without_preemptive_answers_starts_nothing(server: PreemptiveServer) -> None:
     session = server.open_session()
     await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
