@@ -192,38 +192,41 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
     eos = start + speech_end
     # The microphone goes on while the client transcribes and asks: it acts on its VAD's stop at once.
     microphone = asyncio.create_task(paced(frames, send, start))
-    waiting = asyncio.create_task(stopped.wait())
-    await asyncio.wait({microphone, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    waiting.cancel()
-    if not stopped.is_set():
-        return {**out, "error": "the VAD did not end the turn"}
-    out["eos_to_stopped_s"] = stopped_at[0] - eos
-    utterance = audio[onset[0] : end_sample[0]]
-    wav = wav_bytes((np.clip(utterance, -1, 1) * 32767).astype("<i2").tobytes(), 16000)
-    files = {"file": ("turn.wav", wav, "audio/wav")}
-    heard = await client.post(f"{base}/v1/audio/transcriptions", files=files, timeout=60)
-    out["transcript_lag_s"] = time.perf_counter() - eos
-    transcript = heard.json().get("text", "").strip()
-    out["transcript"] = transcript
-    body = {
-        "messages": [{"role": "user", "content": transcript}],
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    text: list[str] = []
-    async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") if "choices" in line else None
-            if delta:
-                out.setdefault("eos_to_first_s", time.perf_counter() - eos)
-                text.append(delta)
-    out["answer"] = "".join(text)
-    out["status"] = "completed"
-    await microphone
-    return out
+    try:
+        waiting = asyncio.create_task(stopped.wait())
+        await asyncio.wait({microphone, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if not stopped.is_set():
+            return {**out, "error": "the VAD did not end the turn"}
+        out["eos_to_stopped_s"] = stopped_at[0] - eos
+        utterance = audio[onset[0] : end_sample[0]]
+        wav = wav_bytes((np.clip(utterance, -1, 1) * 32767).astype("<i2").tobytes(), 16000)
+        files = {"file": ("turn.wav", wav, "audio/wav")}
+        heard = await client.post(f"{base}/v1/audio/transcriptions", files=files, timeout=60)
+        out["transcript_lag_s"] = time.perf_counter() - eos
+        transcript = heard.json().get("text", "").strip()
+        out["transcript"] = transcript
+        body = {
+            "messages": [{"role": "user", "content": transcript}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        text: list[str] = []
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content") if "choices" in line else None
+                if delta:
+                    out.setdefault("eos_to_first_s", time.perf_counter() - eos)
+                    text.append(delta)
+        out["answer"] = "".join(text)
+        out["status"] = "completed"
+        await microphone  # (the turn's audio ends)
+        return out
+    finally:
+        microphone.cancel()  # (a failure above: the microphone stops too)
 
 
 def work(handles: dict[str, Any]) -> dict[str, float]:
@@ -331,7 +334,7 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         "| voices | system | P50 / P95 / P99 ms | P50 over silence | VAD stop P50 | stop → first P50 / P95 "
         "| transcript lag P50 | exact transcripts | preemptive delivered (made before stop P50 / P5) "
         "| same answer as cascade | audio s / turn "
-        "| transcriptions / turn | LLM prompt tok / turn | generated / turn |",
+        "| transcriptions / turn | LLM prompt tok / turn | decoded / turn |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in record["runs"]:

@@ -5,6 +5,7 @@ read early, router/realtime_response.py) and `response.cancel`."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -168,27 +169,35 @@ class Conversation:
         the item's events (and `announced`'s): the owner's commit and the answer's claim follow it, and a refusal of
         either ends that response with an error. Otherwise the ordinary way: commit, then `response.create`."""
         async with self.audio.lock:  # (no typed text in between)
-            early = self.early
-            released = None
-            if not self.responding and self._refusal(Sampling()) is None and early is not None:
-                released = early if early.release(self.input_seen.tag) else None
+            early, released, overrides = self.early, None, None
+            if self._refusal(Sampling()) is None and early is not None:
+                with contextlib.suppress(InvalidEvent):  # (then the ordinary way says why, after the commit)
+                    overrides = self._overrides(Sampling())
+            if overrides is not None and early is not None and early.release(self.input_seen.tag):
+                released, self.early = early, None
             if released is not None:
                 buffer, self.buffer = self.buffer, ""
-                await self.announce_item(item_id, "user", parts)
-                await announced()
-                self.early, self.response = None, ResponseStream(self, released.turn, released)
-                if not (committed := await self.call("session_buffer", op="commit")):
-                    self.buffer = buffer
+                committed = None
+                try:
+                    await self.announce_item(item_id, "user", parts)
+                    await announced()
+                    self.response = ResponseStream(self, released.turn, released)
+                    committed = await self.call("session_buffer", op="commit")
+                finally:
+                    if not committed:  # (refused, or the call failed: the owner still has the input)
+                        self.buffer = buffer
+                        error = {"message": "the input was not committed", "type": "invalid_request_error"}
+                        released.revoke({**error, "code": 409})
         if released is None:
             committed = await self.commit_input(item_id, parts)
             await announced()
             if committed:
                 await self.response_create(ResponseCreate(type="response.create"))
             return
-        if not committed:
-            released.revoke({"message": "the input was not committed", "type": "invalid_request_error", "code": 409})
-            return
-        await self._claim(self._overrides(Sampling()), released)
+        if committed:
+            await self._claim(overrides or {}, released)
+        else:
+            self.read_early(released.turn)  # (the turn is still to be answered: read it early again)
 
     def _refusal(self, response: Sampling) -> tuple[str, str] | None:
         """Why a response cannot start now (message, code), or None."""

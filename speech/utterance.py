@@ -226,8 +226,9 @@ class Utterance:
 def resample_stream(rate: int, quality: str = "LQ") -> Any:
     """libsoxr's streaming resampler from `rate` to the model's (its filter state kept between chunks: no seams
     where one chunk ends and the next begins). Low quality (LQ: a 16-bit passband to 0.9 of Nyquist, plenty for
-    speech) for what is transcribed: its filter holds back 6 ms of audio against HQ's 21 ms (24 -> 16 kHz). Quick
-    (QQ: cubic interpolation) holds back none: what the VAD hears, so that it hears the end of speech at once."""
+    speech) for what is transcribed: its filter holds back ~6 ms of audio against HQ's 21 ms (24 -> 16 kHz; its
+    output comes in bursts, up to a 20 ms append late). Quick (QQ: cubic interpolation) holds back a sample: what
+    the VAD hears, so that it hears the end of speech at once."""
     import soxr
 
     return soxr.ResampleStream(rate, MODEL_RATE, 1, dtype="float32", quality=quality)

@@ -55,9 +55,11 @@ class AudioInput(SpokenTurn):
         self.conn = connection
         self.settings = VoiceSettings()
         self.vllm_flow = False  # vLLM's realtime client: `transcription.delta` / `transcription.done`
-        self._resampler: Resampler | None = None  # what is transcribed (LQ: 6 ms held back at 24 kHz)
-        self._heard: Resampler | None = None  # what the VAD hears (QQ: none held back, the end of speech at once)
-        self.heard_clock = 0  # 16 kHz samples the VAD's resampler has given
+        self._resampler: Resampler | None = None  # what is transcribed (LQ: holds back several ms)
+        self._heard: Resampler | None = None  # what the VAD hears (QQ: a sample held back, the end of speech at once)
+        # 16 kHz samples on the connection's clock the VAD has heard: its resampler starts at the clock (`clock`) and
+        # gives the same samples, only sooner (with detection off it stops: it starts again there).
+        self.heard_clock = 0
         self._detector: SpeechDetector | None = None
         self.history: deque[np.ndarray] = deque()  # recent audio while nobody speaks (the prefix padding)
         self.history_start = 0  # its first sample's position on the clock
@@ -142,7 +144,7 @@ class AudioInput(SpokenTurn):
         if format_changed:
             self._resampler = self._heard = None
         if detection_changed:
-            self._detector = None
+            self._detector = self._heard = None
 
     def use_vllm_flow(self, model: str) -> None:
         """vLLM's realtime client: `session.update` with a top-level `model`; the client commits."""
@@ -178,9 +180,11 @@ class AudioInput(SpokenTurn):
                 raise AudioError(f"{message}: {hint}", "audio_limit_exceeded")
             x = self._resampler(raw)
             heard = None
-            if self.settings.turn_detection is not None:
+            if self.settings.turn_detection is None:
+                self._heard = None
+            else:
                 if self._heard is None:
-                    self._heard = Resampler(self.settings.format, "QQ")
+                    self._heard, self.heard_clock = Resampler(self.settings.format, "QQ"), self.clock
                 heard = self._heard(raw)
         except AudioError as e:
             raise InvalidEvent(e.message, e.code, e.param) from None
@@ -224,8 +228,7 @@ class AudioInput(SpokenTurn):
         self.heard_clock += len(heard)
         if self._detector is None:
             self._detector = SpeechDetector(detection.vad(self.conn.ingress.config.speech.pause_lead_ms))
-            # (the detector's clock is the connection's: the two resamplers' outputs are aligned, sample for sample)
-            self._detector.samples = self.heard_clock - len(heard)
+            self._detector.samples = self.heard_clock - len(heard)  # (where this audio starts on the clock)
         detector = self._detector
         # ~0.1-0.2 ms a 32 ms frame: a long append (seconds of audio) runs in a thread, off the replica's loop.
         found = await asyncio.to_thread(detector.feed, heard) if len(heard) > 16 * 512 else detector.feed(heard)
@@ -326,7 +329,7 @@ class AudioInput(SpokenTurn):
         if self._resampler is not None:
             flushed = self._resampler.flush()
             self.turn.extend(flushed)
-            self.clock += len(flushed)  # (the VAD's resampler held none back: the clocks stay the same)
+            self.clock += len(flushed)  # (the VAD's resampler starts again at the clock with the next audio)
             self._resampler = self._heard = None
         await self.end_turn(self.turn.length, respond=False)
 

@@ -42,7 +42,7 @@ class TurnDetection(_Model):
         """The VAD's settings; `pause_lead_ms` (`speech.pause_lead_ms`): a pause is reported this long before the
         silence window would end (None: at PAUSE_MS)."""
         silence = SEMANTIC_WAIT_MS[self.eagerness] if self.type == "semantic_vad" else self.silence_duration_ms
-        pause = PAUSE_MS if pause_lead_ms is None else max(PAUSE_MS, silence - pause_lead_ms)
+        pause = PAUSE_MS if pause_lead_ms is None else silence - pause_lead_ms  # (the VAD keeps PAUSE_MS at least)
         return VadSettings(self.threshold, self.prefix_padding_ms, silence, pause)
 
     def shown(self) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class SpeechDetector:
         self.speaking = False
         self.speech_end: int | None = None  # while speaking: where the current silence began
         self.last_speech = 0  # the end of the last frame at `threshold` or above
-        self.paused = False  # that silence has lasted PAUSE_MS
+        self.paused = False  # that silence has lasted the settings' pause_ms
         self._recent: deque[np.ndarray] = deque(maxlen=END_LOOKBACK + 1)  # the last frames' audio (the newest last)
         self._level = [0.0, 0]  # the turn's confident frames: sum of their mean squares, and how many
 

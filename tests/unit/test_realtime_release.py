@@ -34,7 +34,7 @@ class RealtimeOwner(Owner):
         self.responds = asyncio.Event()
         self.refuse: dict[str, Any] | None = None
         self.commits: asyncio.Event | None = None  # (set: a commit waits for it)
-        self.refuse_commit: dict[str, Any] | None = None
+        self.refuse_commit: dict[str, Any] | BaseException | None = None
         self.calls: list[str] = []
         self.session_buffer = SimpleNamespace(remote=self._buffer)
         self.session_respond = SimpleNamespace(remote=self._respond)
@@ -44,6 +44,8 @@ class RealtimeOwner(Owner):
         if kwargs.get("op") == "commit" and self.commits is not None:
             self.calls.append("commit")
             await self.commits.wait()
+            if isinstance(self.refuse_commit, BaseException):
+                raise self.refuse_commit
             if self.refuse_commit is not None:
                 return {"error": self.refuse_commit}
         return {"session_id": SESSION, "preemptive": {"input": self.tag}}
@@ -202,6 +204,7 @@ async def test_a_refused_commit_withdraws_the_answer_it_released() -> None:
     await asyncio.sleep(0.02)
     owner.commits.set()
     await asyncio.wait_for(ending, 5)
+    assert connection.early is not None and connection.early.turn == 0  # (the turn is read early again)
     await end(connection, ingress)
     assert owner.calls == ["commit"]  # (no claim)
     assert connection.buffer == "What is the weather in Paris?"  # as the owner still has it
@@ -234,3 +237,22 @@ async def test_input_seen_names_the_input_only_after_calls_that_did_not_overlap(
     assert seen.tag == "t1"
     await seen.call(asyncio.sleep(0, {"error": {"message": "no"}}))
     assert seen.tag is None
+
+
+async def test_a_commit_that_fails_withdraws_the_answer_it_released() -> None:
+    """The owner's commit raises (its replica is gone for good): the released answer is withdrawn, not left
+    streaming unclaimed, and the input stays the connection's."""
+    connection, socket, ingress = await connection_holding(TAG)
+    owner = ingress.prefill
+    owner.commits = asyncio.Event()
+    owner.refuse_commit = RuntimeError("ActorDiedError")
+    ending = await spoken_turn_end(connection, socket)
+    await asyncio.sleep(0.02)
+    owner.commits.set()
+    with pytest.raises(RuntimeError):
+        await asyncio.wait_for(ending, 5)
+    await end(connection, ingress)
+    assert connection.buffer == "What is the weather in Paris?"
+    done = socket.sent[-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
+    assert not owner.reports

@@ -358,9 +358,9 @@ def test_a_pause_counts_late_in_the_window_so_a_shorter_one_costs_nothing(
     prefill, speech = FakePrefill(), FakeSpeech()
     with connect(prefill, speech, pause_lead_ms=pause_lead_ms, partial_every_ms=None) as ws:
         pcm = spoken_twice(0.25)
-        for i in range(0, len(pcm), 4800):  # at 4x the audio's pace (the fake recognizer keeps up: 1 ms a call)
+        for i in range(0, len(pcm), 4800):  # at 2x the audio's pace (the fake recognizer keeps up: 1 ms a call)
             ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + 4800]).decode()})
-            time.sleep(0.025)
+            time.sleep(0.05)
         until(ws, "response.done")
     names = [name for name, _ in prefill.calls]
     assert names.count("session_preempt") == answers
@@ -368,3 +368,23 @@ def test_a_pause_counts_late_in_the_window_so_a_shorter_one_costs_nothing(
     assert len(speech.calls) == 1 if pause_lead_ms is not None else len(speech.calls) >= 2
     commit = [i for i, (name, kw) in enumerate(prefill.calls) if name == "session_buffer" and kw["op"] == "commit"]
     assert max(i for i, name in enumerate(names) if name == "session_preempt") < commit[0]
+
+
+def test_the_vad_and_the_turns_audio_keep_one_clock_when_turn_detection_is_switched_on() -> None:
+    """Audio taken with `turn_detection: null`, cleared, then server VAD: the turn the VAD finds is the clip's
+    audio (its onset where the clip starts, less the padding), not audio from before it on another clock."""
+    prefill, speech = FakePrefill(), FakeSpeech()
+    with connect(prefill, speech) as ws:
+        ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
+        until(ws, "session.updated")
+        send_audio(ws, bytes(4 * 48000))  # 4 s, no detection
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        until(ws, "input_audio_buffer.cleared")
+        ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+        until(ws, "session.updated")
+        send_audio(ws, bytes(2 * 48000) + pcm24k())  # 2 s of silence, then the clip (after 0.3 s of silence)
+        started, _ = until(ws, "input_audio_buffer.speech_started")
+        until(ws, "response.done")
+    onset_ms = 4000 + 2000 + 300 - 300  # (the padding: 300 ms)
+    assert abs(started["audio_start_ms"] - onset_ms) <= 100, started
+    assert speech.calls and max(speech.calls) <= 16000 * 4  # the turn's audio: the clip and its padding, no more
