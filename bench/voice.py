@@ -103,11 +103,7 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     }
     # Off for `voice` (a spoken session's default is on: `speech.preemptive`); `voice+preemptive` as the default
     # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
-    preemptive_options = {
-        "after_idle_ms": args.after_idle_ms,
-        "max_tokens": args.max_tokens,
-        "stream": True,
-    }
+    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
     session["preemptive"] = preemptive_options if preemptive else None
     out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
     async with websockets.connect(url, max_size=None) as ws:

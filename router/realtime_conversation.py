@@ -170,11 +170,11 @@ class Conversation:
         either ends that response with an error. Otherwise the ordinary way: commit, then `response.create`."""
         async with self.audio.lock:  # (no typed text in between)
             early, released, overrides = self.early, None, None
-            if self._refusal(Sampling()) is None and early is not None:
+            if early is not None and self._refusal(Sampling()) is None:
                 with contextlib.suppress(InvalidEvent):  # (then the ordinary way says why, after the commit)
                     overrides = self._overrides(Sampling())
-            if overrides is not None and early is not None and early.release(self.input_seen.tag):
-                released, self.early = early, None
+                if overrides is not None and early.release(self.input_seen.tag):
+                    released, self.early = early, None
             if released is not None:
                 buffer, self.buffer = self.buffer, ""
                 committed = None

@@ -56,10 +56,9 @@ class AudioInput(SpokenTurn):
         self.settings = VoiceSettings()
         self.vllm_flow = False  # vLLM's realtime client: `transcription.delta` / `transcription.done`
         self._resampler: Resampler | None = None  # what is transcribed (LQ: holds back several ms)
-        self._heard: Resampler | None = None  # what the VAD hears (QQ: a sample held back, the end of speech at once)
-        # 16 kHz samples on the connection's clock the VAD has heard: its resampler starts at the clock (`clock`) and
-        # gives the same samples, only sooner (with detection off it stops: it starts again there).
-        self.heard_clock = 0
+        # What the VAD hears (QQ: a sample held back, the end of speech at once). Its samples are the clock's, only
+        # sooner: it starts with the detector (a detection change resets both) or at the clock after a commit.
+        self._heard: Resampler | None = None
         self._detector: SpeechDetector | None = None
         self.history: deque[np.ndarray] = deque()  # recent audio while nobody speaks (the prefix padding)
         self.history_start = 0  # its first sample's position on the clock
@@ -180,11 +179,9 @@ class AudioInput(SpokenTurn):
                 raise AudioError(f"{message}: {hint}", "audio_limit_exceeded")
             x = self._resampler(raw)
             heard = None
-            if self.settings.turn_detection is None:
-                self._heard = None
-            else:
+            if self.settings.turn_detection is not None:
                 if self._heard is None:
-                    self._heard, self.heard_clock = Resampler(self.settings.format, "QQ"), self.clock
+                    self._heard = Resampler(self.settings.format, "QQ")
                 heard = self._heard(raw)
         except AudioError as e:
             raise InvalidEvent(e.message, e.code, e.param) from None
@@ -208,7 +205,7 @@ class AudioInput(SpokenTurn):
 
     async def take(self, x: np.ndarray, heard: np.ndarray | None = None) -> None:
         """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD (`heard`: the same
-        audio from the VAD's own resampler, which holds none back)."""
+        audio from the VAD's own resampler, sooner; None with detection off)."""
         start = self.clock
         self.clock += len(x)
         detection = self.settings.turn_detection
@@ -224,11 +221,10 @@ class AudioInput(SpokenTurn):
         keep = (detection.prefix_padding_ms + 1000) * MODEL_RATE // 1000
         while self.history and self.clock - self.history_start - len(self.history[0]) > keep:
             self.history_start += len(self.history.popleft())
-        heard = x if heard is None else heard
-        self.heard_clock += len(heard)
+        assert heard is not None  # (`append` gives it whenever detection is on)
         if self._detector is None:
             self._detector = SpeechDetector(detection.vad(self.conn.ingress.config.speech.pause_lead_ms))
-            self._detector.samples = self.heard_clock - len(heard)  # (where this audio starts on the clock)
+            self._detector.samples = start  # (the detector's clock is the connection's)
         detector = self._detector
         # ~0.1-0.2 ms a 32 ms frame: a long append (seconds of audio) runs in a thread, off the replica's loop.
         found = await asyncio.to_thread(detector.feed, heard) if len(heard) > 16 * 512 else detector.feed(heard)
@@ -329,7 +325,7 @@ class AudioInput(SpokenTurn):
         if self._resampler is not None:
             flushed = self._resampler.flush()
             self.turn.extend(flushed)
-            self.clock += len(flushed)  # (the VAD's resampler starts again at the clock with the next audio)
+            self.clock += len(flushed)  # (the clock counts every sample; the VAD's resampler starts again there)
             self._resampler = self._heard = None
         await self.end_turn(self.turn.length, respond=False)
 

@@ -53,9 +53,14 @@ class FakeSpeech:
 
 
 def pcm24k(slug: str = "weather_paris", after_s: float = 1.0) -> bytes:
+    return as_pcm24k([np.zeros(4800), load_sample(slug), np.zeros(int(after_s * 16000))])
+
+
+def as_pcm24k(parts: list[np.ndarray]) -> bytes:
+    """16 kHz audio, joined, as a client sends it: PCM16 at 24 kHz."""
     import soxr
 
-    audio = np.concatenate([np.zeros(4800), load_sample(slug), np.zeros(int(after_s * 16000))]).astype(np.float32)
+    audio = np.concatenate(parts).astype(np.float32)
     return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
 
 
@@ -315,7 +320,7 @@ def test_text_typed_during_a_spoken_turn_stays_before_its_transcript_on_both_sid
 
 
 def test_the_vad_hears_the_end_of_speech_without_the_resamplers_delay() -> None:
-    """24 kHz audio reaches the VAD through a resampler that holds none of it back (the one for transcription
+    """24 kHz audio reaches the VAD through a resampler that holds back a sample (the one for transcription
     holds back ~6 ms): audio up to 1 ms past the silence window's end is enough for `speech_stopped`."""
     import soxr
 
@@ -341,11 +346,8 @@ def test_the_vad_hears_the_end_of_speech_without_the_resamplers_delay() -> None:
 
 def spoken_twice(gap_s: float) -> bytes:
     """ "Tell me a joke.", a pause of `gap_s` inside the turn, "Thank you very much.", then the window's silence."""
-    import soxr
-
-    parts = [np.zeros(4800), load_sample("joke"), np.zeros(int(gap_s * 16000)), load_sample("thanks")]
-    audio = np.concatenate([*parts, np.zeros(16000)]).astype(np.float32)
-    return (np.clip(soxr.resample(audio, 16000, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+    gap = np.zeros(int(gap_s * 16000))
+    return as_pcm24k([np.zeros(4800), load_sample("joke"), gap, load_sample("thanks"), np.zeros(16000)])
 
 
 @pytest.mark.parametrize(("pause_lead_ms", "answers"), [(None, 2), (120, 1)])
