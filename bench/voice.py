@@ -103,7 +103,7 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     }
     # Off for `voice` (a spoken session's default is on: `speech.preemptive`); `voice+preemptive` as the default
     # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
-    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.max_tokens, "stream": True}
+    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.preemptive_tokens, "stream": True}
     session["preemptive"] = preemptive_options if preemptive else None
     out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
     async with websockets.connect(url, max_size=None) as ws:
@@ -246,12 +246,14 @@ async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[
     rng.shuffle(slugs)  # (each round's sentences are every system's: their work compares the same turns)
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     spent: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
+    rounds: list[dict[str, Any]] = []  # each round's work by system (one voice: one turn's)
     bar = tqdm(total=args.turns * len(SYSTEMS) * voices, desc=f"{voices} voice(s)", unit="turn")
     async with httpx.AsyncClient() as client:
         for round_ in range(args.turns):
             order = list(SYSTEMS)
             rng.shuffle(order)
             turn_slugs = [slugs[(round_ * voices + v) % len(slugs)] for v in range(voices)]
+            rounds.append({"sentences": turn_slugs})
             for system in order:
                 before = await asyncio.to_thread(work, handles)
                 if system == "cascade":
@@ -260,13 +262,14 @@ async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[
                     runs = [voice_turn(args, base, s, system == "voice+preemptive") for s in turn_slugs]
                 done = await asyncio.gather(*runs)
                 after = await asyncio.to_thread(work, handles)
+                rounds[-1][system] = {key: after[key] - before[key] for key in after}
                 for key in after:
                     spent[system][key] = spent[system].get(key, 0.0) + after[key] - before[key]
                 results[system] += done
                 bar.update(voices)
                 await asyncio.sleep(0.5)  # (the engines settle between systems)
     bar.close()
-    return {"voices": voices, "summary": summarise(results, spent, args), "turns": results}
+    return {"voices": voices, "summary": summarise(results, spent, args), "turns": results, "work_by_round": rounds}
 
 
 def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[str, float]], args: Any) -> dict:
@@ -320,7 +323,8 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         + (f"every {args.partial_every_ms} ms of audio" if args.partial_every_ms else "at pauses only")
         + "; server_vad silence "
         f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
-        f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it); speech.pause_lead_ms "
+        f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it), max_tokens "
+        f"{args.preemptive_tokens} (held there until the turn is confirmed); speech.pause_lead_ms "
         f"{args.pause_lead_ms} (a pause counts that long before the window ends; null: at 96 ms of silence); each "
         "round's sentences the same for every system, the 16 in "
         "turn; work per turn: prompt tokens computed on prefill and decode, tokens decoded; audio paced in "
@@ -398,6 +402,13 @@ def main() -> None:
         help="speech.pause_lead_ms for the run ('none': pauses at 96 ms of silence; default: the config's)",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
+    parser.add_argument(
+        "--preemptive-tokens",
+        type=int,
+        default=(SpeechConfig().preemptive or {}).get("max_tokens", 64),
+        help="voice+preemptive: the answer made at a pause stops (held) there until the turn is confirmed "
+        "(default: speech.preemptive's)",
+    )
     parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
     parser.add_argument("--tail-s", type=float, default=1.0, help="silence after it (more than the window)")
     parser.add_argument(

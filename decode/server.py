@@ -20,6 +20,7 @@ from typing import Any, Literal
 from ray import serve
 
 from decode.feed import Batch, Outbox, ShownIds
+from decode.hold import Hold, install, starting
 from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
@@ -41,12 +42,13 @@ PARKED_KEPT_S = 3600.0  # a preemptive answer's record, if neither stopped nor c
 class ParkedStream:
     """A preemptive answer's stream (prefill/preemptive.py): it stops at `cap` tokens until its turn is confirmed."""
 
-    cap: int | None  # (None: made whole, as a continuation could not reproduce it)
+    cap: int | None  # (None: made whole, as a continuation could not reproduce it; or held by the engine)
     request_id: str  # its engine request (raised to an ordinary answer's priority when confirmed)
     parked: str  # the consumer its owner parked it under (only the owner's stop ends its record)
     made: int = 0
     confirmed: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    hold: Hold | None = None  # held at its cap by the engine, KV kept, until confirmed (decode/hold.py)
 
 
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
@@ -56,6 +58,7 @@ class DecodeServer:
         self.config = AppConfig.model_validate(app_config)
         self.engine = Engine(self.config, "decode")
         await self.engine.start()
+        install(self.engine)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
@@ -77,6 +80,7 @@ class DecodeServer:
         avoid: list[str] | None = None,
         prefer: str | None = None,
         park_tokens: int | None = None,
+        hold_tokens: int | None = None,
         preemptive: bool = False,
     ) -> dict[str, Any]:
         """Start one OpenAI request (its `kv_transfer_params` point at a prefill replica's KV, or it has none
@@ -85,8 +89,12 @@ class DecodeServer:
         router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids.
         `preemptive`: a preemptive answer, parked under `consumer` (prefill/preemptive.py); it stops after
         `park_tokens` (if given) unless its turn is confirmed first (then its router goes on from its ids,
-        router/resume.py)."""
-        result = await self.engine.openai(endpoint, body)
+        router/resume.py); `hold_tokens`: instead, the engine holds it there with its KV and it goes on when
+        confirmed, if its sampling allows (decode/hold.py)."""
+        hold = Hold(hold_tokens) if hold_tokens is not None else None
+        with starting(hold):  # (the serving layer starts its engine request within this call)
+            result = await self.engine.openai(endpoint, body)
+        held = hold if hold is not None and hold.used else None
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
             payload = error_payload(result)
             if error_status(payload) >= 500:  # this engine failed, not the request: the router tries another
@@ -96,8 +104,9 @@ class DecodeServer:
             return {"response": result.model_dump(mode="json")}
         outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
         parked = None
-        if preemptive or park_tokens is not None:
-            parked = ParkedStream(park_tokens, body.get("request_id") or stream_id, consumer)
+        if preemptive or park_tokens is not None or held is not None:
+            cap = None if held is not None else park_tokens
+            parked = ParkedStream(cap, body.get("request_id") or stream_id, consumer, hold=held)
             self.parked[stream_id] = parked
         outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
         return {"replica": self.replica}
@@ -135,6 +144,8 @@ class DecodeServer:
         state = self.parked.get(stream_id)
         if state is not None:
             state.confirmed = True  # (its record stays until its owner's stop or the reaper: what it made counts)
+            if state.hold is not None:
+                state.hold.release()
         request_id = request_id or (state.request_id if state is not None else stream_id)
         with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
             await self.engine.utility("rtpd_set_priority", request_id, 0)

@@ -225,8 +225,10 @@ class Preemptive:
             ids = live.ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
             body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
             live.request = body
-            # Decode stops it at `max_tokens` until a router adopts it; an answer a continuation cannot reproduce
-            # exactly (tools, stop strings: `continuation_refusal`) is made whole instead, still at the lowest priority.
+            # Decode holds it at `max_tokens`, its KV kept, until its turn is confirmed (decode/hold.py); where its
+            # sampling does not allow that, it stops there and a router goes on from its ids, and an answer a
+            # continuation cannot reproduce exactly (tools, stop strings: `continuation_refusal`) is made whole
+            # instead, still at the lowest priority.
             cap = None if continuation_refusal(session.endpoint, body) else state.options.max_tokens
             call = asyncio.ensure_future(
                 self.decode.start.remote(
@@ -236,6 +238,7 @@ class Preemptive:
                     body=body,
                     ids=ids,
                     park_tokens=cap,
+                    hold_tokens=state.options.max_tokens,
                     preemptive=True,
                 )
             )

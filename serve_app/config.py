@@ -140,8 +140,11 @@ class SpeechConfig(RoleConfig):
     # Preemptive answers (prefill/preemptive.py) for realtime sessions that speak and did not set `preemptive`
     # themselves: the VAD's pause (`pause_lead_ms` before its window ends) starts the answer from the pause's
     # transcript, so it is made when the window ends (bench/voice.py measured why this is on).
-    # `after_idle_ms: null`: only pauses start one (partial transcripts' gaps are not the user pausing). None: off.
-    preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": None})
+    # `after_idle_ms: null`: only pauses start one (partial transcripts' gaps are not the user pausing).
+    # `max_tokens: 4`: decode holds the answer there, its KV kept, until the turn is confirmed (decode/hold.py), and
+    # it goes on with nothing computed again: a pause the user talks on from wastes 4 tokens, not the answer.
+    # None: off.
+    preemptive: dict[str, Any] | None = Field(default_factory=lambda: {"after_idle_ms": None, "max_tokens": 4})
 
     @model_validator(mode="after")
     def _preemptive_options(self) -> SpeechConfig:

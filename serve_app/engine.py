@@ -283,6 +283,11 @@ class Engine:
         return await self.client.engine_core.call_utility_async(method, *args)
 
     @property
+    def serving_layers(self) -> tuple[Any, Any]:
+        """vLLM's OpenAI serving objects (chat, completions): their `engine_client` is what they start requests on."""
+        return self._chat, self._completion
+
+    @property
     def tokenizer(self) -> Any:
         return self.client.renderer.tokenizer
 

@@ -70,9 +70,11 @@ def test_an_unchanged_turn_gets_its_preemptive_answer(server):
     chunks = split_inside_words(TEXT, 6)
     for seq, piece in enumerate(chunks):
         assert send_chunk(server, sid, seq, piece).status_code == 202
-    # The user pauses: past after_idle_ms the answer starts, below all other work, and stops at its cap.
+    # The user pauses: past after_idle_ms the answer starts, below all other work, and decode holds it at its
+    # cap (decode/hold.py): its request and KV stay there, and nothing runs.
     assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
-    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # it reached its cap there and stopped
+    assert wait_for(lambda: held(sid)), engine_stats("decode")
+    computed = engine_stats("decode", sid)["prompt_tokens_computed"]
     before = info(server, sid)["work"]
     assert before.get("preemptive_tokens", 0) > 0 and before.get("handoff_tokens", 0) == 0, before
 
@@ -85,8 +87,38 @@ def test_an_unchanged_turn_gets_its_preemptive_answer(server):
     timing = after["answers"][-1]["timing"]
     assert timing["handoff_ms"] < 50 and timing["preempted_ms"] > 0, timing
     assert after["answers"][-1]["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    # It went on from its cap: only the token it sampled last is fed again, none of its input is computed again.
+    assert engine_stats("decode", sid)["prompt_tokens_computed"] == computed + 1
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("prefill")
+    wait_idle("decode")
+
+
+def held(sid: str) -> bool:
+    """Decode holds the session's preemptive answer at its cap: its one request has computed its input (its KV is
+    in), and runs no more."""
+    stats = engine_stats("decode")
+    return engine_stats("decode", sid)["prompt_tokens_computed"] > 0 and (
+        stats["num_requests"],
+        stats["num_running"],
+    ) == (1, 0)
+
+
+def test_a_held_preemptive_answer_is_given_up_when_input_comes(server):
+    """New input after the pause: the answer held at its cap ends on decode, its KV blocks freed."""
+    more = " One more question: what follows the last chunk closely?"
+    expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT + more}], ANSWER_TOKENS)
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=OPTIONS)["session_id"]
+    assert send_chunk(server, sid, 0, TEXT).status_code == 202
+    assert wait_for(lambda: held(sid)), engine_stats("decode")
+    assert send_chunk(server, sid, 1, more).status_code == 202
+    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0), engine_stats("decode")
+    got = info(server, sid)["preemptive"]
+    assert got["discarded"] == 1 and got["discarded_tokens"] == OPTIONS["max_tokens"], got
+    assert send_chunk(server, sid, 2, "", end=True).status_code == 202
+    frames, _ = read_events(server, sid)
+    assert text_of(frames) == expected["choices"][0]["message"]["content"]
+    assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     wait_idle("decode")
 
 
@@ -159,7 +191,7 @@ def test_a_reader_waiting_for_the_turn_holds_the_preemptive_answer(server, end):
     for seq, piece in enumerate(chunks):
         assert send_chunk(server, sid, seq, piece).status_code == 202
     assert wait_for(lambda: engine_stats("decode", sid)["prompt_tokens_computed"] > 0), info(server, sid)
-    assert wait_for(lambda: engine_stats("decode")["num_requests"] == 0)  # held, and stopped at its cap
+    assert wait_for(lambda: held(sid)), engine_stats("decode")  # held at its cap
     assert reader.first_at is None  # nothing reaches the client before the turn is confirmed
     if end == "chunk":
         assert send_chunk(server, sid, len(chunks), "", end=True).status_code == 202

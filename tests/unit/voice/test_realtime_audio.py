@@ -123,7 +123,7 @@ def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preempt
         until(ws, "response.done")
     names = [name for name, _ in prefill.calls]
     update = prefill.called("session_update")[0]
-    assert update["preemptive"] == {"after_idle_ms": None}  # pauses only
+    assert update["preemptive"] == {"after_idle_ms": None, "max_tokens": 4}  # pauses only, held at 4 tokens
     assert names.count("session_preempt") == 1
     pause = names.index("session_preempt")
     before = [kw for name, kw in prefill.calls[:pause] if name == "session_buffer"]

@@ -1,0 +1,146 @@
+"""Held answers: a preemptive answer stops at its cap with its KV kept, and goes on from there when its turn is
+confirmed, with nothing computed again.
+
+A preemptive answer (prefill/preemptive.py) is made before the turn is confirmed, and whatever it makes past the
+first few tokens is wasted when the user goes on. Decode runs it as a vLLM streaming-input request
+(`AsyncLLM.generate` over a stream of `StreamingInput`): the first input is the prompt with `max_tokens` = the cap.
+At the cap the engine keeps the request and its KV blocks, waiting for more input (WAITING_FOR_STREAMING_REQ).
+`release` sends the second input: the last token it sampled (vLLM drops a chunk's last sampled token from the
+context) with the rest of the answer's `max_tokens`, so the answer goes on exactly as one uninterrupted request
+would. The serving layer above sees one stream: the end of the first input is hidden from it.
+
+Only requests whose sampling the split cannot change are held (`holdable`); others keep the cap of
+decode/server.py (the stream ends there and a router goes on from its ids, router/resume.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+# The hold for the request the serving layer is about to start (`starting`, around that call).
+HOLD: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("rtpd_hold", default=None)
+
+
+@contextlib.contextmanager
+def starting(hold: Hold | None) -> Iterator[None]:
+    """The request the serving layer starts within this block is held by `hold` (if it can be)."""
+    token = HOLD.set(hold)
+    try:
+        yield
+    finally:
+        HOLD.reset(token)
+
+
+def holdable(params: Any, cap: int) -> bool:
+    """Whether a request with these SamplingParams can stop at `cap` and go on unchanged: one sequence streamed
+    in deltas (what vLLM's streaming input takes: no stop strings), more to make than the cap, and nothing whose
+    state the split resets (output-token penalties and min_tokens count the output, which the second input
+    moves into the prompt; a grammar's, a watermark's or a thinking budget's state; a seed's generator)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return (
+        isinstance(params, SamplingParams)
+        and params.n == 1
+        and params.output_kind == RequestOutputKind.DELTA
+        and not params.stop
+        and params.max_tokens is not None
+        and params.max_tokens > cap
+        and not params.min_tokens
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.structured_outputs is None
+        and params.seed is None
+        and params.prompt_logprobs is None
+        and not params.bad_words
+        and not params.watermarking
+        and params.thinking_token_budget is None
+        and not params.repetition_detection
+    )
+
+
+class Hold:
+    """One held answer: its first input ends at `cap` tokens; `release` lets it go on."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = False  # the serving layer's request is this hold's (`holdable`)
+        self._released = asyncio.Event()
+        self._first_end: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._last_token: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """It stopped at the cap and waits for `release` (its KV blocks kept)."""
+        capped = self._first_end.done() and self._first_end.result()
+        return capped and not self._released.is_set()
+
+    def release(self) -> None:
+        """The turn is confirmed: the answer goes on (at once if it is at its cap, else when it gets there)."""
+        self._released.set()
+
+    async def _inputs(self, prompt: Any, first: Any, rest: Any) -> AsyncGenerator[Any, None]:
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs import TokensPrompt
+
+        yield StreamingInput(prompt=prompt, sampling_params=first)
+        if not await self._first_end:  # it ended within the cap: the answer is whole
+            return
+        await self._released.wait()
+        assert self._last_token is not None
+        yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=[self._last_token]), sampling_params=rest)
+
+    async def generate(
+        self, client: Any, prompt: Any, params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        """`client.generate` as the serving layer called it, in two inputs split at the cap."""
+        first, rest = params.clone(), params.clone()
+        first.max_tokens = self.cap
+        rest.max_tokens = params.max_tokens - self.cap
+        rest.extra_args = {k: v for k, v in (params.extra_args or {}).items() if k != "kv_transfer_params"} or None
+        prompt_ids: list[int] | None = None
+        try:
+            async for out in client.generate(self._inputs(prompt, first, rest), params, request_id, **kwargs):
+                if prompt_ids is None and out.prompt_token_ids is not None:
+                    prompt_ids = list(out.prompt_token_ids)  # (vLLM appends each input's tokens to it)
+                out.prompt_token_ids = prompt_ids  # (usage counts the answer's prompt, not the token fed again)
+                completion = out.outputs[0] if out.outputs else None
+                if completion is not None and completion.token_ids:
+                    self._last_token = completion.token_ids[-1]
+                if not self._first_end.done() and completion is not None and completion.finish_reason is not None:
+                    capped = completion.finish_reason == "length"
+                    if capped:  # the cap, not the answer's end: nobody above sees it
+                        completion.finish_reason = completion.stop_reason = None
+                    self._first_end.set_result(capped)
+                yield out
+        finally:
+            if not self._first_end.done():
+                self._first_end.set_result(False)
+
+
+class HoldingClient:
+    """The serving layer's engine client: vLLM's own, except that a request started under a `Hold` (HOLD) that
+    it can take is held at the cap."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        hold = HOLD.get()
+        reasoning = kwargs.get("reasoning_ended") is not None or kwargs.get("reasoning_parser_kwargs") is not None
+        if hold is None or hold.used or reasoning or not holdable(params, hold.cap):
+            return self._client.generate(prompt, params, request_id, **kwargs)
+        hold.used = True
+        return hold.generate(self._client, prompt, params, request_id, **kwargs)
+
+
+def install(engine: Any) -> None:
+    """Start the serving layers' requests on a HoldingClient (serve_app/engine.py `Engine`, once started)."""
+    for serving in engine.serving_layers:
+        serving.engine_client = HoldingClient(serving.engine_client)
