@@ -233,7 +233,10 @@ def work(handles: dict[str, Any]) -> dict[str, float]:
     decode = handles["decode"].stats.remote().result(timeout_s=60)
     speech = handles["speech"].stats.remote().result(timeout_s=60)
     return {
-        "llm_prompt_tokens": prefill["prompt_tokens_computed_total"] + decode["prompt_tokens_computed_total"],
+        # (less the token a held preemptive answer is fed again when it goes on: the decode step on it, decode/hold.py)
+        "llm_prompt_tokens": prefill["prompt_tokens_computed_total"]
+        + decode["prompt_tokens_computed_total"]
+        - decode.get("held_tokens_fed_again", 0),
         "llm_generated_tokens": decode["generation_tokens"],
         "audio_s_transcribed": speech["audio_seconds"],
         "transcriptions": speech["transcriptions"],

@@ -18,8 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
+
+logger = logging.getLogger(__name__)
+# Tokens fed again to held answers that went on, in this process: one each. vLLM counts it a prompt token (it is
+# its second input's); it is the decode step an answer never held would have run on it (decode's stats).
+fed_again = 0
+
+
+def tokens_fed_again() -> int:
+    return fed_again
+
 
 # The hold for the request the serving layer is about to start (`starting`, around that call).
 HOLD: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("rtpd_hold", default=None)
@@ -91,6 +102,8 @@ class Hold:
             return
         await self._released.wait()
         assert self._last_token is not None
+        global fed_again
+        fed_again += 1
         yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=[self._last_token]), sampling_params=rest)
 
     async def generate(
@@ -140,7 +153,14 @@ class HoldingClient:
         return hold.generate(self._client, prompt, params, request_id, **kwargs)
 
 
-def install(engine: Any) -> None:
-    """Start the serving layers' requests on a HoldingClient (serve_app/engine.py `Engine`, once started)."""
+def install(engine: Any) -> bool:
+    """Start the serving layers' requests on a HoldingClient (serve_app/engine.py `Engine`, once started), unless
+    the engine schedules asynchronously (vLLM's default on CUDA): a streaming-input request stopped at its
+    `max_tokens` can then be left unschedulable or handed a token of the step in flight (vllm-project/vllm#50692,
+    vllm-project/vllm-omni#5183), so preemptive answers keep the cap that ends their stream instead."""
+    if engine.async_scheduling:
+        logger.info("async scheduling: preemptive answers stop at their cap instead of being held there")
+        return False
     for serving in engine.serving_layers:
         serving.engine_client = HoldingClient(serving.engine_client)
+    return True

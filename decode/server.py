@@ -20,7 +20,7 @@ from typing import Any, Literal
 from ray import serve
 
 from decode.feed import Batch, Outbox, ShownIds
-from decode.hold import Hold, install, starting
+from decode.hold import Hold, install, starting, tokens_fed_again
 from serve_app import logs, metrics
 from serve_app.autoscaling import ACTIVE_STREAMS
 from serve_app.config import AppConfig
@@ -277,7 +277,8 @@ class DecodeServer:
 
     async def stats(self, request_id_prefix: str | None = None, replica: str | None = None) -> dict[str, Any]:
         """The engine's figures (`replica` routes the call to that replica: router/placement.py)."""
-        return {**await self.engine.compute_stats(request_id_prefix), "replica": self.replica}
+        stats = await self.engine.compute_stats(request_id_prefix)
+        return {**stats, "held_tokens_fed_again": tokens_fed_again(), "replica": self.replica}
 
     def pid(self, replica: str | None = None) -> dict[str, Any]:
         """This replica's id and process id (fault-injection tests kill it)."""

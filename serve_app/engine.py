@@ -276,6 +276,7 @@ class Engine:
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         logger.info("%s engine ready: model=%s side channel %s:%d", self.role, args.model, host, port)
 
     async def utility(self, method: str, *args: Any) -> Any:

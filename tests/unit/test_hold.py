@@ -11,7 +11,7 @@ from typing import Any
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from decode.hold import Hold, HoldingClient, holdable, starting
+from decode.hold import Hold, HoldingClient, holdable, install, starting, tokens_fed_again
 
 PROMPT = [1, 5, 9, 12]
 
@@ -77,8 +77,9 @@ def test_a_held_answer_stops_at_its_cap_and_goes_on_from_its_last_token_when_rel
     async def run() -> None:
         engine = Engine()
         hold = Hold(3)
+        before = tokens_fed_again()
         seen = await collect(HoldingClient(engine), hold, params(max_tokens=10), release_after=3)
-        assert hold.used
+        assert hold.used and tokens_fed_again() == before + 1  # (decode's stats: a decode step, not a prompt's)
         # One stream above: tokens 101..110, the only finish_reason the answer's own, the prompt as it was.
         assert [t for t, _, _ in seen] == list(range(101, 111))
         assert [f for _, f, _ in seen] == [None] * 9 + ["length"]
@@ -136,3 +137,21 @@ def test_requests_started_without_a_hold_go_straight_to_the_engine() -> None:
         assert not hold.used
 
     asyncio.run(run())
+
+
+def test_holds_only_on_an_engine_that_schedules_synchronously() -> None:
+    """vLLM's streaming input stopped at a segment's max_tokens is unsafe under async scheduling (CUDA's default)."""
+
+    class Serving:
+        engine_client = object()
+
+    class Engine:
+        def __init__(self, async_scheduling: bool) -> None:
+            self.async_scheduling = async_scheduling
+            self.serving_layers = (Serving(), Serving())
+
+    sync, overlapped = Engine(False), Engine(True)
+    assert install(sync) and all(isinstance(s.engine_client, HoldingClient) for s in sync.serving_layers)
+    assert not install(overlapped) and not any(
+        isinstance(s.engine_client, HoldingClient) for s in overlapped.serving_layers
+    )
