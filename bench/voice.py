@@ -366,6 +366,9 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
             if system == "cascade" or not base:
                 continue
             ratios = [f"{label} {row.get(key, 0) / base[key]:.2f}x" for key, label in WORK if base.get(key)]
+            llm = [k for k in ("llm_prompt_tokens_per_turn", "llm_generated_tokens_per_turn") if base.get(k)]
+            if llm:  # (the LLM's work: every token it computed, prompt and decoded)
+                ratios.insert(2, f"LLM tokens {sum(row.get(k, 0) for k in llm) / sum(base[k] for k in llm):.2f}x")
             lines.append(f"- {run['voices']} voice(s), {system}: " + ", ".join(ratios))
     decode_step = record.get("decode_step_ms")
     if decode_step:
