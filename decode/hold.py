@@ -23,6 +23,9 @@ from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
+# The longest an answer is held at its cap. Past it the engine request ends (its KV freed: a held request can be
+# neither preempted nor evicted) and the stream ends at the cap as an answer not held does (`expired`).
+HOLD_MAX_S = 10.0
 # Tokens fed again to held answers that went on, in this process: one each. vLLM counts it a prompt token (it is
 # its second input's); it is the decode step an answer never held would have run on it (decode's stats).
 fed_again = 0
@@ -76,9 +79,11 @@ def holdable(params: Any, cap: int) -> bool:
 class Hold:
     """One held answer: its first input ends at `cap` tokens; `release` lets it go on."""
 
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
+    def __init__(self, cap: int, max_s: float = HOLD_MAX_S) -> None:
+        self.cap, self.max_s = cap, max_s
         self.used = False  # the serving layer's request is this hold's (`holdable`)
+        self.expired = False  # held `max_s` without a release: its request ended at the cap
+        self.closed = False  # its stream is being stopped: it never goes on
         self._released = asyncio.Event()
         self._first_end: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._last_token: int | None = None
@@ -87,10 +92,17 @@ class Hold:
     def held(self) -> bool:
         """It stopped at the cap and waits for `release` (its KV blocks kept)."""
         capped = self._first_end.done() and self._first_end.result()
-        return capped and not self._released.is_set()
+        return capped and not self._released.is_set() and not self.expired
 
     def release(self) -> None:
         """The turn is confirmed: the answer goes on (at once if it is at its cap, else when it gets there)."""
+        if not self.closed:
+            self._released.set()
+
+    def close(self) -> None:
+        """Its stream is about to be stopped (call before cancelling it): a release that comes while vLLM aborts
+        the request must not send the second input, which would start the answer again as a request of its own."""
+        self.closed = True
         self._released.set()
 
     async def _inputs(self, prompt: Any, first: Any, rest: Any) -> AsyncGenerator[Any, None]:
@@ -100,7 +112,13 @@ class Hold:
         yield StreamingInput(prompt=prompt, sampling_params=first)
         if not await self._first_end:  # it ended within the cap: the answer is whole
             return
-        await self._released.wait()
+        try:
+            await asyncio.wait_for(self._released.wait(), self.max_s)
+        except TimeoutError:
+            self.expired = True
+            return  # (vLLM's last input: the request ends, its KV freed)
+        if self.closed:  # (not the last input either: vLLM cancels this stream as it aborts the request)
+            await asyncio.Event().wait()
         assert self._last_token is not None
         global fed_again
         fed_again += 1

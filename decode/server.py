@@ -65,6 +65,7 @@ class DecodeServer:
         # Preemptive answers' streams (`start(preemptive=True)`): tokens made so far (the owner counts what it
         # discards), and whether the turn is confirmed yet (a tentatively adopted one keeps its cap and rank).
         self.parked: dict[str, ParkedStream] = {}
+        self.holds: dict[str, Hold] = {}  # stream id -> its answer held at its cap (closed before it is stopped)
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
@@ -108,6 +109,8 @@ class DecodeServer:
             cap = None if held is not None else park_tokens
             parked = ParkedStream(cap, body.get("request_id") or stream_id, consumer, hold=held)
             self.parked[stream_id] = parked
+            if held is not None:
+                self.holds[stream_id] = held
         outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
         return {"replica": self.replica}
 
@@ -145,7 +148,7 @@ class DecodeServer:
         if state is not None:
             state.confirmed = True  # (its record stays until its owner's stop or the reaper: what it made counts)
             if state.hold is not None:
-                state.hold.release()
+                state.hold.release()  # (not once its stream is being stopped: Hold.close)
         request_id = request_id or (state.request_id if state is not None else stream_id)
         with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
             await self.engine.utility("rtpd_set_priority", request_id, 0)
@@ -162,8 +165,10 @@ class DecodeServer:
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
         try:
             async for text in stream:
-                if parked is not None and parked.cap is not None and not parked.confirmed and parked.made >= parked.cap:
-                    message = f"the preemptive answer stopped at {parked.cap} tokens"
+                capped = parked is not None and parked.cap is not None and not parked.confirmed
+                expired = parked is not None and parked.hold is not None and parked.hold.expired
+                if (capped and parked.made >= parked.cap) or expired:  # (a hold that expired ended at its cap)
+                    message = f"the preemptive answer stopped at {parked.hold.cap if expired else parked.cap} tokens"
                     error = error_body(503, message, type_=PREEMPTIVE_CAP)["error"]
                     break
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
@@ -187,6 +192,7 @@ class DecodeServer:
         finally:
             if parked is not None and parked.confirmed:  # the answer now: nobody counts what it made
                 self.parked.pop(stream_id, None)
+            self.holds.pop(stream_id, None)
             try:
                 await stream.aclose()  # closing vLLM's generator aborts the engine request
             finally:
@@ -217,7 +223,7 @@ class DecodeServer:
             if outbox.owner is token:
                 outbox.owner = None
                 if not idle_end:  # the router stopped listening (it left or died): nobody reads these streams
-                    outbox.cancel_all()
+                    self._cancel_all(outbox)
                 if self.outboxes.get(consumer) is outbox and (outbox.idle or not idle_end):
                     del self.outboxes[consumer]
 
@@ -235,6 +241,8 @@ class DecodeServer:
         if outbox is None:
             return {"tokens": state.made if state is not None else 0}
         if (task := outbox.tasks.get(stream_id)) is not None:
+            if (held := self.holds.get(stream_id)) is not None:
+                held.close()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         tokens = state.made if state is not None and owners else 0
@@ -256,8 +264,14 @@ class DecodeServer:
             for consumer, outbox in list(self.outboxes.items()):
                 if not outbox.attached and now - outbox.drained_at > UNCLAIMED_OUTBOX_S:
                     logger.warning("router %s never read its %d streams: aborting them", consumer, len(outbox.tasks))
-                    outbox.cancel_all()
+                    self._cancel_all(outbox)
                     del self.outboxes[consumer]
+
+    def _cancel_all(self, outbox: Outbox) -> None:
+        for stream_id in outbox.tasks:
+            if (held := self.holds.get(stream_id)) is not None:
+                held.close()
+        outbox.cancel_all()
 
     def _active_streams(self) -> int:
         return sum(len(o.tasks) for o in self.outboxes.values())
@@ -278,7 +292,9 @@ class DecodeServer:
     async def stats(self, request_id_prefix: str | None = None, replica: str | None = None) -> dict[str, Any]:
         """The engine's figures (`replica` routes the call to that replica: router/placement.py)."""
         stats = await self.engine.compute_stats(request_id_prefix)
-        return {**stats, "held_tokens_fed_again": tokens_fed_again(), "replica": self.replica}
+        if request_id_prefix is None:  # (a process-wide count: not one request's)
+            stats["held_tokens_fed_again"] = tokens_fed_again()
+        return {**stats, "replica": self.replica}
 
     def pid(self, replica: str | None = None) -> dict[str, Any]:
         """This replica's id and process id (fault-injection tests kill it)."""

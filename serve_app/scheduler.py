@@ -11,11 +11,6 @@ It also counts KV loads that failed (a NIXL transfer or handshake that did not c
 the request, and these counts say how often and how much.
 
 Configured with vLLM's extension point: `scheduler_cls="serve_app.scheduler.AccountingScheduler"`.
-
-And one token of each P/D answer is computed once, not twice: vLLM's decode computes the prompt's last token again
-(it needs its logits), so the prefill stops short of it, as vLLM's NIXL connector already does for Mamba models
-(`_prefill_backoff`: the prefill drops the last prompt token, the decode loads the rest and computes it). Both
-roles load this module, so both sides agree on the split.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import re
 from collections import Counter, OrderedDict
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
@@ -153,13 +147,3 @@ def _rtpd_compute_stats(self: EngineCore, request_id_prefix: str | None = None) 
 # process when vLLM resolves `scheduler_cls`, so the method exists exactly where it is called.
 EngineCore.rtpd_compute_stats = _rtpd_compute_stats  # type: ignore[attr-defined]
 EngineCore.rtpd_set_priority = _rtpd_set_priority  # type: ignore[attr-defined]
-
-_vllm_backoff = NixlBaseConnectorScheduler._prefill_backoff
-
-
-def _prefill_backoff(self: NixlBaseConnectorScheduler) -> int:
-    """Prompt tokens the prefill leaves to the decode: at least the last one, which the decode computes anyway."""
-    return max(1, _vllm_backoff(self))
-
-
-NixlBaseConnectorScheduler._prefill_backoff = _prefill_backoff  # type: ignore[method-assign]

@@ -104,24 +104,6 @@ def test_decode_takes_the_prompt_ids_from_prefill(server, model_name, reference)
     wait_idle("prefill")  # decode read the KV: the prefill replica holds none of it
 
 
-def test_a_disaggregated_prompt_is_computed_once(server, model_name):
-    """Prefill and decode between them compute each prompt token once: decode computes the last one (it needs its
-    logits) and loads the rest over NIXL, so prefill stops short of it (serve_app/scheduler.py)."""
-    rid = f"once-{uuid.uuid4().hex}"
-    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} {LONG}"}]  # (nothing of it in any prefix cache)
-    r = httpx.post(
-        f"{server}/v1/chat/completions",
-        json={"model": model_name, "messages": messages, "max_tokens": 4, "temperature": 0},
-        headers={"X-Request-Id": rid},
-        timeout=120,
-    )
-    assert r.status_code == 200 and r.headers["x-prefilled-by"] == "prefill", r.text
-    prompt = r.json()["usage"]["prompt_tokens"]
-    prefill = engine_stats("prefill", f"chatcmpl-{rid}")["prompt_tokens_computed"]
-    decode = engine_stats("decode", f"chatcmpl-{rid}")["prompt_tokens_computed"]
-    assert (prefill, decode) == (prompt - 1, 1)
-
-
 def test_short_prompt_is_prefilled_by_decode(server, model_name):
     """Conditional disaggregation: a prompt under `router.disaggregation.min_prompt_tokens` never reaches a
     prefill replica (decode computes it all, nothing crosses NIXL); a long one goes through prefill."""

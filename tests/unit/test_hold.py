@@ -155,3 +155,40 @@ def test_holds_only_on_an_engine_that_schedules_synchronously() -> None:
     assert not install(overlapped) and not any(
         isinstance(s.engine_client, HoldingClient) for s in overlapped.serving_layers
     )
+
+
+def test_a_hold_not_released_in_time_ends_at_its_cap() -> None:
+    """Held past max_s: the input stream ends (vLLM frees the request and its KV) and the hold says so, so that
+    decode ends the stream at the cap as for an answer not held."""
+
+    async def run() -> None:
+        engine = Engine()
+        hold = Hold(2, max_s=0.05)
+        seen = await asyncio.wait_for(collect(HoldingClient(engine), hold, params(max_tokens=6)), 5)
+        assert hold.expired and not hold.held and len(engine.inputs) == 1
+        assert [t for t, _, _ in seen] == [101, 102]
+        hold.release()  # (too late: nothing goes on)
+        assert len(engine.inputs) == 1
+
+    asyncio.run(run())
+
+
+def test_a_closed_hold_never_goes_on() -> None:
+    """Closed (its stream is being stopped), a release that comes while vLLM aborts the request sends no second
+    input: the input stream waits to be cancelled instead of ending (its end would be another input too)."""
+
+    async def run() -> None:
+        engine = Engine()
+        hold = Hold(2)
+        task = asyncio.ensure_future(collect(HoldingClient(engine), hold, params(max_tokens=6)))
+        await asyncio.sleep(0.05)
+        assert hold.held
+        hold.close()
+        hold.release()
+        await asyncio.sleep(0.05)
+        assert len(engine.inputs) == 1 and not task.done()  # (no second input, and no end of input)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert len(engine.inputs) == 1
+
+    asyncio.run(run())
