@@ -242,7 +242,7 @@ def _decode_server() -> Any:
     from decode.server import DecodeServer
 
     server = object.__new__(DecodeServer.func_or_class)
-    server.replica, server.outboxes, server.routes, server.parked = "d1", {}, {}, {}
+    server.replica, server.outboxes, server.routes, server.parked, server.holds = "d1", {}, {}, {}, {}
     return server
 
 

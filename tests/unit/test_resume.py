@@ -105,7 +105,7 @@ def test_ids_whose_text_is_held_back_are_reported_only_with_the_text_that_shows_
 
     box = Box()
     server = object.__new__(DecodeServer.func_or_class)
-    server.routes = {"s": box}
+    server.routes, server.holds = {"s": box}, {}
     asyncio.run(server._pump(engine(), "s", "strip"))
     assert seen == [([1, 2], [10]), (None, []), (None, []), (None, [11, 12, 13]), (None, [14])]
 
