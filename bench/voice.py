@@ -47,6 +47,7 @@ import yaml
 from clients import pct_ms
 from tqdm import tqdm
 
+from prefill.preemptive import PreemptiveOptions
 from router.voice.vad import SpeechDetector, VadSettings
 from serve_app.config import SpeechConfig
 from speech.engine import wav_bytes
@@ -265,9 +266,9 @@ async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[
                     runs = [voice_turn(args, base, s, system == "voice+preemptive") for s in turn_slugs]
                 done = await asyncio.gather(*runs)
                 after = await asyncio.to_thread(work, handles)
-                rounds[-1][system] = {key: after[key] - before[key] for key in after}
-                for key in after:
-                    spent[system][key] = spent[system].get(key, 0.0) + after[key] - before[key]
+                rounds[-1][system] = delta = {key: after[key] - before[key] for key in after}
+                for key, value in delta.items():
+                    spent[system][key] = spent[system].get(key, 0.0) + value
                 results[system] += done
                 bar.update(voices)
                 await asyncio.sleep(0.5)  # (the engines settle between systems)
@@ -411,7 +412,7 @@ def main() -> None:
     parser.add_argument(
         "--preemptive-tokens",
         type=int,
-        default=(SpeechConfig().preemptive or {}).get("max_tokens", 64),
+        default=PreemptiveOptions.model_validate(SpeechConfig().preemptive or {}).max_tokens,
         help="voice+preemptive: the answer made at a pause stops (held) there until the turn is confirmed "
         "(default: speech.preemptive's)",
     )

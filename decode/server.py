@@ -48,7 +48,6 @@ class ParkedStream:
     made: int = 0
     confirmed: bool = False
     started_at: float = field(default_factory=time.monotonic)
-    hold: Hold | None = None  # held at its cap by the engine, KV kept, until confirmed (decode/hold.py)
 
 
 @serve.deployment(name="decode", max_ongoing_requests=1024, health_check_period_s=10)
@@ -65,7 +64,9 @@ class DecodeServer:
         # Preemptive answers' streams (`start(preemptive=True)`): tokens made so far (the owner counts what it
         # discards), and whether the turn is confirmed yet (a tentatively adopted one keeps its cap and rank).
         self.parked: dict[str, ParkedStream] = {}
-        self.holds: dict[str, Hold] = {}  # stream id -> its answer held at its cap (closed before it is stopped)
+        # Stream id -> its answer held at its cap by the engine (decode/hold.py), for as long as its stream runs:
+        # released when confirmed, closed before it is stopped.
+        self.holds: dict[str, Hold] = {}
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
@@ -107,7 +108,7 @@ class DecodeServer:
         parked = None
         if preemptive or park_tokens is not None or held is not None:
             cap = None if held is not None else park_tokens
-            parked = ParkedStream(cap, body.get("request_id") or stream_id, consumer, hold=held)
+            parked = ParkedStream(cap, body.get("request_id") or stream_id, consumer)
             self.parked[stream_id] = parked
             if held is not None:
                 self.holds[stream_id] = held
@@ -147,8 +148,8 @@ class DecodeServer:
         state = self.parked.get(stream_id)
         if state is not None:
             state.confirmed = True  # (its record stays until its owner's stop or the reaper: what it made counts)
-            if state.hold is not None:
-                state.hold.release()  # (not once its stream is being stopped: Hold.close)
+        if (held := self.holds.get(stream_id)) is not None:
+            held.release()  # (not once its stream is being stopped: Hold.close)
         request_id = request_id or (state.request_id if state is not None else stream_id)
         with contextlib.suppress(Exception):  # (it still streams; only its rank on a busy engine is lower)
             await self.engine.utility("rtpd_set_priority", request_id, 0)
@@ -163,12 +164,13 @@ class DecodeServer:
         """Engine output into the stream's outbox; `parked`: a preemptive answer's (see `start`)."""
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
+        held = self.holds.get(stream_id)
         try:
             async for text in stream:
                 capped = parked is not None and parked.cap is not None and not parked.confirmed
-                expired = parked is not None and parked.hold is not None and parked.hold.expired
-                if (capped and parked.made >= parked.cap) or expired:  # (a hold that expired ended at its cap)
-                    message = f"the preemptive answer stopped at {parked.hold.cap if expired else parked.cap} tokens"
+                expired = held is not None and held.expired  # (a hold that expired ended at its cap)
+                if (capped and parked.made >= parked.cap) or expired:
+                    message = f"the preemptive answer stopped at {held.cap if expired else parked.cap} tokens"
                     error = error_body(503, message, type_=PREEMPTIVE_CAP)["error"]
                     break
                 if text.startswith('data: {"error"') and (failed := _server_error(text)) is not None:
