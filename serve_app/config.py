@@ -72,6 +72,10 @@ class EngineConfig(_Strict):
     # `required` tool choices work without it (structured outputs force the call). The chat template must
     # render `tools`, assistant `tool_calls` and `tool` messages (the local models' does).
     tool_call_parser: str | None = None
+    # How long the engine's two processes (its scheduler and its model worker) busy-wait for each other's next
+    # message before they sleep between checks (serve_app/ipc_wait.py). vLLM spins for 1 s, through every step
+    # under load: on shared CPU cores that takes the cores the model threads compute on. None: vLLM's own.
+    ipc_spin_us: int | None = Field(default=None, ge=0)
     # Any other AsyncEngineArgs field, verbatim.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # Environment for the engine's processes (set before they start): CPU thread binding

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
+from serve_app import ipc_wait
 from serve_app.config import AppConfig
 from serve_app.protocol import Endpoint, request_model, validation_error_body
 from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
@@ -131,12 +132,14 @@ def die_with_parent() -> bool:
 def _engine_core_main(*args: Any, **kwargs: Any) -> Any:
     install_fate_sharing()  # the workers this engine core starts go through `_worker_main`
     die_with_parent()
+    ipc_wait.install()
     return _wrap("run_engine_core")(*args, **kwargs)
 
 
 def _worker_main(*args: Any, **kwargs: Any) -> Any:
     original = _wrap("worker_main")
     die_with_parent()
+    ipc_wait.install()
     return original(*args, **kwargs)
 
 
@@ -243,6 +246,7 @@ class Engine:
         # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
         host, port = _node_ip(), _free_port()
         os.environ.update(self.app.engine_for(self.role).env)
+        ipc_wait.configure(self.app.engine_for(self.role).ipc_spin_us)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self.side_channel = (host, port)

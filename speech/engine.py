@@ -14,6 +14,7 @@ import os
 import wave
 from typing import Any
 
+from serve_app import ipc_wait
 from serve_app.config import AppConfig, EngineConfig
 from serve_app.engine import install_fate_sharing
 from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
@@ -105,6 +106,7 @@ class SpeechEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(self.app.speech.engine.env)
+        ipc_wait.configure(self.app.speech.engine.ipc_spin_us)
         args = build_args(self.app)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)

@@ -1,14 +1,21 @@
 """Each engine computes on the cores its config binds it to (`VLLM_CPU_OMP_THREADS_BIND`): the thread that runs a
 vLLM worker's model (its main thread) keeps its place after the NIXL connector is made (serve_app/worker_ext.py).
-Before, the connector moved it to the last core, and prefill (bound to core 0) ran on decode's core 1."""
+Before, the connector moved it to the last core, and prefill (bound to core 0) ran on decode's core 1.
+
+And an engine that has just answered leaves the cores alone: its processes stop spinning for each other's
+messages `engine.ipc_spin_us` after the last one (serve_app/ipc_wait.py), not vLLM's 1 s."""
 
 from __future__ import annotations
 
 import os
+import time
 
+import httpx
 import psutil
 import pytest
 from vllm.utils.cpu_resource_utils import parse_id_list
+
+from tests.integration.conftest import APP
 
 pytestmark = pytest.mark.integration
 
@@ -37,3 +44,32 @@ def test_each_engine_computes_on_its_own_cores(server: str) -> None:
             pytest.skip(f"{role} is not bound to cores by its config")
         cores = set(parse_id_list(bind))
         assert os.sched_getaffinity(pid) == cores, (role, os.sched_getaffinity(pid), bind)  # (the main thread)
+
+
+def engine_processes(role: str) -> list[psutil.Process]:
+    """The main app's `role` engine: its engine-core process and the model workers it started."""
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] == "VLLM::EngineCore" and proc.parent().name() == f"ray::ServeReplica:{APP}:{role}":
+                return [proc, *(c for c in proc.children() if c.name() == "VLLM::Worker")]
+        except psutil.Error:
+            continue
+    return []
+
+
+def test_an_engine_that_just_answered_does_not_spin(server: str, model_name: str) -> None:
+    """In the second after an answer vLLM's processes would spin on their queue (a core each, measured: ~100%);
+    bounded, they check it a few thousand times a second and sleep between (a few % of a core)."""
+    procs = {role: engine_processes(role) for role in ("prefill", "decode")}
+    assert all(len(p) == 2 for p in procs.values()), procs
+    prompt = "Spin or sleep. " * 40  # long enough to be prefilled by prefill and handed to decode
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    for _ in range(3):
+        r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        before = {p.pid: sum(p.cpu_times()[:2]) for ps in procs.values() for p in ps}
+        time.sleep(0.5)  # within vLLM's 1 s spin after the last message
+        used = {p.name() + f"/{role}": sum(p.cpu_times()[:2]) - before[p.pid] for role, ps in procs.items() for p in ps}
+        if max(used.values()) < 0.5 * 0.3:
+            return
+    raise AssertionError(f"CPU seconds in the 0.5 s after an answer: {used}")
