@@ -86,7 +86,8 @@ def server() -> Iterator[str]:
     base = f"http://127.0.0.1:{PORT}"
     wait_healthy(base, 120)
     yield base
-    serve.shutdown()
+    # Not `serve.shutdown()`: it waits out every replica's graceful shutdown (~20 s here), and nothing is left to
+    # drain at the end of a run. Ray's shutdown kills the replicas, and each engine's processes die with theirs.
     ray.shutdown()
 
 
