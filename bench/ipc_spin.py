@@ -1,0 +1,150 @@
+"""What bounding the engines' IPC spin (`engine.ipc_spin_us`, serve_app/ipc_wait.py) does to the token path.
+
+The app with the config's setting against the app with vLLM's own 1 s spin (`ipc_spin_us: null`), alternated
+(A B A B ...), each start in a process of its own: on this shared machine whichever system runs first in a
+process measured faster, so one A/B in one run says little. Per run: streamed chats of 128 tokens at 1, 32 and 128
+streams (8, 3 and 1 answers per stream, after 4 warm-ups), tokens/s, TTFT P50, and the CPU of every vLLM
+process (`VLLM::*`: engine cores and workers of prefill, decode and speech) per 1,000 output tokens.
+
+    flock /tmp/rtpd-heavy.lock .venv/bin/python bench/ipc_spin.py [--pairs 3]
+
+Writes bench/results/ipc_spin.json and ipc_spin.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import clients
+import httpx
+import psutil
+import systems
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+LEVELS = ((1, 8), (32, 3), (128, 1))  # streams, answers per stream
+MAX_TOKENS = 128
+
+
+def app_args(vllm_spin: bool) -> dict[str, Any]:
+    args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
+    args = copy.deepcopy(args)
+    if vllm_spin:
+        for engine in (args.get("engine"), (args.get("speech") or {}).get("engine")):
+            if engine is not None:
+                engine["ipc_spin_us"] = None
+    return args
+
+
+def engines_cpu_s() -> float:
+    total = 0.0
+    for proc in psutil.process_iter(["name"]):
+        if (proc.info["name"] or "").startswith("VLLM::"):
+            with contextlib.suppress(psutil.Error):
+                total += sum(proc.cpu_times()[:2])
+    return total
+
+
+async def measure(system: systems.System) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=system.base, timeout=600, limits=limits) as client:
+        for _ in range(4):
+            await clients.chat(client, system.model, MAX_TOKENS)
+        levels: dict[str, Any] = {}
+        for c, n in LEVELS:
+            started, cpu = time.perf_counter(), engines_cpu_s()
+
+            async def loop(n: int = n) -> list[clients.Sample]:
+                return [await clients.chat(client, system.model, MAX_TOKENS) for _ in range(n)]
+
+            samples = [s for batch in await asyncio.gather(*[loop() for _ in range(c)]) for s in batch]
+            wall, tokens = time.perf_counter() - started, sum(s.tokens for s in samples)
+            levels[str(c)] = {
+                "answers": len(samples),
+                "errors": sum(1 for s in samples if s.error),
+                "tok_s": tokens / wall,
+                "ttft_p50_ms": 1e3 * statistics.median(s.ttft for s in samples if s.ttft is not None),
+                "engines_cpu_ms_per_1k_tokens": 1e6 * (engines_cpu_s() - cpu) / max(tokens, 1),
+            }
+        return levels
+
+
+def one(vllm_spin: bool) -> None:
+    """One app start and its measurement, printed as a JSON line (run in a process of its own)."""
+    with systems.app(app_args(vllm_spin)) as system:
+        print("RESULT " + json.dumps(asyncio.run(measure(system))), flush=True)
+
+
+def report(runs: list[dict[str, Any]], command: str, stamp: str) -> str:
+    names = {False: "bounded (config)", True: "vLLM's 1 s spin"}
+    lines = [
+        "# Engines' IPC spin: the config's bound against vLLM's 1 s",
+        "",
+        f"`{command}` ({stamp}); app with `configs/config.yaml` against the same with `ipc_spin_us: null`, "
+        f"alternated, each start a process of its own; streamed chats of {MAX_TOKENS} tokens; engines' CPU: every "
+        "`VLLM::*` process (prefill, decode, speech) per 1,000 output tokens.",
+        "",
+        "| run | system | streams | tok/s | TTFT P50 ms | engines' CPU ms / 1k tok |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, run in enumerate(runs):
+        for c, level in run["levels"].items():
+            lines.append(
+                f"| {i + 1} | {names[run['vllm_spin']]} | {c} | {level['tok_s']:,.0f} | {level['ttft_p50_ms']:,.0f} "
+                f"| {level['engines_cpu_ms_per_1k_tokens']:,.0f} |"
+            )
+    lines += ["", "Ratios, bounded / vLLM's, each pair's (the bounded run first):", ""]
+    lines += ["| pair | streams | tok/s | engines' CPU / 1k tok |", "|---|---|---|---|"]
+    for p in range(0, len(runs) - 1, 2):
+        a, b = runs[p]["levels"], runs[p + 1]["levels"]
+        for c in a:
+            tok = a[c]["tok_s"] / b[c]["tok_s"]
+            cpu = a[c]["engines_cpu_ms_per_1k_tokens"] / b[c]["engines_cpu_ms_per_1k_tokens"]
+            lines.append(f"| {p // 2 + 1} | {c} | {tok:.2f} | {cpu:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--one", choices=["bounded", "vllm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        one(args.one == "vllm")
+        return
+    runs = []
+    for i in range(2 * args.pairs):
+        vllm_spin = i % 2 == 1
+        print(f"run {i + 1}/{2 * args.pairs}: {'vllm spin' if vllm_spin else 'bounded'}", flush=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", "vllm" if vllm_spin else "bounded"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        levels = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        for c, level in levels.items():
+            print(f"  c={c}: {level['tok_s']:,.0f} tok/s, engines {level['engines_cpu_ms_per_1k_tokens']:,.0f} ms/1k")
+        runs.append({"vllm_spin": vllm_spin, "levels": levels})
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    command = f"python bench/ipc_spin.py --pairs {args.pairs}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "ipc_spin.json").write_text(json.dumps({"stamp": stamp, "command": command, "runs": runs}, indent=1))
+    (RESULTS / "ipc_spin.md").write_text(report(runs, command, stamp))
+    print(report(runs, command, stamp))
+
+
+if __name__ == "__main__":
+    main()
