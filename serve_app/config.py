@@ -74,7 +74,8 @@ class EngineConfig(_Strict):
     tool_call_parser: str | None = None
     # How long the engine's two processes (its scheduler and its model worker) busy-wait for each other's next
     # message before they sleep between checks (serve_app/ipc_wait.py). vLLM spins for 1 s, through every step
-    # under load: on shared CPU cores that takes the cores the model threads compute on. None: vLLM's own.
+    # under load: on shared CPU cores that takes the cores the model threads compute on. None: vLLM's own (a role's
+    # null inherits the app-level value; 1000000 there is vLLM's 1 s).
     ipc_spin_us: int | None = Field(default=None, ge=0)
     # Any other AsyncEngineArgs field, verbatim.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)

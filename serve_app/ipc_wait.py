@@ -8,12 +8,15 @@ something spins for a second after it: on CPU cores shared with other engines, t
 spinning takes the cores the model threads need (vllm-project/vllm#52814 makes the window configurable upstream).
 
 With `ipc_spin_us` set, a reader spins that long after its last message, then checks every `SLEEP_S` until vLLM's
-window ends, then waits as vLLM does. The checks read the queue itself, as the spin does; nothing relies on
-the socket's wake-up (the notification can be dropped: a reader polling it alone wakes up seconds late).
-A message that comes after the spin is read at most one sleep late (~0.2 ms here).
+window ends, then waits as vLLM does. Within the window the checks read the queue itself, as the spin does, and
+do not rely on the socket's wake-up (which can be dropped: a reader polling it alone, with vLLM's window at 0,
+woke up seconds late); past it, vLLM's own wait, as before. A message that comes after the spin is read at most
+one sleep late (~0.2 ms here).
 
-Installed in every engine process (`serve_app.engine`'s process entry points) from the environment variable
-`IPC_SPIN_US_ENV`, which `Engine.start` sets from the config.
+Installed in the engine processes vLLM's multiprocessing executor starts (`serve_app.engine`'s process entry
+points; not Ray-actor workers) from the environment variable `IPC_SPIN_US_ENV`, which `Engine.start` and
+`SpeechEngine.start` set from the config. Not with vLLM's native spin-loop extension (`VLLM_USE_SPINLOOP_EXT`),
+which spins before every wait.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ def bounded_wait(spin_s: float) -> Callable[..., None]:
     vllm_wait = _original["wait"]
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        since = time.monotonic() - self.last_read
+        last_read = getattr(self, "last_read", None)
+        if last_read is None:  # (not the reader this was written for: a newer vLLM)
+            vllm_wait(self, timeout_ms)
+            return
+        since = time.monotonic() - last_read
         if since <= spin_s:
             sched_yield()
         elif since <= self.busy_loop_s:
@@ -73,7 +80,10 @@ def install(spin_us: int | None = None) -> bool:
     cls = getattr(shm_broadcast, "SpinCondition", None)
     current = getattr(cls, "wait", None)
     if cls is None or current is None or not hasattr(cls, "record_read"):
-        logger.warning("vLLM's shm_broadcast has no SpinCondition.wait: %s is ignored", IPC_SPIN_US_ENV)
+        logger.warning("vLLM's shm_broadcast has no SpinCondition to bound: %s is ignored", IPC_SPIN_US_ENV)
+        return False
+    if getattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", False):
+        logger.warning("vLLM's spin-loop extension spins before every wait: %s is ignored", IPC_SPIN_US_ENV)
         return False
     _original.setdefault("wait", getattr(current, "rtpd_original", current))
     wait = bounded_wait(spin_us / 1e6)

@@ -1,8 +1,9 @@
 """serve_app/ipc_wait.py on vLLM's own shared-memory queue: a reader spins only `ipc_spin_us` after its last
-message, then sleeps between checks, and still reads every message, whether or not its socket wakes it."""
+message, then sleeps between checks, and still reads every message."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -32,23 +33,51 @@ def reader() -> shm_broadcast.SpinCondition:
     return condition
 
 
-def waits(reader: shm_broadcast.SpinCondition, since_last_read_s: float, n: int = 50) -> float:
-    """How long `n` waits take, `since_last_read_s` after the reader's last message."""
+class Calls:
+    """Counts the spin's yields and the sleeps between checks (instead of timing them: the machine is shared)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.yields = self.sleeps = 0
+        sleep = time.sleep
+        monkeypatch.setattr(os, "sched_yield", self._yield)
+        monkeypatch.setattr(time, "sleep", lambda s: (self._sleep(), sleep(s)))
+
+    def _yield(self) -> None:
+        self.yields += 1
+
+    def _sleep(self) -> None:
+        self.sleeps += 1
+
+
+def waits(reader: shm_broadcast.SpinCondition, since_last_read_s: float, n: int = 50) -> None:
+    """`n` waits, `since_last_read_s` after the reader's last message."""
     reader.last_read = time.monotonic() - since_last_read_s
-    started = time.perf_counter()
     for _ in range(n):
         reader.wait(timeout_ms=1000)
-    return time.perf_counter() - started
 
 
-def test_vllm_spins_for_a_second_after_the_last_message(reader: shm_broadcast.SpinCondition) -> None:
-    assert reader.busy_loop_s == 1  # what this module exists for: 50 waits, 0.5 s after a message, take no time
-    assert waits(reader, 0.5) < 50 * ipc_wait.SLEEP_S
+def test_vllm_spins_for_a_second_after_the_last_message(
+    reader: shm_broadcast.SpinCondition, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = Calls(monkeypatch)
+    assert reader.busy_loop_s == 1  # what this module exists for: 0.5 s after a message, vLLM still spins
+    waits(reader, 0.5)
+    assert (calls.yields, calls.sleeps) == (50, 0)
 
 
-def test_bounded_spin_then_sleeps_between_checks(bounded: None, reader: shm_broadcast.SpinCondition) -> None:
-    assert waits(reader, 0.0) < 50 * ipc_wait.SLEEP_S  # within the spin: no sleep
-    assert waits(reader, 0.5) >= 50 * ipc_wait.SLEEP_S  # past it, within vLLM's window: a sleep a check
+def test_bounded_spin_then_sleeps_between_checks(
+    reader: shm_broadcast.SpinCondition, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = Calls(monkeypatch)
+    try:
+        assert ipc_wait.install(200_000)  # (a spin long enough that the loop stays within it)
+        waits(reader, 0.0)
+        assert (calls.yields, calls.sleeps) == (50, 0)  # within the spin: no sleep
+        assert ipc_wait.install(300)
+        waits(reader, 0.5)  # past it, within vLLM's window: a sleep a check, no spin
+        assert (calls.yields, calls.sleeps) == (50, 50)
+    finally:
+        ipc_wait.uninstall()
 
 
 def test_past_vllms_window_vllms_own_wait(bounded: None, reader: shm_broadcast.SpinCondition) -> None:
@@ -82,6 +111,13 @@ def test_unset_environment_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         ipc_wait.uninstall()
         ipc_wait.configure(None)
+
+
+def test_spin_loop_extension_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", True)
+    vllm_wait = shm_broadcast.SpinCondition.wait
+    assert not ipc_wait.install(300)
+    assert shm_broadcast.SpinCondition.wait is vllm_wait
 
 
 def test_every_message_is_read_across_spin_and_sleep(bounded: None) -> None:
