@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import copy
+import functools
 import json
-import statistics
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import clients
+import cpu
 import httpx
-import psutil
 import systems
 import yaml
 
@@ -40,43 +37,26 @@ MAX_TOKENS = 128
 
 def app_args(vllm_spin: bool) -> dict[str, Any]:
     args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
-    args = copy.deepcopy(args)
-    if vllm_spin:
-        for engine in (args.get("engine"), (args.get("speech") or {}).get("engine")):
-            if engine is not None:
-                engine["ipc_spin_us"] = None
-    return args
-
-
-def engines_cpu_s() -> float:
-    total = 0.0
-    for proc in psutil.process_iter(["name"]):
-        if (proc.info["name"] or "").startswith("VLLM::"):
-            with contextlib.suppress(psutil.Error):
-                total += sum(proc.cpu_times()[:2])
-    return total
+    return systems.vllm_spin(args) if vllm_spin else args
 
 
 async def measure(system: systems.System) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=system.base, timeout=600, limits=limits) as client:
-        for _ in range(4):
-            await clients.chat(client, system.model, MAX_TOKENS)
+        one = functools.partial(clients.chat, client, system.model, MAX_TOKENS)
+        await clients.run_level(one, 1, 4)  # warm-up
+        meter = cpu.CpuMeter(cpu.find_roles({"engines": systems.ENGINES}, system.root))
         levels: dict[str, Any] = {}
         for c, n in LEVELS:
-            started, cpu = time.perf_counter(), engines_cpu_s()
-
-            async def loop(n: int = n) -> list[clients.Sample]:
-                return [await clients.chat(client, system.model, MAX_TOKENS) for _ in range(n)]
-
-            samples = [s for batch in await asyncio.gather(*[loop() for _ in range(c)]) for s in batch]
-            wall, tokens = time.perf_counter() - started, sum(s.tokens for s in samples)
+            meter.start()
+            level = await clients.run_level(one, c, n)
+            engines = meter.stop(level["completion_tokens"])["roles"]["engines"]
             levels[str(c)] = {
-                "answers": len(samples),
-                "errors": sum(1 for s in samples if s.error),
-                "tok_s": tokens / wall,
-                "ttft_p50_ms": 1e3 * statistics.median(s.ttft for s in samples if s.ttft is not None),
-                "engines_cpu_ms_per_1k_tokens": 1e6 * (engines_cpu_s() - cpu) / max(tokens, 1),
+                "answers": level["requests"],
+                "errors": level["errors"],
+                "tok_s": level["output_tok_s"],
+                "ttft_p50_ms": level["ttft_p50_ms"],
+                "engines_cpu_ms_per_1k_tokens": engines["ms_per_1k_tokens"],
             }
         return levels
 

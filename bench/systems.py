@@ -14,6 +14,7 @@ that outlive `ray.shutdown()` (vLLM engine cores have been seen to), which are k
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -144,6 +145,15 @@ def _ingress(haproxy: bool | None) -> Iterator[None]:
 def _proxy_role() -> str:
     """The ingress process of the Ray instance running now: HAProxy, or Serve's own proxy."""
     return "haproxy -db" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "ProxyActor"
+
+
+def vllm_spin(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with every engine's `ipc_spin_us` unset (serve_app/ipc_wait.py: vLLM's own wait)."""
+    args = copy.deepcopy(app_args)
+    for engine in (args.get("engine"), (args.get("speech") or {}).get("engine")):
+        if engine is not None:
+            engine["ipc_spin_us"] = None
+    return args
 
 
 @contextlib.contextmanager

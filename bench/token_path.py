@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import functools
 import json
 import os
@@ -52,17 +51,8 @@ SYSTEMS = {
     # cores; it must not spin while no audio flows).
     "app_no_speech": lambda app_args: systems.app({k: v for k, v in app_args.items() if k != "speech"}),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
-    "app_vllm_spin": lambda app_args: systems.app(vllm_spin(app_args)),
+    "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }
-
-
-def vllm_spin(app_args: dict[str, Any]) -> dict[str, Any]:
-    """`app_args` with every engine's `ipc_spin_us` unset (serve_app/ipc_wait.py: vLLM's own wait)."""
-    args = copy.deepcopy(app_args)
-    for engine in (args.get("engine"), (args.get("speech") or {}).get("engine")):
-        if engine is not None:
-            engine["ipc_spin_us"] = None
-    return args
 
 
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}

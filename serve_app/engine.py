@@ -245,8 +245,9 @@ class Engine:
         # Every replica gets its own NIXL side channel: a free port on this node, reachable by IP so that
         # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
         host, port = _node_ip(), _free_port()
-        os.environ.update(self.app.engine_for(self.role).env)
-        ipc_wait.configure(self.app.engine_for(self.role).ipc_spin_us)
+        engine = self.app.engine_for(self.role)
+        os.environ.update(engine.env)
+        ipc_wait.configure(engine.ipc_spin_us)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self.side_channel = (host, port)
