@@ -7,6 +7,7 @@ messages `engine.ipc_spin_us` after the last one (serve_app/ipc_wait.py), not vL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -20,18 +21,24 @@ from tests.integration.conftest import APP
 pytestmark = pytest.mark.integration
 
 
-def workers() -> dict[str, tuple[int, str]]:
-    """Each role's engine worker process on this machine: role -> (pid, its bind setting)."""
-    found: dict[str, tuple[int, str]] = {}
+def engine_processes(role: str) -> list[psutil.Process]:
+    """The main app's `role` engine: its engine-core process and the model workers it started."""
     for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] != "VLLM::Worker":
-            continue
         try:
-            replica = next(p.name() for p in proc.parents() if p.name().startswith("ray::ServeReplica"))
-            bind = proc.environ().get("VLLM_CPU_OMP_THREADS_BIND", "")
-        except (psutil.Error, StopIteration):
+            if proc.info["name"] == "VLLM::EngineCore" and proc.parent().name() == f"ray::ServeReplica:{APP}:{role}":
+                return [proc, *(c for c in proc.children() if c.name() == "VLLM::Worker")]
+        except psutil.Error:
             continue
-        found[replica.rsplit(":", 1)[-1]] = (proc.pid, bind)
+    return []
+
+
+def workers() -> dict[str, tuple[int, str]]:
+    """Each role's engine worker process of the main app: role -> (pid, its bind setting)."""
+    found: dict[str, tuple[int, str]] = {}
+    for role in ("prefill", "decode"):
+        for proc in engine_processes(role)[1:]:
+            with contextlib.suppress(psutil.Error):
+                found[role] = (proc.pid, proc.environ().get("VLLM_CPU_OMP_THREADS_BIND", ""))
     return found
 
 
@@ -44,17 +51,6 @@ def test_each_engine_computes_on_its_own_cores(server: str) -> None:
             pytest.skip(f"{role} is not bound to cores by its config")
         cores = set(parse_id_list(bind))
         assert os.sched_getaffinity(pid) == cores, (role, os.sched_getaffinity(pid), bind)  # (the main thread)
-
-
-def engine_processes(role: str) -> list[psutil.Process]:
-    """The main app's `role` engine: its engine-core process and the model workers it started."""
-    for proc in psutil.process_iter(["name"]):
-        try:
-            if proc.info["name"] == "VLLM::EngineCore" and proc.parent().name() == f"ray::ServeReplica:{APP}:{role}":
-                return [proc, *(c for c in proc.children() if c.name() == "VLLM::Worker")]
-        except psutil.Error:
-            continue
-    return []
 
 
 def test_an_engine_that_just_answered_does_not_spin(server: str, model_name: str) -> None:
