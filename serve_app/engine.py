@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
-from serve_app import idle_engine, ipc_wait
+from serve_app import ipc_wait
 from serve_app.config import AppConfig
 from serve_app.protocol import Endpoint, request_model, validation_error_body
 from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
@@ -133,7 +133,6 @@ def _engine_core_main(*args: Any, **kwargs: Any) -> Any:
     install_fate_sharing()  # the workers this engine core starts go through `_worker_main`
     die_with_parent()
     ipc_wait.install()
-    idle_engine.install()  # (KV held for decode to read: no step every ms)
     return _wrap("run_engine_core")(*args, **kwargs)
 
 

@@ -7,13 +7,11 @@ never ends, so the engine core spins through every step its worker computes, and
 something spins for a second after it: on CPU cores shared with other engines, the router and the replicas, the
 spinning takes the cores the model threads need (vllm-project/vllm#52814 makes the window configurable upstream).
 
-With `ipc_spin_us` set, a reader spins that long after its last message, then checks the queue between sleeps
-until vLLM's window ends, then waits as vLLM does. Within the window the checks read the queue itself, as the spin
-does, and do not rely on the socket's wake-up (which can be dropped: a reader polling it alone, with vLLM's window
-at 0, woke up seconds late); past it, vLLM's own wait, as before. The sleeps grow with the silence, a twentieth of
-it, from `SLEEP_S` to `MAX_SLEEP_S`: checks every 0.1-0.2 ms cost a reader ~15% of a core for the whole window
-(an engine stepped each second stayed in it), every 1 ms ~2%. A message that comes after the spin is read at most
-a twentieth of the silence before it late, and 1 ms at most.
+With `ipc_spin_us` set, a reader spins that long after its last message, then checks every `SLEEP_S` until vLLM's
+window ends, then waits as vLLM does. Within the window the checks read the queue itself, as the spin does, and
+do not rely on the socket's wake-up (which can be dropped: a reader polling it alone, with vLLM's window at 0,
+woke up seconds late); past it, vLLM's own wait, as before. A message that comes after the spin is read at most
+one sleep late (~0.2 ms here).
 
 Installed in the engine processes vLLM's multiprocessing executor starts (`serve_app.engine`'s process entry
 points; not Ray-actor workers) from the environment variable `IPC_SPIN_US_ENV`, which `Engine.start` and
@@ -32,14 +30,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 IPC_SPIN_US_ENV = "RTPD_IPC_SPIN_US"
-SLEEP_S = 100e-6  # between the first checks once the spin is over (time.sleep rounds it up to ~0.2 ms here)
-MAX_SLEEP_S = 1e-3  # between checks after a silence of 20 ms or more
-
-
-def sleep_s(silence_s: float) -> float:
-    """The sleep before the next check, `silence_s` past the spin: a twentieth of it, within the bounds."""
-    return min(MAX_SLEEP_S, max(SLEEP_S, silence_s / 20))
-
+SLEEP_S = 100e-6  # between checks once the spin is over (time.sleep rounds it up to ~0.2 ms here)
 
 _original: dict[str, Callable[..., Any]] = {}
 
@@ -59,7 +50,7 @@ def bounded_wait(spin_s: float) -> Callable[..., None]:
         if since <= spin_s:
             sched_yield()
         elif since <= self.busy_loop_s:
-            time.sleep(sleep_s(since - spin_s))
+            time.sleep(SLEEP_S)
         else:  # idle past vLLM's window: its own wait (a socket poll with a timeout, then the queue again)
             vllm_wait(self, timeout_ms)
 

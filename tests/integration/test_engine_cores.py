@@ -3,20 +3,17 @@ vLLM worker's model (its main thread) keeps its place after the NIXL connector i
 Before, the connector moved it to the last core, and prefill (bound to core 0) ran on decode's core 1.
 
 And an engine that has just answered leaves the cores alone: its processes stop spinning for each other's
-messages `engine.ipc_spin_us` after the last one (serve_app/ipc_wait.py), not vLLM's 1 s; nor does a prefill
-engine whose only work is KV held for decode to read (serve_app/idle_engine.py)."""
+messages `engine.ipc_spin_us` after the last one (serve_app/ipc_wait.py), not vLLM's 1 s."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-import uuid
 
 import httpx
 import psutil
 import pytest
-from ray import serve
 from vllm.utils.cpu_resource_utils import parse_id_list
 
 from tests.integration.conftest import APP
@@ -72,28 +69,3 @@ def test_an_engine_that_just_answered_does_not_spin(server: str, model_name: str
         if max(used.values()) < 0.5 * 0.3:
             return
     raise AssertionError(f"CPU seconds in the 0.5 s after an answer: {used}")
-
-
-def test_kv_held_for_decode_leaves_the_cores_alone(server: str, model_name: str) -> None:
-    """A hand-off decode has not read yet (a preemptive answer given up before its decode started, say) keeps its
-    blocks until NIXL's lease ends (30 s here). vLLM stepped the prefill engine every millisecond meanwhile, to learn
-    of the read: ~60% of a core between its two processes, measured in a four-voice run. It now waits for input,
-    and looks again each second."""
-    procs = engine_processes("prefill")
-    assert len(procs) == 2, procs
-    body = {"model": model_name, "prompt": "Held for decode. " * 40, "max_tokens": 8, "temperature": 0}
-    prefill = serve.get_deployment_handle("prefill", app_name=APP)
-    made = prefill.prefill.remote("completion", {**body, "request_id": f"unread-{uuid.uuid4().hex}"})
-    params = made.result(timeout_s=120)["kv_transfer_params"]
-    try:
-        time.sleep(1.2)  # (past the queues' spin after the hand-off's last message)
-        before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-        time.sleep(1.0)
-        used = {f"{p.name()}/{p.pid}": round(sum(p.cpu_times()[:2]) - before[p.pid], 3) for p in procs}
-    finally:  # decode reads it: nothing is left held for the tests after this one
-        decode = serve.get_deployment_handle("decode", app_name=APP)
-        read = {**body, "kv_transfer_params": params}
-        decode.start.remote(consumer="test", stream_id=uuid.uuid4().hex, endpoint="completion", body=read).result(
-            timeout_s=120
-        )
-    assert sum(used.values()) < 0.1, f"CPU seconds of the prefill engine in 1 s with KV held for decode: {used}"
