@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import cpu
 import httpx
 import numpy as np
 import record as record_io
@@ -62,6 +63,7 @@ WORK = (
     ("llm_generated_tokens_per_turn", "tokens decoded"),
     ("audio_s_transcribed_per_turn", "audio transcribed"),
     ("transcriptions_per_turn", "transcriptions"),
+    ("engine_cpu_s_per_turn", "engines' CPU"),
 )
 
 
@@ -153,6 +155,8 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
             out["error"] = "no response.done within 60 s"
     eos = start + speech_end
     out["answer"] = "".join(text)
+    # Each event's first arrival, ms after the end of speech (where a slow turn spent its time).
+    out["events_ms"] = {kind: round((at - eos) * 1000, 1) for kind, at in sorted(times.items(), key=lambda kv: kv[1])}
     if "response.output_text.delta" in times:
         out["eos_to_first_s"] = times["response.output_text.delta"] - eos
     if "conversation.item.input_audio_transcription.completed" in times:
@@ -226,10 +230,12 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
         microphone.cancel()  # (a failure above: the microphone stops too)
 
 
-def work(handles: dict[str, Any]) -> dict[str, float]:
+def work(handles: dict[str, Any], processes: dict[str, list[Any]]) -> dict[str, float]:
     """Running totals of the engines' work: prompt tokens computed on prefill and decode, tokens decoded (a
     prefill's sampled token is not counted: its logits come with the prompt's, no pass of its own), audio seconds
-    transcribed."""
+    transcribed; and CPU seconds of every engine process (speech, prefill and decode: the LLM's work and the
+    recognizer's in one unit) and of the router replicas (where the voice systems' VAD runs; the cascade's runs in
+    this client)."""
     prefill = handles["prefill"].stats.remote().result(timeout_s=60)
     decode = handles["decode"].stats.remote().result(timeout_s=60)
     speech = handles["speech"].stats.remote().result(timeout_s=60)
@@ -241,10 +247,14 @@ def work(handles: dict[str, Any]) -> dict[str, float]:
         "llm_generated_tokens": decode["generation_tokens"],
         "audio_s_transcribed": speech["audio_seconds"],
         "transcriptions": speech["transcriptions"],
+        "engine_cpu_s": cpu._cpu_s(processes["engines"]),
+        "router_cpu_s": cpu._cpu_s(processes["router"]),
     }
 
 
-async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[str, Any]) -> dict[str, Any]:
+async def level(
+    args: argparse.Namespace, base: str, voices: int, handles: dict[str, Any], processes: dict[str, list[Any]]
+) -> dict[str, Any]:
     rng = random.Random(voices)
     slugs = list(SENTENCES)
     rng.shuffle(slugs)  # (each round's sentences are every system's: their work compares the same turns)
@@ -259,13 +269,13 @@ async def level(args: argparse.Namespace, base: str, voices: int, handles: dict[
             turn_slugs = [slugs[(round_ * voices + v) % len(slugs)] for v in range(voices)]
             rounds.append({"sentences": turn_slugs})
             for system in order:
-                before = await asyncio.to_thread(work, handles)
+                before = await asyncio.to_thread(work, handles, processes)
                 if system == "cascade":
                     runs = [cascade_turn(args, base, s, client) for s in turn_slugs]
                 else:
                     runs = [voice_turn(args, base, s, system == "voice+preemptive") for s in turn_slugs]
                 done = await asyncio.gather(*runs)
-                after = await asyncio.to_thread(work, handles)
+                after = await asyncio.to_thread(work, handles, processes)
                 rounds[-1][system] = delta = {key: after[key] - before[key] for key in after}
                 for key, value in delta.items():
                     spent[system][key] = spent[system].get(key, 0.0) + value
@@ -331,15 +341,18 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         f"{args.preemptive_tokens} (held there until the turn is confirmed); speech.pause_lead_ms "
         f"{args.pause_lead_ms} (a pause counts that long before the window ends; null: at 96 ms of silence); each "
         "round's sentences the same for every system, the 16 in "
-        "turn; work per turn: prompt tokens computed on prefill and decode, tokens decoded; audio paced in "
+        "turn; work per turn: prompt tokens computed on prefill and decode, tokens decoded, CPU of every engine "
+        "process (speech, prefill, decode: the recognizer's work and the LLM's in one unit) and of the router "
+        "(the voice systems' VAD runs there, the cascade's in the bench client); audio paced in "
         f'{FRAME_S * 1000:.0f} ms frames. "VAD stop": end of speech → the VAD\'s end of turn (`speech_stopped`; '
         'the cascade\'s own VAD, the same model and settings); "stop → first": from there to the first token.',
         "",
         "| voices | system | P50 / P95 / P99 ms | P50 over silence | VAD stop P50 | stop → first P50 / P95 "
         "| transcript lag P50 | exact transcripts | preemptive delivered (made before stop P50 / P5) "
         "| same answer as cascade | audio s / turn "
-        "| transcriptions / turn | LLM prompt tok / turn | decoded / turn |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| transcriptions / turn | LLM prompt tok / turn | decoded / turn | engines' CPU ms / turn "
+        "| router CPU ms / turn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in record["runs"]:
         for system, row in run["summary"].items():
@@ -358,7 +371,9 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
                 + f" | {same} "
                 f"| {row.get('audio_s_transcribed_per_turn', 0):.1f} | {row.get('transcriptions_per_turn', 0):.1f} "
                 f"| {row.get('llm_prompt_tokens_per_turn', 0):.1f} "
-                f"| {row.get('llm_generated_tokens_per_turn', 0):.1f} |"
+                f"| {row.get('llm_generated_tokens_per_turn', 0):.1f} "
+                f"| {1000 * row.get('engine_cpu_s_per_turn', 0):.0f} "
+                f"| {1000 * row.get('router_cpu_s_per_turn', 0):.0f} |"
             )
     lines += ["", "Work per turn against the cascade's (the same sentences):", ""]
     for run in record["runs"]:
@@ -447,8 +462,9 @@ def main() -> None:
             role: serve.get_deployment_handle(role, app_name=systems.APP_NAME)
             for role in ("prefill", "decode", "speech")
         }
+        processes = cpu.find_roles({"engines": systems.ENGINES, "router": app.roles["router"]}, app.root)
         step = asyncio.run(decode_step_ms(app.base))
-        runs = [asyncio.run(level(args, app.base, voices, handles)) for voices in args.voices]
+        runs = [asyncio.run(level(args, app.base, voices, handles, processes)) for voices in args.voices]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     record = {"args": record_io.portable(vars(args)), "runs": runs, "stamp": stamp}
     record["decode_step_ms"] = step
