@@ -115,6 +115,15 @@ class DecodeServer:
         outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
         return {"replica": self.replica}
 
+    async def release(self, *, request_id: str, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        """Free the KV a prefill replica holds for a hand-off nobody will read (a preemptive answer given up before
+        its decode started, prefill/preemptive.py): this engine's connector tells that replica to release it, as
+        vLLM's serving layer does for a request it rejects. Otherwise NIXL holds it for the whole lease. (Sent on this
+        engine's next step; a replica that never read from that prefill replica sends it once their handshake is
+        done, at the step after.)"""
+        await self.engine.client.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+        return {}
+
     async def adopt(
         self,
         *,

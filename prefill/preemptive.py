@@ -96,6 +96,11 @@ class PreemptState:
         }
 
 
+def _log_failure(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled() and call.exception() is not None:  # (the lease frees the KV in the end)
+        logger.warning("releasing a preemptive hand-off on decode failed: %s", call.exception())
+
+
 async def _notify(session: Any) -> None:
     async with session.changed:
         session.changed.notify_all()
@@ -218,7 +223,15 @@ class Preemptive:
             request.update(stream=True, stream_options={"include_usage": True}, request_id=live.stream_id)
             if session.streaming.active:  # the input may still grow: its tokens are the session's to compute, once
                 await session.streaming.catch_up(CATCH_UP_S)
-            handoff = await self.prefill(session.endpoint, request, session.streaming, preemptive=True)
+            hand = asyncio.ensure_future(self.prefill(session.endpoint, request, session.streaming, preemptive=True))
+            try:
+                handoff = await asyncio.shield(hand)
+            except asyncio.CancelledError:
+                # Given up meanwhile: the hand-off goes on rather than being cancelled (an engine request that had
+                # finished already would keep its KV for decode, unread, the whole NIXL lease, its engine stepping
+                # every ms), and decode releases what it made.
+                hand.add_done_callback(lambda done: self._release_handoff(done, live.stream_id))
+                raise
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
             body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
@@ -255,6 +268,16 @@ class Preemptive:
             if state.live is live:
                 state.live = None
             metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="failed")
+
+    def _release_handoff(self, hand: asyncio.Future[dict[str, Any]], stream_id: str) -> None:
+        """A preemptive hand-off whose answer was given up before its decode started: decode frees its KV on this
+        replica (vLLM's `notify_kv_transfer_request_rejected`), as it does for a request it rejects."""
+        if hand.cancelled() or hand.exception() is not None:
+            return
+        params = hand.result().get("kv_transfer_params")
+        if params:
+            release = self.decode.release.remote(request_id=f"{stream_id}-released", kv_transfer_params=params)
+            asyncio.ensure_future(release).add_done_callback(_log_failure)
 
     def _preempt_discard(self, session: Any, why: str) -> None:
         """Give the live preemptive answer up: its hand-off stops, and so does its decode request."""

@@ -9,12 +9,14 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
 import websockets
+from ray import serve
 
-from tests.integration.conftest import METRICS_PORT, engine_stats, wait_idle
+from tests.integration.conftest import APP, METRICS_PORT, engine_stats, wait_idle
 from tests.integration.test_streaming_input import (
     SESSIONS,
     TEXT,
@@ -446,3 +448,23 @@ def test_realtime_response_create_releases_the_held_answer(server, model_name):
     assert (answer["status"], answer["text"]) == ("completed", text), answer  # the conversation has it
     assert wait_for(lambda: released_reads() > before, timeout=30), "not released on the router"
     wait_idle("decode")
+
+
+def test_a_hand_off_nobody_will_read_is_released_on_decode(server, model_name):
+    """A preemptive answer given up while its hand-off was made leaves KV that no decode will read: decode's
+    `release` frees it on the prefill replica at once (vLLM's rejected-request path). NIXL held it for the whole
+    lease (30 s here), the prefill engine stepping every millisecond meanwhile (a whole core, measured)."""
+    body = {"model": model_name, "prompt": "Nobody reads this. " * 40, "max_tokens": 8, "temperature": 0}
+    # (an answer first, as the session's turns before: decode's connector knows the prefill replica's; a first
+    # contact's handshake would finish after decode's one step for the release, and the release wait for the next)
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=60).status_code == 200
+    wait_idle("prefill")
+    prefill = serve.get_deployment_handle("prefill", app_name=APP)
+    request_id = f"unread-{uuid.uuid4().hex}"
+    made = prefill.prefill.remote("completion", {**body, "request_id": request_id}).result(timeout_s=120)
+    time.sleep(0.5)
+    assert engine_stats("prefill")["num_requests"] == 1  # held for a decode that will not come
+    decode = serve.get_deployment_handle("decode", app_name=APP)
+    release = decode.release.remote(request_id=f"{request_id}-released", kv_transfer_params=made["kv_transfer_params"])
+    release.result(timeout_s=60)
+    wait_idle("prefill", timeout=5)  # freed, well within the lease

@@ -34,7 +34,8 @@ class FakeDecode:
     def __init__(self) -> None:
         self.start = Method({"replica": "d1"})
         self.stop = Method({"tokens": 5})  # what a stopped parked stream had made
-        self.started, self.stopped = self.start.calls, self.stop.calls
+        self.release = Method({})
+        self.started, self.stopped, self.released = self.start.calls, self.stop.calls, self.release.calls
 
 
 class PreemptiveServer(Server):
@@ -143,11 +144,32 @@ async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_a
     await idle()
     assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1"]
     await server.chunk(session, "", end=True)
-    server.gate.set()  # (now: the ordinary hand-off goes through; the preemptive one was cancelled waiting)
+    server.gate.set()  # (now: the ordinary hand-off goes through, and the preemptive one, given up, is released)
     claim = await server.session_claim(session_id=session.id)
     assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
     assert server.decode.started == []  # decode never started it
     assert session.describe()["preemptive"]["discarded"] == 1
+
+
+async def test_a_hand_off_made_for_an_answer_given_up_is_released_on_decode(server: PreemptiveServer) -> None:
+    """Given up while its hand-off is made, a preemptive answer's hand-off is not cancelled: an engine request that
+    had finished meanwhile would keep its KV for decode, unread, for the whole NIXL lease (its engine stepping every
+    millisecond: measured, the prefill worker at ~50% of a core through four-voice runs). It goes on, and decode is
+    told to release what it made."""
+    session = server.open_preemptive()
+    server.gate = asyncio.Event()
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    await server.chunk(session, "", end=True)  # given up: its hand-off was not made yet
+    server.gate.set()
+    claim = await server.session_claim(session_id=session.id)
+    await asyncio.sleep(0.01)
+    assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1", f"{session.id}-t0-h1"]
+    assert server.decode.started == []
+    (released,) = server.decode.released  # the preemptive hand-off's KV, not the answer's
+    assert "handoff" in released["kv_transfer_params"]
+    assert released["kv_transfer_params"] is not claim["request"]["kv_transfer_params"]
+    assert released["request_id"].startswith(f"{session.id}-t0-p1")
 
 
 async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server: PreemptiveServer) -> None:
