@@ -38,6 +38,10 @@ PASSING = (BUSY, AT_CAP)
 RETRY_MAX_S = 2.0
 # The session's request computes the input before the hand-off is made (at most this long): the hand-off reuses it.
 CATCH_UP_S = 1.0
+# A hand-off given up while it was made runs on this long at most, then is aborted as before: queued below all other
+# work, it would otherwise keep its place in the engine's queue (and in `queue_waiting`) up to the admission timeout.
+GIVEN_UP_WAIT_S = 2.0
+_RELEASING: set[asyncio.Future[Any]] = set()  # (given-up hand-offs and their releases, referenced until done)
 
 
 class PreemptiveOptions(BaseModel):
@@ -94,6 +98,12 @@ class PreemptState:
             "live": self.live is not None,
             "input": input_tag(self.fingerprint),  # (a realtime connection releases a held answer made from it)
         }
+
+
+def _keep(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    _RELEASING.add(future)
+    future.add_done_callback(_RELEASING.discard)
+    return future
 
 
 def _log_failure(call: asyncio.Future[Any]) -> None:
@@ -227,10 +237,12 @@ class Preemptive:
             try:
                 handoff = await asyncio.shield(hand)
             except asyncio.CancelledError:
-                # Given up meanwhile: the hand-off goes on rather than being cancelled (an engine request that had
-                # finished already would keep its KV for decode, unread, the whole NIXL lease, its engine stepping
-                # every ms), and decode releases what it made.
+                # Given up meanwhile: the hand-off goes on for a while rather than being cancelled (an engine request
+                # that had finished already would keep its KV for decode, unread, the whole NIXL lease, its engine
+                # stepping every ms), and decode releases what it made.
+                _keep(hand)
                 hand.add_done_callback(lambda done: self._release_handoff(done, live.stream_id))
+                asyncio.get_running_loop().call_later(GIVEN_UP_WAIT_S, hand.cancel)
                 raise
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
@@ -275,9 +287,13 @@ class Preemptive:
         if hand.cancelled() or hand.exception() is not None:
             return
         params = hand.result().get("kv_transfer_params")
-        if params:
+        if not params:
+            return
+        try:
             release = self.decode.release.remote(request_id=f"{stream_id}-released", kv_transfer_params=params)
-            asyncio.ensure_future(release).add_done_callback(_log_failure)
+            _keep(asyncio.ensure_future(release)).add_done_callback(_log_failure)
+        except Exception as e:  # (no decode handle, or it is shutting down: the lease frees the KV in the end)
+            logger.warning("releasing a preemptive hand-off on decode failed: %s", e)
 
     def _preempt_discard(self, session: Any, why: str) -> None:
         """Give the live preemptive answer up: its hand-off stops, and so does its decode request."""

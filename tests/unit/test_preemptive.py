@@ -43,11 +43,16 @@ class PreemptiveServer(Server):
         super().__init__(tokenizer)
         self.decode = FakeDecode()
         self._scheduler_stats: dict[str, Any] = {}
+        self.cancelled: list[str] = []  # hand-offs cancelled while made (their engine requests aborted)
 
     async def prefill(
         self, endpoint: str, body: dict[str, Any], streaming: Any, preemptive: bool = False
     ) -> dict[str, Any]:
-        return await super().prefill(endpoint, {**body, "preemptive": preemptive}, streaming)
+        try:
+            return await super().prefill(endpoint, {**body, "preemptive": preemptive}, streaming)
+        except asyncio.CancelledError:
+            self.cancelled.append(body.get("request_id"))
+            raise
 
     def open_preemptive(self, **options: Any) -> Session:
         from prefill.preemptive import PreemptiveOptions, PreemptState
@@ -170,6 +175,23 @@ async def test_a_hand_off_made_for_an_answer_given_up_is_released_on_decode(serv
     assert "handoff" in released["kv_transfer_params"]
     assert released["kv_transfer_params"] is not claim["request"]["kv_transfer_params"]
     assert released["request_id"].startswith(f"{session.id}-t0-p1")
+
+
+async def test_a_hand_off_given_up_that_is_not_made_in_time_is_aborted(
+    server: PreemptiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued below all other work, a given-up hand-off would keep its place in the engine's queue up to the
+    admission timeout: past `GIVEN_UP_WAIT_S` it is aborted as before, and nothing is released."""
+    monkeypatch.setattr("prefill.preemptive.GIVEN_UP_WAIT_S", 0.4)
+    session = server.open_preemptive()
+    server.gate = asyncio.Event()  # never made
+    await server.chunk(session, "What is a KV cache? ")
+    await idle()
+    await server.chunk(session, "And a block table? ")  # given up
+    await asyncio.sleep(0.01)
+    assert server.cancelled == []  # still being made
+    await asyncio.sleep(0.6)
+    assert server.cancelled == [f"{session.id}-t0-p1"] and server.decode.released == []
 
 
 async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server: PreemptiveServer) -> None:
