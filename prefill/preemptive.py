@@ -41,7 +41,7 @@ CATCH_UP_S = 1.0
 # A hand-off given up while it was made runs on this long at most, then is aborted as before: queued below all other
 # work, it would otherwise keep its place in the engine's queue (and in `queue_waiting`) up to the admission timeout.
 GIVEN_UP_WAIT_S = 2.0
-_RELEASING: set[asyncio.Future[Any]] = set()  # (given-up hand-offs and their releases, referenced until done)
+_RELEASING: set[asyncio.Task[None]] = set()  # (given-up hand-offs' releases, referenced until done)
 
 
 class PreemptiveOptions(BaseModel):
@@ -98,17 +98,6 @@ class PreemptState:
             "live": self.live is not None,
             "input": input_tag(self.fingerprint),  # (a realtime connection releases a held answer made from it)
         }
-
-
-def _keep(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
-    _RELEASING.add(future)
-    future.add_done_callback(_RELEASING.discard)
-    return future
-
-
-def _log_failure(call: asyncio.Future[Any]) -> None:
-    if not call.cancelled() and call.exception() is not None:  # (the lease frees the KV in the end)
-        logger.warning("releasing a preemptive hand-off on decode failed: %s", call.exception())
 
 
 async def _notify(session: Any) -> None:
@@ -240,9 +229,9 @@ class Preemptive:
                 # Given up meanwhile: the hand-off goes on for a while rather than being cancelled (an engine request
                 # that had finished already would keep its KV for decode, unread, the whole NIXL lease, its engine
                 # stepping every ms), and decode releases what it made.
-                _keep(hand)
-                hand.add_done_callback(lambda done: self._release_handoff(done, live.stream_id))
-                asyncio.get_running_loop().call_later(GIVEN_UP_WAIT_S, hand.cancel)
+                release = asyncio.ensure_future(self._release_when_made(hand, live.stream_id))
+                _RELEASING.add(release)
+                release.add_done_callback(_RELEASING.discard)
                 raise
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))
@@ -281,22 +270,24 @@ class Preemptive:
                 state.live = None
             metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="failed")
 
-    def _release_handoff(self, hand: asyncio.Future[dict[str, Any]], stream_id: str) -> None:
-        """A preemptive hand-off whose answer was given up before its decode started: decode frees its KV on this
-        replica (vLLM's `notify_kv_transfer_request_rejected`), as it does for a request it rejects."""
-        if hand.cancelled() or hand.exception() is not None:
+    async def _release_when_made(self, hand: asyncio.Future[dict[str, Any]], stream_id: str) -> None:
+        """A preemptive hand-off whose answer was given up before its decode started: once made (within
+        GIVEN_UP_WAIT_S, else it is cancelled: its engine request aborted), decode frees its KV on this replica
+        (vLLM's `notify_kv_transfer_request_rejected`), as it does for a request it rejects."""
+        try:
+            handoff = await asyncio.wait_for(hand, GIVEN_UP_WAIT_S)
+        except Exception:  # (not made in time, or failed: no KV is held for it)
             return
-        params = hand.result().get("kv_transfer_params")
-        if not params:
+        if not (params := handoff.get("kv_transfer_params")):
             return
         try:
-            release = self.decode.release.remote(request_id=f"{stream_id}-released", kv_transfer_params=params)
-            _keep(asyncio.ensure_future(release)).add_done_callback(_log_failure)
-        except Exception as e:  # (no decode handle, or it is shutting down: the lease frees the KV in the end)
+            await self.decode.release.remote(request_id=f"{stream_id}-released", kv_transfer_params=params)
+        except Exception as e:  # (the lease frees the KV in the end)
             logger.warning("releasing a preemptive hand-off on decode failed: %s", e)
 
     def _preempt_discard(self, session: Any, why: str) -> None:
-        """Give the live preemptive answer up: its hand-off stops, and so does its decode request."""
+        """Give the live preemptive answer up: its decode request stops; a hand-off still being made is released
+        once made, or aborted (`_preempt_start`)."""
         state: PreemptState = session.preempt
         live, state.live = state.live, None
         if live is None:
