@@ -40,7 +40,7 @@ def find_roles(patterns: dict[str, str], root: int | None = None) -> dict[str, l
     return roles
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
+def cpu_s(procs: list[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
         with contextlib.suppress(psutil.Error):
@@ -59,8 +59,8 @@ class CpuMeter:
         self._me = psutil.Process()
         self._mine = descendants()  # everything this run started (Ray's own processes included)
         self._t0 = time.perf_counter()
-        self._cpu0 = {role: _cpu_s(procs) for role, procs in self.roles.items()}
-        self._cpu0 |= {"_client": _cpu_s([self._me]), "_mine": _cpu_s(self._mine)}
+        self._cpu0 = {role: cpu_s(procs) for role, procs in self.roles.items()}
+        self._cpu0 |= {"_client": cpu_s([self._me]), "_mine": cpu_s(self._mine)}
         self._cores0 = psutil.cpu_times(percpu=True)
 
     def stop(self, output_tokens: int) -> dict[str, Any]:
@@ -68,7 +68,7 @@ class CpuMeter:
         cores1 = psutil.cpu_times(percpu=True)
         out: dict[str, Any] = {"wall_s": wall, "roles": {}}
         for role, procs in self.roles.items():
-            used = _cpu_s(procs) - self._cpu0[role]
+            used = cpu_s(procs) - self._cpu0[role]
             out["roles"][role] = {
                 "processes": len(procs),
                 "cpu_s": used,
@@ -81,8 +81,8 @@ class CpuMeter:
             busy.append(100 * (1 - (b.idle - a.idle) / total) if total > 0 else None)
         out["core_busy_pct"] = busy
         # The benchmark's own client (this process), and what ran outside this run (another user's work).
-        client = _cpu_s([self._me]) - self._cpu0["_client"]
-        mine = client + _cpu_s(self._mine) - self._cpu0["_mine"]
+        client = cpu_s([self._me]) - self._cpu0["_client"]
+        mine = client + cpu_s(self._mine) - self._cpu0["_mine"]
         out["client_pct_core"] = 100 * client / wall if wall > 0 else None
         known = [b for b in busy if b is not None]
         out["outside_pct_core"] = max(0.0, sum(known) - 100 * mine / wall) if wall > 0 and known else None

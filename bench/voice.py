@@ -247,8 +247,8 @@ def work(handles: dict[str, Any], processes: dict[str, list[Any]]) -> dict[str, 
         "llm_generated_tokens": decode["generation_tokens"],
         "audio_s_transcribed": speech["audio_seconds"],
         "transcriptions": speech["transcriptions"],
-        "engine_cpu_s": cpu._cpu_s(processes["engines"]),
-        "router_cpu_s": cpu._cpu_s(processes["router"]),
+        "engine_cpu_s": cpu.cpu_s(processes["engines"]),
+        "router_cpu_s": cpu.cpu_s(processes["router"]),
     }
 
 
