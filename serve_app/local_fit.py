@@ -4,8 +4,9 @@ A model of random weights never writes a tool call by itself, so `tool_choice: "
 tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model
 trained for a few seconds on the conversations below, until greedy decoding reproduces each answer with a
 clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given the
-tool's result it answers in text; asked something else it answers without a call. Everything else about it is
-the tiny model's: the same tokenizer, chat template and architecture, loaded and served with the same code.
+tool's result it answers in text; asked something else it answers without a call; asked for a story it tells a
+long one. Everything else about it is the tiny model's: the same tokenizer, chat template and architecture, loaded
+and served with the same code.
 Tests and examples send these very conversations (`EXAMPLES`), rendered as vLLM renders them
 (serve_app/chat_render.py).
 """
@@ -47,6 +48,11 @@ def _calls(*calls: tuple[str, dict[str, Any]]) -> str:
 
 
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+STORY = (
+    "Once upon a time, a small robot lived by the sea. Every morning it counted the waves, and every evening it told "
+    "the gulls how many it had counted. One day the sea was calm, and there were no waves to count. The robot sat on "
+    "the sand and waited, and at last it heard the tide coming home."
+)
 # (conversation, the answer the fitted model gives to it, greedy)
 EXAMPLES: list[tuple[list[dict[str, Any]], str]] = [
     (PARIS, _calls(("get_weather", {"city": "Paris"}))),
@@ -64,6 +70,8 @@ EXAMPLES: list[tuple[list[dict[str, Any]], str]] = [
         "It is 21 degrees and clear in Paris.",
     ),
     ([{"role": "user", "content": "Say hello."}], "Hello! How can I help?"),
+    # A long answer (115 tokens), for tests that need one still streaming: a user speaking over it (barge-in).
+    ([{"role": "user", "content": "Tell a story."}], STORY),
 ]
 MAX_STEPS = 600
 MIN_MARGIN = 3.0  # logits: the answer's every token wins by this much, so vLLM's kernels decode it the same

@@ -221,6 +221,8 @@ def test_speech_during_an_answer_cancels_it(tools_app: str) -> None:
             audio = {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}
             await conn.session.update(session={**SESSION, "tools": [], "audio": audio, "max_output_tokens": 1500})
             seen: list[Any] = []
+            # (the tools model's fitted 115-token story: still streaming when the user speaks over it; an answer of
+            # its own to an unfitted question was 3 tokens, done before the VAD heard the speech)
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create()

@@ -7,6 +7,7 @@ Run as a script (it owns its Ray cluster); prints one JSON line with what it saw
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from serve_app.builder import build_app
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, TEST_DRAINING_PERIOD_S, for_tests
 
 PORT = 8766
 APP = "realtime-pd"
@@ -123,6 +124,8 @@ def main() -> None:
     from serve_app import serve_env
 
     serve_env.apply()  # as `make run` serves it, with this cluster's own HAProxy (not the test session's)
+    # (as the test session's: a stopping router stays reachable this long, and Serve's shutdown waits it out)
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(TEST_DRAINING_PERIOD_S))
     # A head (the router, prefill) and two decode workers, each with its own resources, as `ray start` does.
     cluster = Cluster(
         initialize_head=True,
@@ -135,10 +138,9 @@ def main() -> None:
 
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        # The shipped engine settings (compiled, not `for_tests`' eager): the resumed answer is compared token for
-        # token with an uninterrupted one, and with this tiny random model's near-tied logits an eager resume
-        # diverged at token 64 of 400 in one run (a recompute's numerics are not a decode step's).
-        args = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"]
+        # Eager, as every test app (`for_tests`): the resumed answer is compared token for token with an uninterrupted
+        # one, as test_decode_death compares 1,200-token eager answers.
+        args = for_tests(yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())["applications"][0]["args"])
         args.pop("speech", None)  # the P/D path is this test's point; a third engine only slows two cores (~90 s)
         args["prefill"]["deployment"]["ray_actor_options"] = {"num_cpus": 0.5, "resources": {"prefill_pool": 0.5}}
         # One decode replica per decode node.
