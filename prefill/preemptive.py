@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app import metrics
 from serve_app.protocol import continuation_refusal
+from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
@@ -41,7 +42,6 @@ CATCH_UP_S = 1.0
 # A hand-off given up while it was made runs on this long at most, then is aborted as before: queued below all other
 # work, it would otherwise keep its place in the engine's queue (and in `queue_waiting`) up to the admission timeout.
 GIVEN_UP_WAIT_S = 2.0
-_RELEASING: set[asyncio.Task[None]] = set()  # (given-up hand-offs' releases, referenced until done)
 
 
 class PreemptiveOptions(BaseModel):
@@ -229,9 +229,7 @@ class Preemptive:
                 # Given up meanwhile: the hand-off goes on for a while rather than being cancelled (an engine request
                 # that had finished already would keep its KV for decode, unread, the whole NIXL lease, its engine
                 # stepping every ms), and decode releases what it made.
-                release = asyncio.ensure_future(self._release_when_made(hand, live.stream_id))
-                _RELEASING.add(release)
-                release.add_done_callback(_RELEASING.discard)
+                detached(self._release_when_made(hand, live.stream_id))
                 raise
             if "error" in handoff:
                 raise RuntimeError(handoff["error"].get("message"))

@@ -24,9 +24,9 @@ from ray.serve.handle import DeploymentHandle
 
 from decode.feed import TokenIds
 from router import resume
-from router.tasks import detached
 from serve_app import metrics
 from serve_app.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
+from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times

@@ -58,10 +58,10 @@ from router.realtime_events import (
 )
 from router.realtime_response import EarlyRead, InputSeen, ResponseStream
 from router.realtime_settings import SessionSettings
-from router.tasks import detached
 from router.voice.realtime_audio import AudioInput
 from serve_app import metrics
 from serve_app.protocol import error_status
+from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 

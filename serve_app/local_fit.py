@@ -2,7 +2,7 @@
 
 A model of random weights never writes a tool call by itself, so `tool_choice: "auto"` (the model decides, vLLM's
 tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model
-trained for a few seconds on the conversations below, until greedy decoding reproduces each answer with a
+trained (about 30 s on two cores) on the conversations below, until greedy decoding reproduces each answer with a
 clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given the
 tool's result it answers in text; asked something else it answers without a call; asked for a story it tells a
 long one. Everything else about it is the tiny model's: the same tokenizer, chat template and architecture, loaded

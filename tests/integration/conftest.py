@@ -64,15 +64,22 @@ def wait_healthy(base: str, timeout: float) -> None:
         time.sleep(1)
 
 
+def apply_serve_env() -> None:
+    """The Serve settings `make run` uses (inherited by every Ray process started after), with a test's draining
+    period: behind HAProxy a stopping router replica stays reachable this long before it drains, so that load
+    balancers deregister it (Ray's default 30 s); every app a test deletes, redeploys or shuts down would wait it
+    out."""
+    from serve_app import serve_env
+
+    serve_env.apply()
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(TEST_DRAINING_PERIOD_S))
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[str]:
-    from serve_app import serve_env
     from serve_app.builder import build_app
 
-    serve_env.apply()  # the Serve settings `make run` uses (inherited by every Ray process started here)
-    # Behind HAProxy a stopping router replica stays reachable this long before it drains, so that load balancers
-    # deregister it (Ray's default 30 s); every app a test deletes or redeploys would wait it out.
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(TEST_DRAINING_PERIOD_S))
+    apply_serve_env()
     ray.init(
         num_cpus=8,  # logical: the engines' own processes are not Ray-scheduled
         include_dashboard=False,

@@ -7,7 +7,6 @@ Run as a script (it owns its Ray cluster); prints one JSON line with what it saw
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from serve_app.builder import build_app
-from tests.integration.conftest import ROOT, TEST_DRAINING_PERIOD_S, for_tests
+from tests.integration.conftest import ROOT, apply_serve_env, for_tests
 
 PORT = 8766
 APP = "realtime-pd"
@@ -121,11 +120,7 @@ def lose_the_decode_node(cluster: Cluster, base: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from serve_app import serve_env
-
-    serve_env.apply()  # as `make run` serves it, with this cluster's own HAProxy (not the test session's)
-    # (as the test session's: a stopping router stays reachable this long, and Serve's shutdown waits it out)
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(TEST_DRAINING_PERIOD_S))
+    apply_serve_env()  # as `make run` serves it, with this cluster's own HAProxy (not the test session's)
     # A head (the router, prefill) and two decode workers, each with its own resources, as `ray start` does.
     cluster = Cluster(
         initialize_head=True,

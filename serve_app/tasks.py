@@ -1,8 +1,9 @@
-"""Tasks that belong to no client request: the decode feed readers, and what a cancelled request must still do.
+"""Tasks that belong to no client request: the router's decode feed readers, and what a cancelled request must
+still do (the router's reports to owners, prefill's release of a given-up preemptive hand-off on decode).
 
 When a client leaves, Serve cancels its request, and Ray cancels it *recursively*: every Ray call in flight
 from the request's asyncio context is cancelled too, including calls made by the tasks it spawned (a task
-copies its creator's context). A feed reader carries every stream between this router and a decode replica,
+copies its creator's context). A feed reader carries every stream between a router and a decode replica,
 and a report tells an owner how an answer ended: neither is the request's that happened to start it. The storm
 found it: one client leaving mid-answer ended every other answer streaming from the same decode replica.
 `detached` runs such work in a context without the request's identity (Ray's `async_task_id` and Serve's
