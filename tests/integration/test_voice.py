@@ -517,10 +517,13 @@ def test_a_speech_replica_killed_mid_turn_fails_the_turn_clearly_and_the_session
         for e in events
         if e.type.startswith("conversation.item.input_audio_transcription.") and not e.type.endswith(".delta")
     )
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response.status == "completed", done.response
     if ended.type.endswith(".failed"):
         assert ended.error.code in ("speech_unavailable", "transcription_failed", "timeout")
         assert ended.error.message
-    else:  # (a new replica came up within the retries: the turn was heard after all)
+        assert answer_text(events)  # the typed turn is answered
+    else:  # (Serve's replacement came up within the wait: the turn was heard after all)
         assert ended.transcript == SENTENCES["timer"]
-    done = next(e for e in events if e.type == "response.done")
-    assert done.response.status == "completed" and answer_text(events)
+        # The heard question asks for a timer: the tools model may answer with the call rather than text.
+        assert answer_text(events) or any(item.type == "function_call" for item in done.response.output)
