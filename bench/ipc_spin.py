@@ -25,7 +25,6 @@ from typing import Any
 
 import clients
 import cpu
-import httpx
 import systems
 import yaml
 
@@ -41,24 +40,22 @@ def app_args(vllm_spin: bool) -> dict[str, Any]:
 
 
 async def measure(system: systems.System) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=system.base, timeout=600, limits=limits) as client:
-        one = functools.partial(clients.chat, client, system.model, MAX_TOKENS)
-        await clients.run_level(one, 1, 4)  # warm-up
-        meter = cpu.CpuMeter(cpu.find_roles({"engines": systems.ENGINES}, system.root))
-        levels: dict[str, Any] = {}
-        for c, n in LEVELS:
-            meter.start()
-            level = await clients.run_level(one, c, n)
-            engines = meter.stop(level["completion_tokens"])["roles"]["engines"]
-            levels[str(c)] = {
-                "answers": level["requests"],
-                "errors": level["errors"],
-                "tok_s": level["output_tok_s"],
-                "ttft_p50_ms": level["ttft_p50_ms"],
-                "engines_cpu_ms_per_1k_tokens": engines["ms_per_1k_tokens"],
-            }
-        return levels
+    one = functools.partial(clients.chat, model=system.model, max_tokens=MAX_TOKENS)
+    await clients.run_level(one, 1, 4, system.base)  # warm-up
+    meter = cpu.CpuMeter(cpu.find_roles({"engines": systems.ENGINES}, system.root))
+    levels: dict[str, Any] = {}
+    for c, n in LEVELS:
+        meter.start()
+        level = await clients.run_level(one, c, n, system.base)
+        engines = meter.stop(level["completion_tokens"])["roles"]["engines"]
+        levels[str(c)] = {
+            "answers": level["requests"],
+            "errors": level["errors"],
+            "tok_s": level["output_tok_s"],
+            "ttft_p50_ms": level["ttft_p50_ms"],
+            "engines_cpu_ms_per_1k_tokens": engines["ms_per_1k_tokens"],
+        }
+    return levels
 
 
 def one(vllm_spin: bool) -> None:

@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any
 
 import clients
 import cpu
-import httpx
 import record
 import report
 import systems
@@ -65,19 +63,19 @@ def requests_per_client(args: argparse.Namespace, kind: str, c: int) -> int:
     return table.get(c, 2 if kind == "chat" else 1)
 
 
-def answer_fn(kind: str, system: systems.System, client: httpx.AsyncClient, max_tokens: int) -> Callable[[], Any]:
+def answer_fn(kind: str, system: systems.System, max_tokens: int) -> clients.Answer:
+    """One answer of `kind`, given the user's own HTTP client."""
     if kind == "chat":
-        return partial(clients.chat, client, system.model, max_tokens)
+        return partial(clients.chat, model=system.model, max_tokens=max_tokens)
     if kind == "session":
-        return partial(clients.session, client, system.model, max_tokens)
-    return partial(clients.realtime, system.base.replace("http://", "ws://"), system.model, max_tokens)
+        return partial(clients.session, model=system.model, max_tokens=max_tokens)
+    ws = system.base.replace("http://", "ws://")
+    return lambda _client: clients.realtime(ws, system.model, max_tokens)
 
 
-async def bench_kind(
-    kind: str, system: systems.System, client: httpx.AsyncClient, levels: list[int], args: argparse.Namespace
-) -> dict[str, Any]:
-    one: Callable[[], Awaitable[clients.Sample]] = answer_fn(kind, system, client, args.max_tokens)
-    warm = await clients.run_level(one, min(8, max(levels)), 1)
+async def bench_kind(kind: str, system: systems.System, levels: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    one = answer_fn(kind, system, args.max_tokens)
+    warm = await clients.run_level(one, min(8, max(levels)), 1, system.base)
     print(f"  {kind} warm-up: {warm['requests'] - warm['errors']}/{warm['requests']} ok", flush=True)
     if warm["errors"]:
         print(f"    {warm['error_examples']}", flush=True)
@@ -85,7 +83,7 @@ async def bench_kind(
     out: dict[str, Any] = {}
     for c in levels:
         meter.start()
-        level = await clients.run_level(one, c, requests_per_client(args, kind, c))
+        level = await clients.run_level(one, c, requests_per_client(args, kind, c), system.base)
         level["cpu"] = meter.stop(level["completion_tokens"])
         out[str(c)] = level
         print("  " + report.progress_line(kind, level), flush=True)
@@ -102,15 +100,12 @@ async def bench_system(system: systems.System, args: argparse.Namespace) -> dict
     missing = [role for role, procs in roles.items() if not procs]
     if missing:
         print(f"  no process found for {missing}", flush=True)
-    n = max([*args.concurrency, *args.session_concurrency]) + 16
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(base_url=system.base, limits=limits, timeout=httpx.Timeout(600.0)) as client:
-        result["chat"] = await bench_kind("chat", system, client, args.concurrency, args)
-        if args.vllm_bench:
-            result["vllm_bench_serve"] = await vllm_bench(system, args)
-        if system.name == "app" and args.session_concurrency:
-            for kind in ("session", "realtime"):
-                result[kind] = await bench_kind(kind, system, client, args.session_concurrency, args)
+    result["chat"] = await bench_kind("chat", system, args.concurrency, args)
+    if args.vllm_bench:
+        result["vllm_bench_serve"] = await vllm_bench(system, args)
+    if system.name == "app" and args.session_concurrency:
+        for kind in ("session", "realtime"):
+            result[kind] = await bench_kind(kind, system, args.session_concurrency, args)
     return result
 
 
