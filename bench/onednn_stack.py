@@ -3,8 +3,9 @@
 bench/onednn_cache.py measures the cache in one process. This starts the app (configs/config.yaml) with each capacity
 in every engine's environment (`engine.env`), alternated, and measures:
 - decode's engine worker RSS after short completions whose prompts decode computes itself: 61 new prompt lengths
-  (what fills once: vLLM's per-layer handlers keep 32 shapes, KV pages are touched the first time), the same lengths
-  again, 60 more new lengths, then 30 batches of 8 prompts of random lengths (new step sizes);
+  (what fills once: vLLM's per-layer handlers keep 32 shapes, KV pages are touched the first time), the same prompts
+  again (their cached blocks make those steps shorter), 60 more new lengths, then 30 batches of 8 prompts of random
+  lengths (new step sizes);
 - then streamed chats at 32 at once (bench/clients.py, 4 each): tokens/s and the engines' CPU per 1,000 tokens.
 
     .venv/bin/python bench/onednn_stack.py [--capacities default 0] [--rounds 2]
@@ -33,7 +34,8 @@ PHASES = ("first lengths", "same again", "new lengths", "batches of 8")
 def decode_worker() -> psutil.Process:
     for proc in psutil.process_iter(["name"]):
         try:
-            if proc.info["name"] == "VLLM::EngineCore" and proc.parent().name().endswith(":decode"):
+            parent = proc.parent()
+            if proc.info["name"] == "VLLM::EngineCore" and parent is not None and parent.name().endswith(":decode"):
                 return next(c for c in proc.children() if c.name() == "VLLM::Worker")
         except (psutil.Error, StopIteration):
             continue
@@ -71,7 +73,12 @@ async def measure(system: systems.System) -> dict[str, Any]:
     meter.start()
     level = await clients.run_level(partial(clients.chat, model=system.model, max_tokens=128), 32, 4, system.base)
     engines = meter.stop(level["completion_tokens"])["roles"]["engines"]
-    return {"rss_growth_mib": rss, "tok_s": level["output_tok_s"], "engines_ms_per_1k": engines["ms_per_1k_tokens"]}
+    return {
+        "rss_growth_mib": rss,
+        "tok_s": level["output_tok_s"],
+        "errors": level["errors"],  # (failed chats would lower tok/s: shown beside it)
+        "engines_ms_per_1k": engines["ms_per_1k_tokens"],
+    }
 
 
 def main() -> None:
@@ -103,13 +110,14 @@ def main() -> None:
         "",
         "| round | ONEDNN_PRIMITIVE_CACHE_CAPACITY | "
         + " | ".join(PHASES)
-        + " | tok/s at 32 | engines' CPU ms / 1k tok |",
+        + " | tok/s at 32 (errors) | engines' CPU ms / 1k tok |",
         "|---|---|" + "---|" * (len(PHASES) + 2),
     ]
     for row in runs:
         growth = " | ".join(f"{g:+.0f}" for g in row["rss_growth_mib"])
         lines.append(
-            f"| {row['round']} | {row['capacity']} | {growth} | {row['tok_s']:,.0f} | {row['engines_ms_per_1k']:.0f} |"
+            f"| {row['round']} | {row['capacity']} | {growth} | {row['tok_s']:,.0f} ({row.get('errors', 0)}) "
+            f"| {row['engines_ms_per_1k']:.0f} |"
         )
     (RESULTS / "onednn_stack.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "onednn_stack.json").write_text(json.dumps(runs, indent=1) + "\n")

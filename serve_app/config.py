@@ -81,7 +81,8 @@ class EngineConfig(_Strict):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # Environment for the engine's processes (set before they start): CPU thread binding
     # (VLLM_CPU_OMP_THREADS_BIND), UCX transport selection (UCX_TLS, UCX_NET_DEVICES), ... On CPU,
-    # ONEDNN_PRIMITIVE_CACHE_CAPACITY "0" keeps a worker's memory flat, for fewer tokens/s (docs/benchmarks.md).
+    # ONEDNN_PRIMITIVE_CACHE_CAPACITY "0" makes a worker's memory grow far less, for fewer tokens/s in most runs
+    # (docs/benchmarks.md).
     env: dict[str, str] = Field(default_factory=dict)
 
     def merged_over(self, base: EngineConfig) -> EngineConfig:
