@@ -39,11 +39,25 @@ def whole_chat(server: str, messages: list[dict], max_tokens: int) -> dict:
     return r.json()
 
 
+_CREATED: list[tuple[str, str]] = []  # (server, session id): what `create` opened in the running test
+
+
+@pytest.fixture(autouse=True)
+def _close_sessions():
+    """Close what a test opened however it ended: a failed test's session would otherwise stay resident for its
+    idle timeout (300 s) and fail every later test that waits for an idle engine."""
+    yield
+    while _CREATED:
+        server, sid = _CREATED.pop()
+        httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)  # (404 if the test closed it itself)
+
+
 def create(server: str, **body) -> dict:
     r = httpx.post(f"{server}{SESSIONS}", json=body, timeout=60)
     assert r.status_code == 201, r.text
     data = r.json()
     assert data["session_id"].startswith("sess_") and data["expires_in"] > 0
+    _CREATED.append((server, data["session_id"]))
     return data
 
 
@@ -237,10 +251,29 @@ def _shape(chunk) -> list:
     return [chunk.object, chunk.model, choices, chunk.usage.model_dump() if chunk.usage else None]
 
 
+def _shapes(chunks: list) -> list[list]:
+    """The chunks' shapes with runs of text frames joined into one (the last may carry the finish): vLLM merges
+    the deltas a slow reader has not taken yet (RequestOutputCollector), so where a busy machine cuts the text is
+    timing, not the answer."""
+
+    def delta(shape: list) -> tuple | None:  # a frame's one choice when it carries only text (and maybe the finish)
+        one = len(shape[2]) == 1 and shape[2][0][1] is None and shape[3] is None
+        return shape[2][0] if one else None
+
+    out: list[list] = []
+    for shape in map(_shape, chunks):
+        last, this = (delta(out[-1]) if out else None), delta(shape)
+        if last is not None and this is not None and last[3] is None and last[0] == this[0]:
+            out[-1][2] = [(this[0], None, (last[2] or "") + (this[2] or ""), this[3])]
+        else:
+            out.append(shape)
+    return out
+
+
 def test_rest_events_are_the_chat_completion_stream(server):
     """A session's `/events`, read by the official openai client's SSE decoder, equals the streamed chat
-    completion of the same input frame for frame; `/result` equals the non-streaming completion; a second
-    reader gets the same answer again."""
+    completion of the same input frame for frame (up to vLLM's merging of deltas); `/result` equals the
+    non-streaming completion; a second reader gets the same answer again."""
     from openai import OpenAI, Stream
     from openai.types.chat import ChatCompletionChunk
 
@@ -257,7 +290,7 @@ def test_rest_events_are_the_chat_completion_stream(server):
         assert send_chunk(server, sid, seq, piece, end=seq == len(pieces) - 1).status_code == 202
     path = f"/streaming_input/sessions/{sid}/events"
     events = list(client.get(path, cast_to=ChatCompletionChunk, stream=True, stream_cls=Stream[ChatCompletionChunk]))
-    assert [_shape(c) for c in events] == [_shape(c) for c in chat]
+    assert _shapes(events) == _shapes(chat)
     assert events[0].choices[0].delta.role == "assistant" and events[-1].usage.prompt_tokens > 0
 
     # A second reader of the same answer: the same frames, replayed from what the owner kept.
