@@ -180,6 +180,33 @@ def wait_idle(role: str, timeout: float = 30.0) -> dict[str, Any]:
         time.sleep(0.25)
 
 
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _close_what_a_failed_test_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a failed test on the main app, close the sessions it left resident: each would hold its KV for its
+    idle timeout (300 s) and fail every later test that waits for an idle engine, one failure becoming ten."""
+    yield
+    if not request.node.stash.get(FAILED, False) or "server" not in request.fixturenames:
+        return
+    base = request.getfixturevalue("server")
+    for _ in range(8):  # (the stats name eight at a time)
+        left = engine_stats("prefill")["scheduler"]["idle_session_ids"]
+        for sid in left:
+            httpx.delete(f"{base}/v1/streaming_input/sessions/{sid}", timeout=60)
+        if len(left) < 8:
+            return
+
+
 @ray.remote(num_cpus=0)
 class ReferenceEngine:
     """A single, monolithic vLLM engine on the same model: the ground truth for P/D outputs."""

@@ -39,25 +39,11 @@ def whole_chat(server: str, messages: list[dict], max_tokens: int) -> dict:
     return r.json()
 
 
-_CREATED: list[tuple[str, str]] = []  # (server, session id): what `create` opened in the running test
-
-
-@pytest.fixture(autouse=True)
-def _close_sessions():
-    """Close what a test opened however it ended: a failed test's session would otherwise stay resident for its
-    idle timeout (300 s) and fail every later test that waits for an idle engine."""
-    yield
-    while _CREATED:
-        server, sid = _CREATED.pop()
-        httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)  # (404 if the test closed it itself)
-
-
 def create(server: str, **body) -> dict:
     r = httpx.post(f"{server}{SESSIONS}", json=body, timeout=60)
     assert r.status_code == 201, r.text
     data = r.json()
     assert data["session_id"].startswith("sess_") and data["expires_in"] > 0
-    _CREATED.append((server, data["session_id"]))
     return data
 
 
