@@ -34,6 +34,9 @@ pytestmark = pytest.mark.integration
 
 SYSTEM = {"role": "system", "content": "Answer from the context."}
 OPTIONS = {"after_idle_ms": 200, "max_tokens": 6}  # fewer than the answer: it goes on past the cap on adoption
+# For tests that send their turn as several chunks and then ask for no discarded answer: a pause that no gap between
+# two of the test's own chunk POSTs reaches on a loaded machine (each waits for the journal's write before its 202).
+STEADY = {**OPTIONS, "after_idle_ms": 1000}
 ANSWER_TOKENS = 16
 SHORT = 12  # an answer below the preemptive cap (its default, 64): decode makes it whole while the user pauses
 
@@ -68,7 +71,7 @@ def text_of(frames: list[dict]) -> str:
 
 def test_an_unchanged_turn_gets_its_preemptive_answer(server):
     expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], ANSWER_TOKENS)
-    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=OPTIONS)["session_id"]
+    sid = create(server, messages=[SYSTEM], max_tokens=ANSWER_TOKENS, temperature=0, preemptive=STEADY)["session_id"]
     chunks = split_inside_words(TEXT, 6)
     for seq, piece in enumerate(chunks):
         assert send_chunk(server, sid, seq, piece).status_code == 202
@@ -392,7 +395,7 @@ def test_an_answer_made_whole_before_the_turn_ends_is_released_at_its_end_chunk(
     `released`): the text of one request over the same input, ended at its max_tokens as that request's is, and
     the conversation has it."""
     expected = whole_chat(server, [SYSTEM, {"role": "user", "content": TEXT}], SHORT)
-    options = {"after_idle_ms": OPTIONS["after_idle_ms"]}
+    options = {"after_idle_ms": STEADY["after_idle_ms"]}
     sid = create(server, messages=[SYSTEM], max_tokens=SHORT, temperature=0, preemptive=options)["session_id"]
     reader = EarlyReader(server, sid)
     chunks = split_inside_words(TEXT, 4)

@@ -238,9 +238,16 @@ def test_speech_during_an_answer_cancels_it(tools_app: str) -> None:
             await until(conn, "conversation.item.truncated", seen)
             return seen
 
-    events = asyncio.run(run())
-    names = kinds(events)
-    assert names.index("input_audio_buffer.speech_started") < names.index("response.done")
+    # The case needs the VAD to hear the speech while the answer streams. On a starved machine the router may decode
+    # and detect the appended audio only after the story's last token: that run did not test barge-in, so it is
+    # tried again (three times at most; in each run that did, the answer must be cancelled).
+    for _ in range(3):
+        names = kinds(events := asyncio.run(run()))
+        heard = "input_audio_buffer.speech_started" in names
+        if heard and names.index("input_audio_buffer.speech_started") < names.index("response.done"):
+            break
+    else:
+        raise AssertionError(f"the answer ended before the speech was heard in three runs: {names}")
     done = next(e for e in events if e.type == "response.done")
     assert done.response.status == "cancelled"
 
