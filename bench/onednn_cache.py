@@ -22,10 +22,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+import record
+
 MIB = 2**20
 
 
@@ -113,9 +112,7 @@ def main() -> None:
             f"| {capacity} | {growth} | {row['rss_growth_mib_after_seen_again']:+.0f} "
             f"| {row['decode_like_ms_per_step']:.3f} | {row['prefill_like_ms_per_step']:.3f} |"
         )
-    (RESULTS / "onednn_cache.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "onednn_cache.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n".join(lines))
+    record.write("onednn_cache", lines, rows)
 
 
 if __name__ == "__main__":

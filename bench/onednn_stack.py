@@ -24,9 +24,11 @@ import clients
 import cpu
 import httpx
 import psutil
+import record
 import systems
 import yaml
-from onednn_cache import MIB, RESULTS, ROOT
+from onednn_cache import MIB
+from record import ROOT
 
 PHASES = ("first lengths", "same again", "new lengths", "batches of 8")
 
@@ -119,9 +121,7 @@ def main() -> None:
             f"| {row['round']} | {row['capacity']} | {growth} | {row['tok_s']:,.0f} ({row.get('errors', 0)}) "
             f"| {row['engines_ms_per_1k']:.0f} |"
         )
-    (RESULTS / "onednn_stack.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "onednn_stack.json").write_text(json.dumps(runs, indent=1) + "\n")
-    print("\n".join(lines))
+    record.write("onednn_stack", lines, runs)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the file). Paths are written relative to the repository, so a result reads the s
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -32,3 +33,10 @@ def portable(args: dict[str, Any]) -> dict[str, Any]:
         k: relative(str(v)) if isinstance(v, Path) or (isinstance(v, str) and str(ROOT) in v) else v
         for k, v in args.items()
     }
+
+
+def write(topic: str, table: list[str], raw: Any) -> None:
+    """A run's result under its topic: the markdown table (`<topic>.md`, also printed) and the raw figures."""
+    (RESULTS / f"{topic}.md").write_text("\n".join(table) + "\n")
+    (RESULTS / f"{topic}.json").write_text(json.dumps(raw, indent=1) + "\n")
+    print("\n".join(table))
