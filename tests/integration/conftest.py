@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,14 @@ def model_name(server: str) -> str:
 def engine_stats(role: str, request_id_prefix: str | None = None, app: str = APP) -> dict[str, Any]:
     handle = serve.get_deployment_handle(role, app_name=app)
     return handle.stats.remote(request_id_prefix).result(timeout_s=60)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.05) -> Any:
+    """Until `predicate()` is truthy or `timeout` has passed; its last value (falsy: it never held)."""
+    deadline = time.time() + timeout
+    while not (got := predicate()) and time.time() < deadline:
+        time.sleep(every)
+    return got
 
 
 def wait_idle(role: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 import websockets
 from ray import serve
 
-from tests.integration.conftest import APP, METRICS_PORT, engine_stats, wait_idle
+from tests.integration.conftest import APP, METRICS_PORT, engine_stats, wait_for, wait_idle
 from tests.integration.test_streaming_input import (
     SESSIONS,
     TEXT,
@@ -56,13 +56,6 @@ def sessions_closed(server, monkeypatch):
     yield
     for sid in made:
         httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60)  # (404 for those the test deleted itself)
-
-
-def wait_for(predicate, timeout: float = 30.0, every: float = 0.05):
-    deadline = time.time() + timeout
-    while not (got := predicate()) and time.time() < deadline:
-        time.sleep(every)
-    return got
 
 
 def text_of(frames: list[dict]) -> str:

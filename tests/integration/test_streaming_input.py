@@ -12,7 +12,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.conftest import engine_stats, wait_idle
+from tests.integration.conftest import engine_stats, wait_for, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -348,10 +348,12 @@ def test_session_expiry_frees_kv(server):
     sid = create(server, messages=[], max_tokens=4, limits={"idle_timeout_s": 3.0})["session_id"]
     assert send_chunk(server, sid, 0, TEXT).status_code == 202
     assert wait_resident(server, sid)["resident_tokens"] > 0  # (sent to the engine: its blocks come with its step)
-    deadline = time.time() + 2.5
-    while (stats := engine_stats("prefill"))["kv_blocks_free"] == stats["kv_blocks_total"] and time.time() < deadline:
-        time.sleep(0.02)
-    assert stats["kv_blocks_free"] < stats["kv_blocks_total"], stats
+
+    def holds_kv() -> bool:
+        stats = engine_stats("prefill")
+        return stats["kv_blocks_free"] < stats["kv_blocks_total"]
+
+    assert wait_for(holds_kv, timeout=2.5, every=0.02), engine_stats("prefill")
     time.sleep(4.5)
     r = send_chunk(server, sid, 1, "too late")
     assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
