@@ -12,9 +12,7 @@ import dataclasses
 import importlib
 import logging
 import os
-import random
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
@@ -22,6 +20,7 @@ from typing import Any, Literal
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
 from serve_app import ipc_wait
 from serve_app.config import AppConfig
+from serve_app.ports import free_port
 from serve_app.protocol import Endpoint, request_model, validation_error_body
 from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
 
@@ -43,26 +42,6 @@ def resolve_model(model: str) -> str:
     if model in LOCAL_MODELS:
         return str(LOCAL_MODELS[model]())
     return model
-
-
-# The NIXL side channel's port is picked here and bound later by vLLM. Picked from below Linux's ephemeral range
-# (32768-60999): a port the OS hands out meanwhile to another socket (the other engine's ZMQ and torch ports are
-# such) can then never be it. One such collision left a decode engine's handshake listener dead and its start
-# hung.
-SIDE_CHANNEL_PORTS = range(20000, 32768)
-
-
-def _free_port() -> int:
-    for port in random.sample(SIDE_CHANNEL_PORTS, 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # all taken: any free port
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _node_ip() -> str:
@@ -244,7 +223,7 @@ class Engine:
 
         # Every replica gets its own NIXL side channel: a free port on this node, reachable by IP so that
         # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
-        host, port = _node_ip(), _free_port()
+        host, port = _node_ip(), free_port()  # (vLLM binds it: serve_app/ports.py)
         engine = self.app.engine_for(self.role)
         os.environ.update(engine.env)
         ipc_wait.configure(engine.ipc_spin_us)

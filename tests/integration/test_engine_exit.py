@@ -31,6 +31,7 @@ import psutil
 import pytest
 import yaml
 
+from serve_app.ports import free_port
 from tests.integration.conftest import ROOT, for_tests
 from tests.integration.ingress_checks import check_ingress
 
@@ -40,12 +41,6 @@ MARKER = "RTPD_ENGINE_EXIT_TEST"
 NO_SPEECH = "no_speech"  # a cluster param: the config without its speech role
 EXIT_WITHIN_S = 30.0
 STARTUP_S = 420.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:
@@ -208,7 +203,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """`make run` on a free port; `request.param` (indirect parametrization): environment to start it with, and
     `NO_SPEECH` in it to leave the config's speech role out."""
     tmp = Path(tempfile.mkdtemp(prefix="rtpd-exit-", dir="/tmp"))  # short: Ray's socket paths live under it
-    port = _free_port()
+    port = free_port()  # (Serve binds it: serve_app/ports.py)
     param = dict(getattr(request, "param", {}))
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     if param.pop(NO_SPEECH, None):
