@@ -7,7 +7,7 @@ PORT   ?= 8000
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install model run test test-long unit integration lint bench bench-quick bench-check manifests clean
+.PHONY: install model models run test test-long unit integration lint bench bench-quick bench-check manifests clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,12 @@ install: $(STAMP)
 model: install
 	$(PY) -m serve_app.local_model
 
+# The generated models the tests serve, made once before them: a fit that fails is one error here, naming the
+# command that reproduces it, rather than a setup error in every test that needs the model.
+models: install
+	$(PY) -m serve_app.local_model --model tiny-llama tiny-llama-tools
+	$(PY) -m speech.local_model
+
 run: install
 	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
 	# One line on stdout once /health is 200 (every engine answers); `serve run` keeps this shell's pid.
@@ -31,7 +37,7 @@ run: install
 	$(PY) -m serve_app.ready --url http://127.0.0.1:$(PORT) --watch-pid $$$$ & \
 	  exec env $$($(PY) -m serve_app.serve_env) $(VENV)/bin/serve run $(CONFIG)
 
-test: install lint
+test: install lint models
 	$(VENV)/bin/pytest -q -ra --durations=25 -m "not long"
 
 # Past `make test`'s budget: the hardening suites' long modes (the fuzz suite at 4x its cases, over 10,000 across

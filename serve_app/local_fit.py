@@ -1,10 +1,10 @@
 """`local:tiny-llama-tools`: the tiny model fitted, when it is built, to answer a few conversations with tools.
 
 A model of random weights never writes a tool call by itself, so `tool_choice: "auto"` (the model decides, vLLM's
-tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model
-trained (about 30 s on two cores) on the conversations below, until greedy decoding reproduces each answer with a
-clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given the
-tool's result it answers in text; asked something else it answers without a call; asked for a story it tells a
+tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model trained
+(40-70 s on one core, by serve_app/fit.py) on the conversations below, until greedy decoding reproduces each answer
+with a clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given
+the tool's result it answers in text; asked something else it answers without a call; asked for a story it tells a
 long one. Everything else about it is the tiny model's: the same tokenizer, chat template and architecture, loaded
 and served with the same code.
 Tests and examples send these very conversations (`EXAMPLES`), rendered as vLLM renders them
@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from serve_app.chat_render import template_messages, template_tools
+from serve_app.fit import Recipe, fit, margin_loss, margins
 
 WEATHER = {
     "type": "function",
@@ -73,36 +74,47 @@ EXAMPLES: list[tuple[list[dict[str, Any]], str]] = [
     # A long answer (115 tokens), for tests that need one still streaming: a user speaking over it (barge-in).
     ([{"role": "user", "content": "Tell a story."}], STORY),
 ]
-MAX_STEPS = 600
-MIN_MARGIN = 3.0  # logits: the answer's every token wins by this much, so vLLM's kernels decode it the same
+RECIPE = Recipe(lr=3e-3, max_steps=600)
+REPRODUCE = "python -m serve_app.local_model --model tiny-llama-tools --force"
 
 
-def fit_tool_calls(model: Any, tokenizer: Any) -> int:
-    """Train `model` (float32) until greedy decoding gives each example's answer; the steps it took."""
+def fit_tool_calls(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """Train `model` until greedy decoding gives each example's answer with a clear margin (serve_app/fit.py);
+    what it took. Leaves the model in float32."""
     import torch
 
-    sequences = []
+    rows = []
     for messages, answer in EXAMPLES:
         prompt = tokenizer.apply_chat_template(
             template_messages(messages), tools=template_tools(TOOLS), add_generation_prompt=True, tokenize=False
         )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        sequences.append((torch.tensor([prompt_ids + answer_ids]), len(prompt_ids)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        rows.append((prompt_ids, answer_ids))
+    # One batch, padded at the end (causal: padding changes nothing before it); only the answers are scored, and
+    # the output layer runs on the positions that predict them alone.
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    targets = torch.full((len(rows), width), -100)
+    for i, (prompt_ids, answer_ids) in enumerate(rows):
+        ids[i, : len(prompt_ids) + len(answer_ids)] = torch.tensor(prompt_ids + answer_ids)
+        targets[i, len(prompt_ids) - 1 : len(prompt_ids) + len(answer_ids) - 1] = torch.tensor(answer_ids)
+    first = min(len(p) for p, _ in rows) - 1
+    last = max(len(p) + len(a) for p, a in rows) - 1
+    targets = targets[:, first:last]
+
+    def logits() -> Any:
+        hidden = model.model(input_ids=ids).last_hidden_state[:, first:last]
+        return model.lm_head(hidden)
+
     model.train()
-    for step in range(1, MAX_STEPS + 1):
-        optimizer.zero_grad()
-        worst = float("inf")
-        for ids, start in sequences:
-            logits = model(ids).logits[0, start - 1 : -1]
-            targets = ids[0, start:]
-            torch.nn.functional.cross_entropy(logits, targets).backward()
-            chosen = logits.gather(1, targets[:, None])[:, 0]
-            rivals = logits.scatter(1, targets[:, None], float("-inf")).max(dim=1).values
-            worst = min(worst, float((chosen - rivals).min()))
-        if worst >= MIN_MARGIN:
-            model.eval()
-            return step
-        optimizer.step()
-    raise RuntimeError(f"the tool-calling model did not fit in {MAX_STEPS} steps (margin {worst:.2f})")
+    report = fit(
+        "local:tiny-llama-tools",
+        model,
+        loss=lambda _step: margin_loss(logits(), targets, RECIPE),
+        worst=lambda: float(margins(logits(), targets).min()),
+        recipe=RECIPE,
+        reproduce=REPRODUCE,
+    )
+    model.eval()
+    return report

@@ -15,7 +15,7 @@ real model; users name a real model (hub id or path) in the config instead.
 
 All share the tokenizer (same training, same vocabulary) and the chat template.
 
-    python -m serve_app.local_model [--model tiny-llama|medium-llama|all] [--out DIR] [--force]
+    python -m serve_app.local_model [--model NAME ... | all] [--out DIR] [--force]
 
 From code: `make_local_model()` (tiny-llama), `make_local_model("medium-llama")`, or by config name:
 `LOCAL_MODELS["local:medium-llama"]()` returns the model's directory, built on first use.
@@ -127,7 +127,7 @@ SPECS: dict[str, LocalModelSpec] = {
     "tiny-llama": _TINY,
     # The tiny model, fitted to answer a few conversations with tool calls (`tool_choice: "auto"` end to end);
     # initialised at the usual scale: wide random weights would fight the fitting.
-    "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools", version=3),  # (3: the story)
+    "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools", version=4),  # (4: serve_app/fit.py)
     # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
     # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see docs/benchmarks.md (pressure.py) for the measurement.
     # Attention is 4 heads of 64 (narrower than the 512-wide residual stream) with 2 KV heads: at 3,000
@@ -265,10 +265,11 @@ def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, ou
     torch.manual_seed(SEED)
     # Initialise in float32 (the same random stream for every dtype), then cast for saving.
     model = LlamaForCausalLM(config).to(torch.float32)
+    report = None
     if s.fit == "tools":
         from serve_app.local_fit import fit_tool_calls
 
-        fit_tool_calls(model, tokenizer)
+        report = fit_tool_calls(model, tokenizer)
     model = model.to(getattr(torch, s.dtype))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
@@ -280,6 +281,7 @@ def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, ou
                 "fingerprint": _fingerprint(out),
                 "kv_bytes_per_token": s.kv_bytes_per_token,
                 "spec": asdict(s),
+                **({"fit": report} if report else {}),
             }
         )
     )
@@ -295,11 +297,13 @@ LOCAL_MODELS: dict[str, Callable[[], Path]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama", choices=[*SPECS, "all"], help="which model to make")
+    parser.add_argument(
+        "--model", nargs="+", default=["tiny-llama"], choices=[*SPECS, "all"], help="which models to make"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default models/<model>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args()
-    names = list(SPECS) if args.model == "all" else [args.model]
+    names = list(SPECS) if "all" in args.model else args.model
     if args.out is not None and len(names) > 1:
         parser.error("--out needs a single --model")
     for name in names:

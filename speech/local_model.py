@@ -38,13 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from serve_app.fit import Recipe, fit, margin_loss, margins, one_thread
 from serve_app.local_model import MODELS_DIR
 
 log = logging.getLogger(__name__)
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 SENTENCES: dict[str, str] = json.loads((SAMPLES_DIR / "sentences.json").read_text())
 DEFAULT_DIR = MODELS_DIR / "tiny-whisper"
-VERSION = 4  # bump when the recipe changes, so stale copies are rebuilt
+VERSION = 5  # bump when the recipe changes, so stale copies are rebuilt
 RATE = 16_000  # Hz: Whisper's, and the sample clips'
 DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 SEED = 1234
@@ -231,17 +232,6 @@ def _dataset(spec: SpeechModelSpec, tokenizer: Any, extractor: Any, *, heldout: 
     return features(extractor, audio), inputs, targets
 
 
-def _margins(logits: Any, targets: Any) -> Any:
-    """Per example: the least, over its target tokens, of (target logit - best rival logit)."""
-    import torch
-
-    mask = targets >= 0
-    safe = targets.clamp(min=0)[..., None]
-    chosen = logits.gather(-1, safe)[..., 0]
-    rivals = logits.scatter(-1, safe, float("-inf")).max(dim=-1).values
-    return torch.where(mask, chosen - rivals, torch.inf).amin(dim=-1)
-
-
 def _init_encoder(model: Any) -> None:
     """Make the (fixed, random: see `_fit`) encoder a good feature map for where VAD cuts land.
 
@@ -263,12 +253,12 @@ def _init_encoder(model: Any) -> None:
 
 
 def _fit(model: Any, train: tuple, heldout: tuple, spec: SpeechModelSpec) -> dict[str, Any]:
-    """Fit the decoder until every train and held-out target wins by MIN_MARGIN; what it took.
+    """Fit the decoder until every train and held-out target wins by MIN_MARGIN (serve_app/fit.py); what it took.
 
     The encoder stays a fixed random feature map of the log-mel (convolutions, then two random attention layers):
     its outputs are computed once, and each step trains only the decoder (cross-attention learns where the
     content is, whatever the shift), several times cheaper than training through the 250-position encoder. That
-    buys many cut copies of each clip, which is what makes held-out cuts work; AdamW on seeded minibatches.
+    buys many cut copies of each clip, which is what makes held-out cuts work; seeded minibatches.
     (Trained end to end instead, 5 copies a clip took ~180 full-batch steps and still failed held-out cuts.)
     """
     import torch
@@ -279,39 +269,47 @@ def _fit(model: Any, train: tuple, heldout: tuple, spec: SpeechModelSpec) -> dic
         encoded = torch.cat([encoder(x).last_hidden_state for x in train[0].split(64)])
         heldout_encoded = torch.cat([encoder(x).last_hidden_state for x in heldout[0].split(64)])
     _, train_in, train_y = train
+    # Cross-entropy alone, unclipped: it goes on widening the training margins past MIN_MARGIN, which is what
+    # carries the held-out cuts over theirs (a hinge stops pushing at its margin; held-out lagged 2-3x longer).
+    recipe = Recipe(
+        lr=spec.lr,
+        max_steps=MAX_STEPS,
+        check_every=CHECK_EVERY,
+        min_margin=MIN_MARGIN,
+        warmup=0,
+        hinge_weight=0.0,
+        clip=None,
+    )
 
-    def worst(states: Any, inputs: Any, targets: Any) -> float:
-        with torch.no_grad():
-            logits = torch.cat(
-                [
-                    model(encoder_outputs=(e,), decoder_input_ids=i).logits
-                    for e, i in zip(states.split(128), inputs.split(128), strict=True)
-                ]
-            )
-        return float(_margins(logits, targets).min())
+    def least(states: Any, inputs: Any, targets: Any) -> float:
+        logits = torch.cat(
+            [
+                model(encoder_outputs=(e,), decoder_input_ids=i).logits
+                for e, i in zip(states.split(128), inputs.split(128), strict=True)
+            ]
+        )
+        return float(margins(logits, targets).min())
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(SEED)
     batches: list[Any] = []
-    margin = heldout_margin = float("-inf")
-    for step in range(1, MAX_STEPS + 1):
+
+    def loss(step: int) -> Any:
+        if step == 1:  # each attempt sees the same seeded order
+            order.manual_seed(SEED)
+            batches.clear()
         if not batches:  # a new epoch: the pool in a seeded order
-            batches = list(torch.randperm(len(encoded), generator=order).split(spec.batch))
+            batches.extend(torch.randperm(len(encoded), generator=order).split(spec.batch))
         batch = batches.pop()
-        optimizer.zero_grad()
         logits = model(encoder_outputs=(encoded[batch],), decoder_input_ids=train_in[batch]).logits
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), train_y[batch], ignore_index=-100)
-        loss.backward()
-        optimizer.step()
-        if step % CHECK_EVERY == 0:
-            margin = worst(encoded, train_in, train_y)
-            heldout_margin = worst(heldout_encoded, heldout[1], heldout[2])
-            log.info("tiny-whisper fit: step %d, margin %.2f, held-out %.2f", step, margin, heldout_margin)
-            if min(margin, heldout_margin) >= MIN_MARGIN:
-                return {"steps": step, "margin": round(margin, 2), "heldout_margin": round(heldout_margin, 2)}
-    raise RuntimeError(
-        f"tiny-whisper did not fit in {MAX_STEPS} steps (margin {margin:.2f}, held-out {heldout_margin:.2f})"
+        return margin_loss(logits, train_y[batch], recipe)
+
+    return fit(
+        "local:tiny-whisper",
+        model,
+        loss=loss,
+        worst=lambda: min(least(encoded, train_in, train_y), least(heldout_encoded, heldout[1], heldout[2])),
+        recipe=recipe,
+        reproduce="python -m speech.local_model --force",
     )
 
 
@@ -384,31 +382,26 @@ def _build(out: Path) -> None:
         dropout=0.0,
         dtype="float32",
     )
-    threads = torch.get_num_threads()
-    # One thread, for the build only: the same arithmetic on every machine (with two, some backward reductions
-    # differ run to run in the last bits), no OpenMP stalls when vLLM engines busy the cores meanwhile (seen here
-    # with two threads: small tensor ops 10x slower and worse), and little lost: these tensors are small.
-    torch.set_num_threads(1)
-    try:
+    # One thread for the whole build, not only the fit (serve_app/fit.py): the same arithmetic on every machine, no
+    # OpenMP stalls when vLLM engines busy the cores meanwhile, and little lost: these tensors are small.
+    with one_thread():
         torch.manual_seed(SEED)
         model = WhisperForConditionalGeneration(config).to(torch.float32)
         _init_encoder(model)
         train = _dataset(spec, tokenizer, extractor, heldout=False)
         heldout = _dataset(spec, tokenizer, extractor, heldout=True)
-        fit = _fit(model, train, heldout, spec)
-    finally:
-        torch.set_num_threads(threads)
+        report = _fit(model, train, heldout, spec)
     model.save_pretrained(out, safe_serialization=True)
     generation = GenerationConfig(decoder_start_token_id=sot, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
     generation.save_pretrained(out)
     WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer).save_pretrained(out)
-    fit["seconds"] = round(time.monotonic() - started, 1)
+    report["seconds"] = round(time.monotonic() - started, 1)
     stamp = {
         "version": spec.version,
         "name": "local:tiny-whisper",
         "fingerprint": _fingerprint(out),
         "samples": _samples_digest(),
-        "fit": fit,
+        "fit": report,
         "spec": asdict(spec),
     }
     (out / "local_model.json").write_text(json.dumps(stamp))
