@@ -23,6 +23,8 @@ import re
 import time
 from typing import Any
 
+from decode.sse import Frame
+
 TokenIds = tuple[list[int] | None, list[int]]  # (the prompt's ids, once; the ids generated since the last item)
 # (frames by stream, ended streams: None or error, token ids by stream: what the router resumes an answer from)
 Batch = tuple[dict[str, str], dict[str, dict[str, Any] | None], dict[str, TokenIds]]
@@ -74,12 +76,20 @@ class ShownIds:
     def take(self, text: str) -> tuple[str, list[int] | None, list[int]]:
         """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer)."""
         text, prompt, tokens = take_token_ids(text, self.keep)
-        if tokens and _FINISHED not in text and not _SHOWS_TEXT.search(text):
+        shows = _FINISHED in text or _SHOWS_TEXT.search(text) is not None
+        return text, prompt, self._release(tokens, shows)
+
+    def take_frame(self, frame: Frame) -> tuple[list[int] | None, list[int]]:
+        """The ids beside a frame decode/sse.py wrote (nothing to cut out of it), held back as `take` holds them."""
+        return frame.prompt_ids, self._release(frame.token_ids, frame.shows)
+
+    def _release(self, tokens: list[int], shows: bool) -> list[int]:
+        if tokens and not shows:
             self.held.extend(tokens)
-            return text, prompt, []
+            return []
         if self.held:
             tokens, self.held = self.held + tokens, []
-        return text, prompt, tokens
+        return tokens
 
 
 class Outbox:

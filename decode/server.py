@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from ray import serve
 
+from decode import sse
 from decode.feed import Batch, Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
 from serve_app import logs, metrics
@@ -58,6 +59,7 @@ class DecodeServer:
         self.engine = Engine(self.config, "decode")
         await self.engine.start()
         install(self.engine)
+        sse.install(self.engine.serving_layers[0])  # (text-only chat streams: decode/sse.py)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
@@ -94,7 +96,7 @@ class DecodeServer:
         router/resume.py); `hold_tokens`: instead, the engine holds it there with its KV and it goes on when
         confirmed, if its sampling allows (decode/hold.py)."""
         hold = Hold(hold_tokens) if hold_tokens is not None else None
-        with starting(hold):  # (the serving layer starts its engine request within this call)
+        with starting(hold), sse.ids_mode(ids):  # (the serving layer starts its engine request within this call)
             result = await self.engine.openai(endpoint, body)
         held = hold if hold is not None and hold.used else None
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
@@ -191,7 +193,10 @@ class DecodeServer:
                 if shown is None:
                     self.routes[stream_id].put(stream_id, text)
                 else:
-                    text, prompt, tokens = shown.take(text)
+                    if isinstance(text, sse.Frame):  # its ids beside it (decode/sse.py)
+                        prompt, tokens = shown.take_frame(text)
+                    else:
+                        text, prompt, tokens = shown.take(text)
                     if parked is not None:
                         parked.made += len(tokens)
                     self.routes[stream_id].put(stream_id, text, prompt, tokens)

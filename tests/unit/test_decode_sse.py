@@ -1,0 +1,171 @@
+"""decode/sse.py against vLLM's own `chat_completion_stream_generator`: the same engine outputs through both, the
+same bytes out (the SSE contract: role frame, deltas, finish, usage, errors, `[DONE]`), and the token ids beside
+the frames equal to what decode cut out of vLLM's frames before (decode/feed.py `take_token_ids`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.outputs import CompletionOutput, RequestOutput
+
+from decode import sse
+from decode.feed import ShownIds, take_token_ids
+
+PROMPT = [1, 17, 4, 99]
+# (text, token ids) per engine step: quotes, backslashes, control characters, non-ASCII, a character split across
+# two tokens (a step with ids and no text), several tokens in one step (a reader that fell behind).
+STEPS = [
+    ("Hello", [5]),
+    (' "world"', [6]),
+    ("\\n\n\t\x01\x1f\x7f", [7]),
+    ("", [8]),
+    ("é✓😀 \u2028", [9, 10]),
+    ("</script><", [11]),
+]
+
+
+def serving(**overrides: Any) -> OpenAIServingChat:
+    """vLLM's chat serving object without an engine: what its stream generator reads."""
+    chat = OpenAIServingChat.__new__(OpenAIServingChat)
+    settings = {
+        "parser_cls": None,
+        "enable_force_include_usage": False,
+        "response_role": "assistant",
+        "_include_reasoning_tokens_details": False,
+        "enable_log_outputs": False,
+        "request_logger": None,
+        "system_fingerprint": None,
+        "enable_prompt_tokens_details": False,
+        "enable_per_request_metrics": False,
+        "log_error_stack": False,
+    }
+    for key, value in {**settings, **overrides}.items():
+        setattr(chat, key, value)
+    return chat
+
+
+def outputs(finish: str = "stop", stop_reason: int | str | None = None) -> list[RequestOutput]:
+    made = []
+    for i, (text, ids) in enumerate(STEPS):
+        last = i == len(STEPS) - 1
+        done = CompletionOutput(
+            0, text, ids, None, None, finish_reason=finish if last else None, stop_reason=stop_reason
+        )
+        made.append(RequestOutput("r", None, PROMPT, None, [done], last, num_cached_tokens=3 if i == 0 else None))
+    return made
+
+
+async def _feed(items: list[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    for item in items:
+        yield item
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, **fields}
+    )
+
+
+@pytest.fixture(autouse=True)
+def same_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both read `created` from the clock."""
+    monkeypatch.setattr(time, "time", lambda: 1_790_000_000.5)
+
+
+def run(chat: OpenAIServingChat, req: ChatCompletionRequest, items: list[RequestOutput], ids: Any = None) -> tuple:
+    """(vLLM's frames, this encoder's frames) for the same outputs."""
+    theirs = chat.chat_completion_stream_generator(
+        req, _feed(items), "chatcmpl-1", "m", [], None, RequestResponseMetadata(request_id="chatcmpl-1")
+    )
+    ours = sse.text_stream(
+        chat, req, _feed(items), "chatcmpl-1", "m", RequestResponseMetadata(request_id="chatcmpl-1"), None, ids
+    )
+    return asyncio.run(_both(theirs, ours))
+
+
+async def _both(theirs: Any, ours: Any) -> tuple[list[str], list[str]]:
+    return [f async for f in theirs], [f async for f in ours]
+
+
+CASES = {
+    "plain": {},
+    "usage": {"stream_options": {"include_usage": True}},
+    "continuous usage": {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    "token ids": {"return_token_ids": True},
+    "token ids and usage": {"return_token_ids": True, "stream_options": {"include_usage": True}},
+}
+
+
+@pytest.mark.parametrize("fields", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_frames_are_byte_for_byte_vllms(fields: dict[str, Any], finish: str) -> None:
+    chat, req = serving(), request(**fields)
+    assert sse.text_only(chat, req)
+    theirs, ours = run(chat, req, outputs(finish, stop_reason=7 if finish == "stop" else None))
+    assert ours == theirs
+    assert ours[-1] == "data: [DONE]\n\n" and '"finish_reason":"' + finish in ours[-2 - ("usage" in str(fields))]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"enable_force_include_usage": True},
+        {"system_fingerprint": "fp_1"},
+        {"enable_prompt_tokens_details": True},
+        {"response_role": "robot"},
+        {"_include_reasoning_tokens_details": True, "enable_force_include_usage": True},
+    ],
+    ids=["forced usage", "fingerprint", "cached tokens", "role", "reasoning details"],
+)
+def test_server_settings_shape_the_frames_as_vllms(overrides: dict[str, Any]) -> None:
+    chat = serving(**overrides)
+    req = request(stream_options={"include_usage": True}) if "prompt" in str(overrides) else request()
+    theirs, ours = run(chat, req, outputs())
+    assert ours == theirs
+
+
+def test_an_engine_error_ends_the_stream_as_vllms() -> None:
+    chat, req = serving(), request()
+    items = outputs()
+    items[2].outputs[0].finish_reason = "error"
+    theirs, ours = run(chat, req, items)
+    assert ours == theirs and '"InternalServerError"' in ours[-2]
+
+
+@pytest.mark.parametrize("mode", ["strip", "keep"])
+def test_token_ids_travel_beside_the_frames(mode: str) -> None:
+    """What the client gets is what decode made of vLLM's frames with ids in them (stripped, or kept), and the ids
+    beside each frame are the ones it cut out, held back until text shows (ShownIds)."""
+    chat, req = serving(), request(return_token_ids=True)
+    theirs, ours = run(chat, req, outputs(), ids=mode)
+    before, after = ShownIds(keep=mode == "keep"), ShownIds(keep=mode == "keep")
+    for vllm_frame, frame in zip(theirs, ours, strict=True):
+        text, prompt, tokens = before.take(vllm_frame)
+        assert frame == text
+        if isinstance(frame, sse.Frame):
+            assert after.take_frame(frame) == (prompt, tokens)
+        else:
+            assert take_token_ids(vllm_frame, True)[1:] == (None, [])
+    assert [t for f in ours if isinstance(f, sse.Frame) for t in f.token_ids] == [t for _, ids in STEPS for t in ids]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+        {"logprobs": True},
+        {"n": 2},
+        {"echo": True},
+        {"return_prompt_text": True},
+    ],
+    ids=["tools", "logprobs", "n", "echo", "prompt text"],
+)
+def test_anything_but_text_deltas_keeps_vllms_generator(fields: dict[str, Any]) -> None:
+    assert not sse.text_only(serving(), request(**fields))
