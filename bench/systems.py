@@ -156,6 +156,13 @@ def vllm_spin(app_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def vllm_sse(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with vLLM's own SSE generator for every decode answer (decode/sse.py off)."""
+    args = copy.deepcopy(app_args)
+    args.setdefault("decode", {})["text_encoder"] = "vllm"
+    return args
+
+
 @contextlib.contextmanager
 def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[System]:
     """This app behind the default ingress, HAProxy (`app`), or behind Serve's own proxy (`app_serve_proxy`)."""

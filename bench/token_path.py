@@ -48,6 +48,8 @@ SYSTEMS = {
     # The app without its speech role: with it idle, the text path should not change (a third engine shares the
     # cores; it must not spin while no audio flows).
     "app_no_speech": lambda app_args: systems.app({k: v for k, v in app_args.items() if k != "speech"}),
+    # The app with vLLM's own SSE generator for every answer (decode.text_encoder: vllm; decode/sse.py).
+    "app_vllm_sse": lambda app_args: systems.app(systems.vllm_sse(app_args)),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }

@@ -59,7 +59,8 @@ class DecodeServer:
         self.engine = Engine(self.config, "decode")
         await self.engine.start()
         install(self.engine)
-        sse.install(self.engine.serving_layers[0])  # (text-only chat streams: decode/sse.py)
+        if self.config.decode.text_encoder == "decode":
+            sse.install(self.engine.serving_layers[0])  # (text-only chat streams: decode/sse.py)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)

@@ -116,6 +116,15 @@ class PrefillConfig(RoleConfig):
     drain_timeout_s: float = Field(default=30.0, gt=0)
 
 
+class DecodeConfig(RoleConfig):
+    """The decode pool: a role, plus how it writes answers' frames."""
+
+    # Who writes the SSE frames of a chat answer that is nothing but text deltas (no tools, logprobs, echo,
+    # reasoning parser, `n` > 1): "decode", one template per stream filled per engine step (decode/sse.py, the same
+    # bytes as vLLM's); "vllm": vLLM's own generator for every answer (three pydantic objects per token).
+    text_encoder: Literal["decode", "vllm"] = "decode"
+
+
 class SpeechConfig(RoleConfig):
     """The speech role (speech/): a speech-to-text engine of its own, beside the LLM's prefill and decode pools.
 
@@ -279,7 +288,7 @@ class AppConfig(_Strict):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)  # prefill -> decode over NIXL
     router: RouterConfig = Field(default_factory=RouterConfig)  # the ingress
     prefill: PrefillConfig = Field(default_factory=PrefillConfig)  # the prefill pool and its sessions
-    decode: RoleConfig = Field(default_factory=RoleConfig)  # the decode pool
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)  # the decode pool
     speech: SpeechConfig = Field(default_factory=SpeechConfig)  # the speech pool (no `model`: no voice)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)  # what any client may make the server hold
 
