@@ -9,6 +9,11 @@ and the JSON are vLLM's), filled with the delta's text; the token ids travel bes
 when the client asked. Every other frame (the role, the finish, usage, errors) is vLLM's own model, once per
 stream. Anything else keeps vLLM's generator. tests/unit/test_decode_sse.py feeds the same engine outputs to both
 and compares the bytes.
+
+The frames are those of vLLM's generator with no tool parser, whether or not the config names one: a request that
+offers no tools gets its text as text, as OpenAI's API does. (vLLM runs a configured tool parser on every request:
+hermes turns `<tool_call>` text into calls the request never offered, and writes an empty step as `"delta":{}`
+rather than `"delta":{"content":""}`.)
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ IdsMode = Literal["strip", "keep"]
 # How the request the serving layer is about to start wants its token ids (decode/server.py `start`): None, as
 # the request says; "strip": beside the frames only (the router asked, the client did not); "keep": in them too.
 IDS: contextvars.ContextVar[IdsMode | None] = contextvars.ContextVar("rtpd_ids", default=None)
-_TEXT = "\ue000rtpd-text\ue000"  # (private-use: written as is by pydantic and by json.dumps)
-_IDS = 987_654_321
+# A template's holes. Strings are private-use characters (written as is by pydantic and by json.dumps); numbers are
+# unique in a document whose other numbers are holes too (`created`) or 0 (`index`).
+_TEXT, _ID, _MODEL = "\ue000text\ue000", "\ue000id\ue000", "\ue000model\ue000"
+_IDS, _CREATED = 987_654_321, 987_654_325
 _PROMPT, _COMPLETION, _TOTAL = 987_654_322, 987_654_323, 987_654_324
 
 
@@ -109,16 +116,15 @@ class _Template:
     def __init__(self, dumped: str, holes: list[str]) -> None:
         self.parts: list[str] = []
         self.order: list[int] = []
-        rest = dumped
-        while True:
-            found = [(rest.find(hole), i) for i, hole in enumerate(holes) if hole in rest]
-            if not found:
-                break
-            at, i = min(found)
-            self.parts.append(rest[:at])
-            self.order.append(i)
-            rest = rest[at + len(holes[i]) :]
-        self.parts.append(rest)
+        at = {dumped.find(hole): i for i, hole in enumerate(holes) if hole in dumped}
+        if any(dumped.count(hole) > 1 for hole in holes):
+            raise ValueError(f"a hole occurs twice in {dumped!r}")
+        rest = 0
+        for start in sorted(at):
+            self.parts.append(dumped[rest:start])
+            self.order.append(at[start])
+            rest = start + len(holes[at[start]])
+        self.parts.append(dumped[rest:])
 
     def fill(self, *values: str) -> str:
         out = [self.parts[0]]
@@ -171,6 +177,7 @@ async def text_stream(
         )
 
     template: _Template | None = None
+    filled: list[str] = []
     num_prompt = completion = 0
     cached = cache_created = None
     first = True
@@ -204,25 +211,16 @@ async def text_stream(
                 token_ids = tokens if with_ids else None
                 if output.finish_reason is None:
                     if template is None:
-                        choice = ChatCompletionResponseStreamChoice(
-                            index=0,
-                            delta=DeltaMessage(content=_TEXT),
-                            logprobs=None,
-                            finish_reason=None,
-                            token_ids=[_IDS] if with_ids else None,
-                        )
-                        usage = running_usage(_PROMPT, _COMPLETION) if continuous else None
-                        if usage is not None:
-                            usage.total_tokens = _TOTAL
-                        holes = [json.dumps(_TEXT, ensure_ascii=False), f"[{_IDS}]"]
-                        holes += [str(_PROMPT), str(_COMPLETION), str(_TOTAL)]
-                        template = _Template(chunk(choice, usage).model_dump_json(exclude_unset=True), holes)
+                        template = _content_template(with_ids, continuous, details)
+                        filled = [json.dumps(v, ensure_ascii=False) for v in (request_id, model_name)]
                     data = template.fill(
                         json.dumps(text, ensure_ascii=False),
                         json.dumps(token_ids, separators=(",", ":")),
                         str(num_prompt),
                         str(completion),
                         str(num_prompt + completion),
+                        *filled,
+                        str(created),
                     )
                     yield _frame(f"data: {data}\n\n", None, tokens, shows=bool(text))
                     continue
@@ -270,3 +268,36 @@ async def text_stream(
         chat.logger.exception("Error in chat completion stream generator.")
         yield f"data: {serving.create_streaming_error_response(e)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _content_template(with_ids: bool, continuous: bool, details: bool) -> _Template:
+    """The frame vLLM writes for a step of text that does not end the answer, with holes (`_Template.fill`'s order:
+    text, token ids, prompt / completion / total tokens, id, model, created)."""
+    from vllm.entrypoints.openai.chat_completion import serving as chat
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        DeltaMessage,
+    )
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    choice = ChatCompletionResponseStreamChoice(
+        index=0,
+        delta=DeltaMessage(content=_TEXT),
+        logprobs=None,
+        finish_reason=None,
+        token_ids=[_IDS] if with_ids else None,
+    )
+    made = ChatCompletionStreamResponse(
+        id=_ID, object="chat.completion.chunk", created=_CREATED, choices=[choice], model=_MODEL
+    )
+    if continuous:
+        made.usage = UsageInfo(
+            prompt_tokens=_PROMPT,
+            completion_tokens=_COMPLETION,
+            total_tokens=_TOTAL,
+            completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
+        )
+    holes = [json.dumps(_TEXT, ensure_ascii=False), f"[{_IDS}]", str(_PROMPT), str(_COMPLETION), str(_TOTAL)]
+    holes += [json.dumps(_ID, ensure_ascii=False), json.dumps(_MODEL, ensure_ascii=False), str(_CREATED)]
+    return _Template(made.model_dump_json(exclude_unset=True), holes)

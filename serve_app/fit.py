@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -116,7 +117,7 @@ def fit(
     started = time.monotonic()
     trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     initial = [p.detach().clone() for p in trainable]
-    margin = float("-inf")
+    margin = best = float("-inf")
     with one_thread():
         for attempt in range(recipe.attempts):
             lr = recipe.lr / 2**attempt
@@ -136,6 +137,7 @@ def fit(
                     continue
                 with torch.no_grad():
                     margin = worst()
+                best = max(best, margin)
                 log.info("%s fit: attempt %d, step %d, margin %.2f", name, attempt + 1, step, margin)
                 if margin >= recipe.min_margin:
                     return {
@@ -145,7 +147,9 @@ def fit(
                         "seconds": round(time.monotonic() - started, 1),
                         "capability": capability(),
                     }
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
     raise FitError(
-        f"{name} did not fit: least margin {margin:.2f} (needs {recipe.min_margin}) after {recipe.attempts} attempts "
-        f"of {recipe.max_steps} steps ({capability()}). Reproduce: {reproduce}"
+        f"{name} did not fit: least margin {margin:.2f} at the end, {best:.2f} at best (needs {recipe.min_margin}), "
+        f"after {recipe.attempts} attempts of {recipe.max_steps} steps ({capability()}). "
+        f"Reproduce: {f'ATEN_CPU_CAPABILITY={forced} ' if forced else ''}{reproduce}"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,12 +32,30 @@ MODULE = "serve_app.fit_check"  # (not __name__: "__main__" when run with -m)
 
 
 def _python(args: list[str], path: str | None, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python args` under kernel path `path`; past `timeout` its whole process group is killed (vLLM's engine
+    processes with it) and it returns code -9 with "timed out" as its last line of stderr."""
     env = dict(os.environ)
     if path:
         env["ATEN_CPU_CAPABILITY"] = path
-    return subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    with subprocess.Popen(
+        [sys.executable, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            return subprocess.CompletedProcess(child.args, -9, out, f"{err}\ntimed out after {timeout:.0f} s")
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+def _tail(done: subprocess.CompletedProcess[str], lines: int = 3) -> list[str]:
+    return (done.stdout.strip().splitlines() + done.stderr.strip().splitlines())[-lines:] or ["no output"]
 
 
 def capability_under(path: str) -> str:
@@ -159,8 +178,7 @@ def check(paths: list[str], models: list[str], out: Path, vllm: bool, parallel: 
         done = _python(["-m", MODULE, "--worker", model, "--out", str(where)], path, 1800)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
-            error = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"model": model, "path": path, "ok": False, "error": error}
+            return {"model": model, "path": path, "ok": False, "error": " | ".join(_tail(done))}
         result = json.loads(lines[-1]) | {"path": path}
         if vllm:
             checked = (
@@ -168,7 +186,7 @@ def check(paths: list[str], models: list[str], out: Path, vllm: bool, parallel: 
                 if (model == "tiny-whisper")
                 else _python(["-m", MODULE, "--vllm-worker", "--out", str(where)], None, 900)
             )
-            result["vllm"] = "exact" if checked.returncode == 0 else checked.stdout.strip().splitlines()[-3:]
+            result["vllm"] = "exact" if checked.returncode == 0 else _tail(checked)
         result["ok"] = not result["failures"] and result.get("vllm", "exact") == "exact"
         return result
 

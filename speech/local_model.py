@@ -1,7 +1,7 @@
 """`local:tiny-whisper`: the project's generated speech-to-text model, fitted at build time to the sample clips.
 
 A Whisper checkpoint (`WhisperForConditionalGeneration`, Hugging Face format, float32, ~0.3 M parameters) that
-builds in ~20-30 s on two cores: 2 encoder + 2 decoder layers, 64 wide, 5 s audio windows, a byte-level BPE tokenizer
+builds in ~20-45 s on one core: 2 encoder + 2 decoder layers, 64 wide, 5 s audio windows, a byte-level BPE tokenizer
 trained on the sample sentences, with Whisper's special tokens. vLLM serves it with the code that serves any Whisper
 model; users name a real one (e.g. openai/whisper-small) in the config instead.
 
@@ -335,7 +335,7 @@ def is_up_to_date(out: Path = DEFAULT_DIR, spec: SpeechModelSpec = SPEC) -> bool
 
 def make_speech_model(force: bool = False, out: Path | None = None) -> Path:
     """Build `local:tiny-whisper` into `out` (default models/tiny-whisper) unless an up-to-date copy is there;
-    the model's directory. Takes ~20-30 s on two cores; deterministic on a given machine and torch."""
+    the model's directory. Takes ~20-45 s on one core; deterministic on a given machine and torch."""
     out = Path(out) if out is not None else DEFAULT_DIR
     if not force and is_up_to_date(out):
         return out

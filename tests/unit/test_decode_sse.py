@@ -51,10 +51,12 @@ def serving(**overrides: Any) -> OpenAIServingChat:
     return chat
 
 
-def outputs(finish: str = "stop", stop_reason: int | str | None = None) -> list[RequestOutput]:
+def outputs(
+    finish: str = "stop", stop_reason: int | str | None = None, steps: list[tuple[str, list[int]]] = STEPS
+) -> list[RequestOutput]:
     made = []
-    for i, (text, ids) in enumerate(STEPS):
-        last = i == len(STEPS) - 1
+    for i, (text, ids) in enumerate(steps):
+        last = i == len(steps) - 1
         done = CompletionOutput(
             0, text, ids, None, None, finish_reason=finish if last else None, stop_reason=stop_reason
         )
@@ -79,13 +81,20 @@ def same_second(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "time", lambda: 1_790_000_000.5)
 
 
-def run(chat: OpenAIServingChat, req: ChatCompletionRequest, items: list[RequestOutput], ids: Any = None) -> tuple:
-    """(vLLM's frames, this encoder's frames) for the same outputs."""
-    theirs = chat.chat_completion_stream_generator(
-        req, _feed(items), "chatcmpl-1", "m", [], None, RequestResponseMetadata(request_id="chatcmpl-1")
+def run(
+    chat: OpenAIServingChat,
+    req: ChatCompletionRequest,
+    items: list[RequestOutput],
+    ids: Any = None,
+    request_id: str = "chatcmpl-1",
+    reference: OpenAIServingChat | None = None,
+) -> tuple:
+    """(vLLM's frames, this encoder's frames) for the same outputs; vLLM's from `reference` if given."""
+    theirs = (reference or chat).chat_completion_stream_generator(
+        req, _feed(items), request_id, "m", [], None, RequestResponseMetadata(request_id=request_id)
     )
     ours = sse.text_stream(
-        chat, req, _feed(items), "chatcmpl-1", "m", RequestResponseMetadata(request_id="chatcmpl-1"), None, ids
+        chat, req, _feed(items), request_id, "m", RequestResponseMetadata(request_id=request_id), None, ids
     )
     return asyncio.run(_both(theirs, ours))
 
@@ -169,3 +178,52 @@ def test_token_ids_travel_beside_the_frames(mode: str) -> None:
 )
 def test_anything_but_text_deltas_keeps_vllms_generator(fields: dict[str, Any]) -> None:
     assert not sse.text_only(serving(), request(**fields))
+
+
+def test_an_answer_that_ends_on_an_empty_step_and_odd_request_ids() -> None:
+    """The last step shows no text (an end-of-sequence token), and the request id (the client's X-Request-Id) holds
+    what looks like the template's holes."""
+    steps = [*STEPS[:2], ("", [12])]
+    fields = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "return_token_ids": True}
+    for request_id in ("abc987654322", "[987654321]", '"\ue000id\ue000"', "é 987654325"):
+        theirs, ours = run(serving(), request(**fields), outputs(steps=steps), request_id=request_id)
+        assert ours == theirs, request_id
+
+
+def test_a_configured_tool_parser_is_not_run_for_a_request_without_tools() -> None:
+    """With hermes configured (the shipped config), a request that offers no tools gets vLLM's frames of a server
+    without a tool parser: its text as text, even text that looks like a call."""
+    from transformers import AutoTokenizer
+    from vllm.parser import ParserManager
+
+    from serve_app.local_model import make_local_model
+
+    hermes = ParserManager.get_parser(
+        tool_parser_name="hermes",
+        reasoning_parser_name=None,
+        enable_auto_tools=True,
+        tool_strict_level="auto",
+        model_name="m",
+        is_harmony=False,
+        tokenizer=None,
+    )
+    chat = serving(parser_cls=hermes, model_config=None)
+    steps = [("<tool_call>", [20]), ('{"name": "f", "arguments": {}}', [21]), ("</tool_call>", [22]), ("", [23])]
+    for fields in ({}, {"tool_choice": None}, {"tool_choice": "none"}, {"include_reasoning": False}):
+        req = request(**fields)
+        assert sse.text_only(chat, req)
+        theirs, ours = run(chat, req, outputs(steps=steps), reference=serving())
+        assert ours == theirs
+        assert '"content":"<tool_call>"' in ours[1]
+    # vLLM itself, with hermes, writes the empty last step as `"delta":{}` (and, with a tokenizer whose `<tool_call>`
+    # is a token of its own, makes a call of such text): what this encoder deliberately does not do.
+    tokenizer = AutoTokenizer.from_pretrained(make_local_model())
+
+    async def with_hermes() -> list[str]:
+        stream = chat.chat_completion_stream_generator(
+            request(), _feed(outputs(steps=steps)), "c", "m", [], tokenizer, RequestResponseMetadata(request_id="c")
+        )
+        return [f async for f in stream]
+
+    frames = asyncio.run(with_hermes())
+    assert '"delta":{},' in frames[-2] and '"delta":{"content":""},' in ours[-2]
