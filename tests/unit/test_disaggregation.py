@@ -134,7 +134,43 @@ def test_without_a_tokenizer_every_prompt_goes_through_prefill() -> None:
 def test_a_tokenizer_error_lets_the_engines_judge() -> None:
     d = disaggregation(BrokenTokenizer())
     assert d.choose("chat", chat("Hi")) == ("prefill", "long")
-    assert d.choose("completion", {"prompt": "Hi"}) == ("prefill", "long")
+    # (a text prompt's bytes bound its tokens: two bytes are short whatever the tokenizer)
+    assert d.choose("completion", {"prompt": "Hi"}) == ("decode", "short")
+    assert d.choose("completion", {"prompt": "Hi " * 200}) == ("prefill", "long")
+
+
+class Counting:
+    """A real tokenizer that counts how often it tokenizes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.tokenized = tokenizer, 0
+
+    def apply_chat_template(self, messages: Any, tokenize: bool, **kwargs: Any) -> Any:
+        self.tokenized += tokenize
+        return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        self.tokenized += 1
+        return self.tokenizer.encode(text)
+
+
+def test_a_prompt_shorter_in_bytes_than_the_threshold_is_not_tokenized(tokenizer: Any) -> None:
+    """Tokens stand for at least a byte each (but for a few the tokenizer adds): the rendered prompt's bytes decide
+    a short prompt; only one that is not that short is tokenized, and then decided by its tokens."""
+    if isinstance(tokenizer, FakeTokenizer):
+        pytest.skip("needs the local model's tokenizer (made by `make models`)")
+    counting = Counting(tokenizer)
+    d = disaggregation(counting, min_prompt_tokens=256)
+    assert d.choose("chat", chat("Hi")) == ("decode", "short") and counting.tokenized == 0
+    assert d.choose("completion", {"prompt": "Once upon a time"}) == ("decode", "short") and counting.tokenized == 0
+    # ~250 bytes of words the tokenizer merges into far fewer tokens: counted, and short
+    words = chat("the " * 60)
+    assert (d.at_most("chat", words) or 256) >= 256
+    assert d.choose("chat", words) == ("decode", "short") and counting.tokenized == 1
+    assert d.prompt_tokens("chat", words) < 256
+    for text in ("x" * 300, "é" * 200, "the " * 300):  # never decided short by a bound below the real count
+        bound = d.at_most("chat", chat(text))
+        assert bound is None or bound >= d.prompt_tokens("chat", chat(text)) or bound >= 256
 
 
 def test_busy_prefill_sends_prompts_to_decode(tokenizer: Any) -> None:
