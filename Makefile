@@ -59,7 +59,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # The benchmark suite (bench/suite.py): trace replay against the paper's workloads and the peers, plots and
-# bench/results/summary.json. bench-quick: every part, small (a smoke run of a few minutes).
+# bench/results/summary.json. bench-quick: every part, small (a smoke run of a few minutes), into bench/results/quick/
+# (ignored by git), never over the full run's results.
 bench: install
 	$(PY) bench/suite.py
 

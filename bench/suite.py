@@ -53,6 +53,7 @@ from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = RESULTS / "quick"  # a quick run's scratch folder (git ignores it): never over a full run's results
 MODEL = "local:medium-llama"  # the larger local model: a 3,000-token prefill takes about 1 s on one core
 PARTS = ("append", "update", "pressure", "tokens", "preemptive", "voice")
 
@@ -81,10 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=2, help="the paper times the first token only")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a query may take past its last chunk")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/ (--quick: bench/results/quick/)")
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "config.yaml")
     args = p.parse_args(argv)
     full = not args.quick
+    args.out = args.out or (RESULTS if full else QUICK_RESULTS)
     args.queries = args.queries or (30 if full else 6)
     args.append_qps = args.append_qps or ([0.5, 1.0] if full else [1.0])
     args.update_qps = args.update_qps or ([0.25, 0.5] if full else [1.0])
@@ -318,8 +320,9 @@ def token_streaming(args: argparse.Namespace) -> dict[str, Any] | None:
     tag = "suite_token_path"
     argv = ["--systems", "app", "plain", "rayllm", "--session-concurrency", "--tag", tag, "--config", str(args.config)]
     argv += ["--quick"] if args.quick else ["--concurrency", "32", "128"]
+    argv += ["--out", str(args.out)]
     print(f"== tokens: bench/token_path.py {' '.join(argv)}", flush=True)
-    return _run_part("token_path.py", argv, RESULTS / f"{tag}.json")
+    return _run_part("token_path.py", argv, args.out / f"{tag}.json")
 
 
 def separate_part(args: argparse.Namespace, name: str) -> dict[str, Any] | None:

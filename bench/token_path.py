@@ -152,6 +152,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke test: c=1 and 4, 32 tokens, 2 answers/client")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "config.yaml")
     parser.add_argument("--tag", default="token_path", help="results file prefix")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default bench/results/)")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.requests_per_client = [1, 4], 32, 2
@@ -163,7 +164,7 @@ def main() -> None:
     args = parse_args()
     app_args: dict[str, Any] = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
     config = AppConfig.model_validate(app_args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for name in args.systems:
@@ -178,9 +179,9 @@ def main() -> None:
     meta |= {"max_tokens": args.max_tokens, "total_s": time.perf_counter() - started}
     summary = report.summary(results)
     out = {**meta, "systems": results, **summary}
-    (RESULTS / f"{args.tag}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    (args.out / f"{args.tag}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     text = report.markdown(meta, results, summary)
-    (RESULTS / f"{args.tag}.md").write_text(text)
+    (args.out / f"{args.tag}.md").write_text(text)
     print("\n" + text)
 
 
