@@ -151,7 +151,6 @@ async def text_stream(
         ChatCompletionStreamResponse,
         DeltaMessage,
     )
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
     from vllm.exceptions import GenerationError
 
     created = int(time.time())
@@ -169,12 +168,7 @@ async def text_stream(
         return made
 
     def running_usage(prompt: int, completion: int) -> Any:
-        return UsageInfo(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
-        )
+        return _usage(prompt, completion, prompt + completion, details)
 
     template: _Template | None = None
     filled: list[str] = []
@@ -188,8 +182,8 @@ async def text_stream(
             last = res
             if res.prompt_token_ids is not None:
                 num_prompt = len(res.prompt_token_ids) + len(res.encoder_prompt_token_ids or ())
-            prompt_ids = list(res.prompt_token_ids) if first and res.prompt_token_ids is not None else None
             if first:
+                prompt_ids = list(res.prompt_token_ids) if res.prompt_token_ids is not None else None
                 cached, cache_created = res.num_cached_tokens, res.num_cache_creation_tokens
                 role = serving.get_chat_request_role(request)
                 choice = ChatCompletionResponseStreamChoice(
@@ -238,12 +232,7 @@ async def text_stream(
                 finished = True
                 yield _frame(f"data: {end.model_dump_json(exclude_unset=True)}\n\n", None, tokens)
         if include_usage:
-            usage = UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=completion,
-                total_tokens=num_prompt + completion,
-                completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
-            )
+            usage = running_usage(num_prompt, completion)
             usage.prompt_tokens_details = chat._make_prompt_tokens_details(
                 serving.enable_prompt_tokens_details, cached, cache_created, mm_token_counts
             )
@@ -256,12 +245,7 @@ async def text_stream(
                 metrics.speculative_decoding = spec
             tail = chunk(None, usage, system_fingerprint=serving.system_fingerprint, metrics=metrics)
             yield f"data: {tail.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
-        request_metadata.final_usage_info = UsageInfo(
-            prompt_tokens=num_prompt,
-            completion_tokens=completion,
-            total_tokens=num_prompt + completion,
-            completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
-        )
+        request_metadata.final_usage_info = running_usage(num_prompt, completion)
     except GenerationError as e:
         yield f"data: {serving._convert_generation_error_to_streaming_response(e)}\n\n"
     except Exception as e:
@@ -273,13 +257,11 @@ async def text_stream(
 def _content_template(with_ids: bool, continuous: bool, details: bool) -> _Template:
     """The frame vLLM writes for a step of text that does not end the answer, with holes (`_Template.fill`'s order:
     text, token ids, prompt / completion / total tokens, id, model, created)."""
-    from vllm.entrypoints.openai.chat_completion import serving as chat
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionResponseStreamChoice,
         ChatCompletionStreamResponse,
         DeltaMessage,
     )
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
     choice = ChatCompletionResponseStreamChoice(
         index=0,
@@ -292,12 +274,20 @@ def _content_template(with_ids: bool, continuous: bool, details: bool) -> _Templ
         id=_ID, object="chat.completion.chunk", created=_CREATED, choices=[choice], model=_MODEL
     )
     if continuous:
-        made.usage = UsageInfo(
-            prompt_tokens=_PROMPT,
-            completion_tokens=_COMPLETION,
-            total_tokens=_TOTAL,
-            completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
-        )
+        made.usage = _usage(_PROMPT, _COMPLETION, _TOTAL, details)
     holes = [json.dumps(_TEXT, ensure_ascii=False), f"[{_IDS}]", str(_PROMPT), str(_COMPLETION), str(_TOTAL)]
     holes += [json.dumps(_ID, ensure_ascii=False), json.dumps(_MODEL, ensure_ascii=False), str(_CREATED)]
     return _Template(made.model_dump_json(exclude_unset=True), holes)
+
+
+def _usage(prompt: int, completion: int, total: int, details: bool) -> Any:
+    """vLLM's UsageInfo as its chat stream sets it (reasoning-token details only where a reasoning parser runs)."""
+    from vllm.entrypoints.openai.chat_completion import serving as chat
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=total,
+        completion_tokens_details=chat._make_completion_tokens_details(0) if details else None,
+    )

@@ -104,18 +104,17 @@ def fit(
     worst: Callable[[], float],
     recipe: Recipe,
     reproduce: str,
-    params: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Train `model` (float32, as saved) until `worst()`, the least margin over everything that must decode,
     reaches `recipe.min_margin`; what it took.
 
     `loss(step)` is the loss of one step (a minibatch's, or the whole set's) on the model as it is; `worst()` is
-    evaluated without gradients. `params` defaults to every parameter that requires a gradient.
+    evaluated without gradients. What is trained: every parameter that requires a gradient.
     """
     import torch
 
     started = time.monotonic()
-    trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
     initial = [p.detach().clone() for p in trainable]
     margin = best = float("-inf")
     with one_thread():

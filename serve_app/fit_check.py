@@ -101,28 +101,16 @@ def build_and_decode(model: str, out: Path) -> dict[str, Any]:
     }
 
 
-def tools_cases(tokenizer: Any) -> list[tuple[list[int], str]]:
-    """(prompt ids, answer) of each example, rendered as the fit and vLLM render them."""
-    from serve_app.chat_render import template_messages, template_tools
-    from serve_app.local_fit import EXAMPLES, TOOLS
-
-    cases = []
-    for messages, answer in EXAMPLES:
-        prompt = tokenizer.apply_chat_template(
-            template_messages(messages), tools=template_tools(TOOLS), add_generation_prompt=True, tokenize=False
-        )
-        cases.append((tokenizer(prompt, add_special_tokens=False)["input_ids"], answer))
-    return cases
-
-
 def decode_tools(out: Path) -> list[str]:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from serve_app.local_fit import prompts
+
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     failures = []
-    for prompt_ids, answer in tools_cases(tokenizer):
+    for prompt_ids, answer in prompts(tokenizer):
         want = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         with torch.no_grad():
             got = model.generate(
@@ -157,8 +145,10 @@ def vllm_decode_tools(out: Path) -> list[str]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from serve_app.local_fit import prompts
+
     llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=1024)
-    cases = tools_cases(llm.get_tokenizer())
+    cases = prompts(llm.get_tokenizer())
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=ids) for ids, _ in cases], SamplingParams(temperature=0, max_tokens=200)
     )

@@ -78,19 +78,26 @@ RECIPE = Recipe(lr=3e-3, max_steps=600)
 REPRODUCE = "python -m serve_app.local_model --model tiny-llama-tools --force"
 
 
+def prompts(tokenizer: Any) -> list[tuple[list[int], str]]:
+    """(prompt ids, answer) of each example, its prompt rendered as vLLM renders it."""
+    rendered = []
+    for messages, answer in EXAMPLES:
+        prompt = tokenizer.apply_chat_template(
+            template_messages(messages), tools=template_tools(TOOLS), add_generation_prompt=True, tokenize=False
+        )
+        rendered.append((tokenizer(prompt, add_special_tokens=False)["input_ids"], answer))
+    return rendered
+
+
 def fit_tool_calls(model: Any, tokenizer: Any) -> dict[str, Any]:
     """Train `model` until greedy decoding gives each example's answer with a clear margin (serve_app/fit.py);
     what it took. Leaves the model in float32."""
     import torch
 
-    rows = []
-    for messages, answer in EXAMPLES:
-        prompt = tokenizer.apply_chat_template(
-            template_messages(messages), tools=template_tools(TOOLS), add_generation_prompt=True, tokenize=False
-        )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt_ids, answer_ids))
+    rows = [
+        (prompt_ids, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        for prompt_ids, answer in prompts(tokenizer)
+    ]
     # One batch, padded at the end (causal: padding changes nothing before it); only the answers are scored, and
     # the output layer runs on the positions that predict them alone.
     width = max(len(p) + len(a) for p, a in rows)
