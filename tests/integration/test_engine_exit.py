@@ -249,7 +249,13 @@ def test_engines_exit_with_a_killed_replica_and_with_make_run(cluster: Cluster) 
     assert len(cluster.engines()) >= 2, f"no prefill and decode engines:\n{_report(cluster.processes())}"
 
     # A replica killed outright (the OOM killer, `ray.kill`): its engine processes go with it.
-    replica = next(p for p in cluster.replicas() if _name(p).endswith(":decode"))
+    # (Found by its title, which a full run once did not show at the first look, failing with a bare StopIteration:
+    # looked for again for a while, then a failure that lists what was there.)
+    deadline = time.monotonic() + 30
+    while not (decode := [p for p in cluster.replicas() if _name(p).endswith(":decode")]):
+        assert time.monotonic() < deadline, f"no decode replica:\n{_report(cluster.processes())}"
+        time.sleep(0.5)
+    replica = decode[0]
     engines = _descendants(replica)
     assert engines, f"the decode replica has no engine processes:\n{_report(cluster.processes())}"
     replica.kill()
