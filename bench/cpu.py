@@ -29,15 +29,20 @@ def _cmdline(p: psutil.Process) -> str:
     return ""
 
 
-def find_roles(patterns: dict[str, str], root: int | None = None) -> dict[str, list[psutil.Process]]:
-    """role -> processes whose command line contains the role's pattern (first matching role wins)."""
+def find_roles(patterns: dict[str, str | tuple[str, ...]], root: int | None = None) -> dict[str, list[psutil.Process]]:
+    """role -> processes whose command line contains the role's pattern, or one of its patterns (first matching
+    role wins)."""
     roles: dict[str, list[psutil.Process]] = {role: [] for role in patterns}
     for p in descendants(root):
         line = _cmdline(p)
-        role = next((r for r, pattern in patterns.items() if pattern in line), None)
+        role = next((r for r, pattern in patterns.items() if _matches(line, pattern)), None)
         if role is not None:
             roles[role].append(p)
     return roles
+
+
+def _matches(line: str, pattern: str | tuple[str, ...]) -> bool:
+    return any(one in line for one in ((pattern,) if isinstance(pattern, str) else pattern))
 
 
 def cpu_s(procs: list[psutil.Process]) -> float:

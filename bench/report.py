@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import cost_report
+
 KINDS = {"chat": "chat", "session": "REST session", "realtime": "realtime WS"}
 LATENCY = ["ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"]
 CPU_ROLES = ["router", "proxy", "frontend", "prefill_replica", "decode_replica", "engines"]
@@ -64,7 +66,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                 )
                 row["front_ms_per_1k_tokens"] = _ratio(front_cpu(mine)[1], front_cpu(theirs)[1])
                 ratios.setdefault(f"{name}/{peer}", {})[c] = row
-    return {"ratios": ratios, "goals": goals(ratios) + overload_goals(results)}
+    return {"ratios": ratios, "goals": goals(ratios) + overload_goals(results) + cost_report.goals(results)}
 
 
 def goals(ratios: dict[str, Any]) -> list[dict[str, Any]]:
@@ -187,11 +189,13 @@ def markdown(meta: dict[str, Any], results: dict[str, Any], summary: dict[str, A
         f"# Token-path benchmark ({meta['timestamp']})\n\n"
         f"Command: `{meta['command']}` ({meta['total_s'] / 60:.1f} min)\n\n"
         f"Machine: {m['nproc']} CPUs, {m['cpu_model']}. Model: {meta['model']}, max_tokens {meta['max_tokens']}, "
-        "ignore_eos, temperature 0. Latencies in ms; CPU in % of one core over the level's wall time; "
+        f"prompt {meta.get('prompt', 'long')}, ignore_eos, temperature 0. "
+        "Latencies in ms; CPU in % of one core over the level's wall time; "
         "for `plain` the router column is its API server process.\n\n"
         f"{main_table(results)}\n\n## Ratios (app / other)\n\n{ratio_table(summary['ratios'])}\n\n"
         "## Goals\n\n"
         + "\n".join(goal_lines)
         + f"\n\n## CPU by process (% of one core)\n\n{cpu_table(results)}\n"
         + bench_serve_section(results)
+        + cost_report.section(results)
     )

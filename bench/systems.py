@@ -42,6 +42,18 @@ PORTS = {"app": 8794, "plain": 8795, "rayllm": 8796}
 # vLLM's engine processes: `VLLM::EngineCore` (scheduler) and its `VLLM::Worker` (the model; on CPU its OpenMP
 # threads run on the bound core). Both are counted as the engine.
 ENGINES = "VLLM::"
+# Ray's own processes (raylet, GCS, dashboard and agents, Serve's controller and proxy actor): counted beside a
+# Ray-based system's own, never as part of its serving CPU.
+RAY_OWN = (
+    "raylet",
+    "gcs_server",
+    "dashboard",
+    "log_monitor",
+    "monitor.py",
+    "runtime_env",
+    "ServeController",
+    "ProxyActor",
+)
 RAYLLM_MODEL = "tiny-llama"  # Ray Serve LLM reads a model id with a colon as a LoRA adapter id
 # Importing ray.serve.llm (the peer) sets the root logger to INFO: httpx would then print a line per request over
 # the benches' progress bars. Every bench imports this module.
@@ -180,7 +192,9 @@ def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[Syste
             "proxy": _proxy_role(),
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
+            "speech_replica": f"ServeReplica:{APP_NAME}:speech",
             "engines": ENGINES,
+            "ray": RAY_OWN,
         }
         config = AppConfig.model_validate(app_args)
         name = "app_serve_proxy" if haproxy is False else "app"
@@ -319,6 +333,7 @@ def rayllm(config: AppConfig, direct: bool = False) -> Iterator[System]:
             "prefill_replica": f"ServeReplica:{RAYLLM_NAME}:Prefill:",
             "decode_replica": f"ServeReplica:{RAYLLM_NAME}:Decode:",
             "engines": ENGINES,
+            "ray": RAY_OWN,
         }
         name = "rayllm_direct" if direct else "rayllm"
         yield System(name, base, RAYLLM_MODEL, roles, resolve_model(config.model), info={"args": args})

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import clients
+import cost
 import cpu
 import record
 import report
@@ -55,6 +56,9 @@ SYSTEMS = {
 }
 
 
+# The chats' prompt. Short (the default, as issue 42 measures the token path): the app prefills it on decode, or
+# hands it off while decode is busy. Long (416 tokens with the local tokenizer): always handed off from prefill.
+PROMPTS = {"short": cost.SHORT_PROMPT, "long": clients.PROMPT}
 DEFAULT_REQUESTS = {"chat": {1: 16, 32: 4}, "session": {1: 8, 32: 2}, "realtime": {1: 8, 32: 2}}
 
 
@@ -65,10 +69,10 @@ def requests_per_client(args: argparse.Namespace, kind: str, c: int) -> int:
     return table.get(c, 2 if kind == "chat" else 1)
 
 
-def answer_fn(kind: str, system: systems.System, max_tokens: int) -> clients.Answer:
+def answer_fn(kind: str, system: systems.System, max_tokens: int, prompt: str) -> clients.Answer:
     """One answer of `kind`, given the user's own HTTP client."""
     if kind == "chat":
-        return partial(clients.chat, model=system.model, max_tokens=max_tokens)
+        return partial(clients.chat, model=system.model, max_tokens=max_tokens, prompt=prompt)
     if kind == "session":
         return partial(clients.session, model=system.model, max_tokens=max_tokens)
     ws = system.base.replace("http://", "ws://")
@@ -76,7 +80,7 @@ def answer_fn(kind: str, system: systems.System, max_tokens: int) -> clients.Ans
 
 
 async def bench_kind(kind: str, system: systems.System, levels: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    one = answer_fn(kind, system, args.max_tokens)
+    one = answer_fn(kind, system, args.max_tokens, PROMPTS[args.prompt])
     warm = await clients.run_level(one, min(8, max(levels)), 1, system.base)
     print(f"  {kind} warm-up: {warm['requests'] - warm['errors']}/{warm['requests']} ok", flush=True)
     if warm["errors"]:
@@ -108,6 +112,8 @@ async def bench_system(system: systems.System, args: argparse.Namespace) -> dict
     if system.name == "app" and args.session_concurrency:
         for kind in ("session", "realtime"):
             result[kind] = await bench_kind(kind, system, args.session_concurrency, args)
+    if args.cost:
+        result["cost"] = await cost.measure(system, roles, quick=args.quick, idle_s=args.idle_s)
     return result
 
 
@@ -148,6 +154,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--vllm-bench", action="store_true", help="also run `vllm bench serve` (128 prompts, 32 at once) on each"
     )
+    parser.add_argument("--prompt", choices=list(PROMPTS), default="short", help="the chats' prompt (default short)")
+    parser.add_argument(
+        "--cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU per request and per token by process (a fit over max_tokens 1/32/128/512), and an idle stretch",
+    )
+    parser.add_argument("--idle-s", type=float, default=60.0, help="the idle stretch's length (--quick: 5 s)")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of idle between levels")
     parser.add_argument("--quick", action="store_true", help="smoke test: c=1 and 4, 32 tokens, 2 answers/client")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "config.yaml")
@@ -157,6 +171,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.concurrency, args.max_tokens, args.requests_per_client = [1, 4], 32, 2
         args.session_concurrency = [1, 4] if args.session_concurrency else []
+        args.idle_s = min(args.idle_s, 5.0)
     return args
 
 
@@ -176,7 +191,7 @@ def main() -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     command = record.command()
     meta = {"timestamp": stamp, "command": command, "machine": machine(), "model": config.model}
-    meta |= {"max_tokens": args.max_tokens, "total_s": time.perf_counter() - started}
+    meta |= {"max_tokens": args.max_tokens, "prompt": args.prompt, "total_s": time.perf_counter() - started}
     summary = report.summary(results)
     out = {**meta, "systems": results, **summary}
     (args.out / f"{args.tag}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
