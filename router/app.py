@@ -32,6 +32,7 @@ from router.admission import Admission, Refusal, Ticket
 from router.auth import APIKeys
 from router.disaggregation import Disaggregation
 from router.feeds import DecodeFailed, DecodeStream, Feeds
+from router.forward import ForwardResponse
 from router.ndjson import streaming_input_chat
 from router.owner import current_tenant, tenant
 from router.quota import TokenBudgets
@@ -258,7 +259,7 @@ class Router:
         before its constructor, which loads the engine, has returned; the router itself is up long before."""
         if time.monotonic() - self._ready_at < READY_RECHECK_S:
             return True
-        checks = [self.prefill.check_health.remote(), self.decode.check_health.remote()]
+        checks = [self.prefill.check_health.remote(), self.feeds.decode.check_health()]
         if self.speech is not None:
             checks.append(self.speech.info.remote())
         try:
@@ -333,7 +334,7 @@ class Router:
         except BaseException:
             ticket.release()
             raise
-        if not isinstance(response, StreamingResponse):  # (a streamed answer releases it when it ends)
+        if not isinstance(response, StreamingResponse | ForwardResponse):  # (a streamed answer releases it at its end)
             ticket.release()
         return response
 
@@ -406,10 +407,12 @@ class Router:
         metrics.observe(metrics.TTFT, now - started, "time to first token", endpoint=endpoint)
         assert isinstance(opened, DecodeStream)
         tools = endpoint if body.get("tools") else None
-        frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)
 
         def close() -> None:
             opened.cancel()
             ticket.release()
 
+        if not charging and tools is None:  # its bytes go from the feed to the client (router/forward.py)
+            return ForwardResponse(first, opened, headers, close)
+        frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)
         return streaming_response(frames, close, headers)

@@ -17,11 +17,12 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from decode.client import DecodeClient
 from decode.feed import TokenIds
 from router import resume
 from serve_app import metrics
@@ -31,6 +32,17 @@ from serve_app.tasks import detached
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times
 START_RETRY_S = 0.5  # doubled each time: Serve learns of a dead replica from the failed call itself
+MAX_BACKLOG_BYTES = 4 * 2**20  # frames waiting for a client whose transport stays paused, before it is ended
+
+
+class Sink(Protocol):
+    """Where the feed reader writes a stream's frames itself (router/forward.py)."""
+
+    writing: Any  # the response's own task while it writes (then frames queue behind it), or None
+
+    def offer(self, text: str) -> int: ...  # written now or after a paused write: the bytes still waiting
+
+    def stall(self) -> None: ...  # the client stopped reading: end its response
 
 
 class DecodeFailed(Exception):
@@ -62,6 +74,8 @@ class DecodeStream:
         self.cancelled = False
         self.prefer: str | None = None  # where a continuation goes if it can (the replica whose cache has it)
         self.tap: Callable[[str], None] | None = None  # sees its frames as they arrive (router/provisional.py)
+        self.sink: Sink | None = None  # its client's writer, once streaming (router/forward.py)
+        self.backlog = 0  # bytes queued while its sink was busy (a paused client)
 
     def __aiter__(self) -> DecodeStream:
         return self
@@ -71,6 +85,7 @@ class DecodeStream:
             if self._end is None:
                 parts: list[str] = []
                 item = await self.queue.get()
+                self.backlog = 0
                 while True:
                     if isinstance(item, _End):
                         self._end = item
@@ -94,6 +109,31 @@ class DecodeStream:
                 raise DecodeFailed(error)
             raise StopAsyncIteration
 
+    def forward(self, text: str, ids: TokenIds | None) -> bool:
+        """The feed reader's fast path: hand `text` to the client's sink now, if nothing waits before it (False: it
+        goes through the queue, to the response's own task)."""
+        sink = self.sink
+        if sink is None or self.rewrite is not None or self._end is not None:
+            return False
+        if sink.writing is not None or not self.queue.empty():
+            self.backlog += len(text)
+            if self.backlog > MAX_BACKLOG_BYTES:
+                self._stall()
+            return False
+        if ids is not None:
+            self.progress.add_ids(*ids)
+        if self.ids is not None:
+            self.progress.saw(text)
+        if sink.offer(text) > MAX_BACKLOG_BYTES:
+            self._stall()
+        return True
+
+    def _stall(self) -> None:
+        """Its client stopped reading with more than MAX_BACKLOG_BYTES waiting: it ends, the others go on."""
+        self.abort(error_body(408, f"the client stopped reading with over {MAX_BACKLOG_BYTES} bytes waiting")["error"])
+        if self.sink is not None:
+            self.sink.stall()
+
     def abort(self, error: dict[str, Any]) -> None:
         """Stop it, and end it for its reader with `error` (not resumed: a 4xx)."""
         self.cancel()
@@ -108,7 +148,7 @@ class DecodeStream:
 
 class Feeds:
     def __init__(self, decode: DeploymentHandle, consumer: str) -> None:
-        self.decode = decode.options(stream=False)
+        self.decode = DecodeClient(decode)
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
@@ -147,7 +187,7 @@ class Feeds:
             stream.ids = "keep" if body.get("return_token_ids") else "strip"
         self.streams[stream.stream_id] = stream  # before the call: the adopted frames may come before it returns
         call = asyncio.ensure_future(
-            self.decode.adopt.remote(
+            self.decode.adopt(
                 consumer=self.consumer,
                 stream_id=stream.stream_id,
                 parked=adopt["parked"],
@@ -182,7 +222,7 @@ class Feeds:
 
     async def _confirm(self, stream_id: str, replica: str | None) -> None:
         with contextlib.suppress(Exception):
-            await self.decode.confirm.remote(stream_id=stream_id, request_id=stream_id, replica=replica)
+            await self.decode.confirm(stream_id=stream_id, request_id=stream_id, replica=replica)
 
     async def _start(self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         """`start` on a replica Serve picks, none of those the stream failed on; if that one turns out dead (or
@@ -190,7 +230,7 @@ class Feeds:
         for attempt in range(START_ATTEMPTS):
             self.streams[stream.stream_id] = stream  # before start: its first frames may come before it returns
             call = asyncio.ensure_future(
-                self.decode.start.remote(
+                self.decode.start(
                     consumer=self.consumer,
                     stream_id=stream.stream_id,
                     endpoint=endpoint,
@@ -313,12 +353,13 @@ class Feeds:
         error: dict[str, Any] | None = None
         cancelled = False
         try:
-            feed = self.decode.options(stream=True).feed.remote(consumer=self.consumer, replica=replica)
+            feed = self.decode.feed(consumer=self.consumer, replica=replica)
             async for batch in feed:
                 frames, ended, ids = batch if len(batch) == 3 else (*batch, {})
                 for stream_id, text in frames.items():
                     if (stream := self.streams.get(stream_id)) is not None and replica not in stream.failed:
-                        stream.queue.put_nowait((text, ids.get(stream_id)))
+                        if not stream.forward(text, step_ids := ids.get(stream_id)):
+                            stream.queue.put_nowait((text, step_ids))
                         if stream.tap is not None:
                             stream.tap(text)
                 for stream_id, end in ended.items():
@@ -346,4 +387,4 @@ class Feeds:
 
     async def _stop(self, stream_id: str, replica: str | None) -> None:
         with contextlib.suppress(Exception):
-            await self.decode.stop.remote(consumer=self.consumer, stream_id=stream_id, replica=replica)
+            await self.decode.stop(consumer=self.consumer, stream_id=stream_id, replica=replica)

@@ -151,7 +151,7 @@ async def cancel(session_id: str, request: Request) -> Response:
     ingress = _ingress(request)
     result = await session_call(ingress, "session_cancel", session_id=session_id)
     if (stop := result.pop("stop", None)) is not None:
-        await ingress.decode.stop.remote(**stop)  # the answer's decode replica (router/placement.py pins it)
+        await ingress.feeds.decode.stop(**stop)  # the answer's decode replica (router/placement.py pins it)
     return _reply(result, 202)
 
 
