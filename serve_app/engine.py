@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
-from serve_app import ipc_wait
+from serve_app import gloo_device, ipc_wait
 from serve_app.config import AppConfig
 from serve_app.ports import free_port
 from serve_app.protocol import Endpoint, request_model, validation_error_body
@@ -119,6 +119,7 @@ def _worker_main(*args: Any, **kwargs: Any) -> Any:
     original = _wrap("worker_main")
     die_with_parent()
     ipc_wait.install()
+    gloo_device.install()  # (before vLLM makes its process groups)
     return original(*args, **kwargs)
 
 
