@@ -40,7 +40,9 @@ class Sink(Protocol):
 
     writing: Any  # the response's own task while it writes (then frames queue behind it), or None
 
-    def offer(self, text: str) -> int: ...  # written now or after a paused write: the bytes still waiting
+    def offer(self, text: str) -> int: ...  # written now or after a paused write: the bytes still waiting (raises
+
+    # what an earlier write of this client raised)
 
     def stall(self) -> None: ...  # the client stopped reading: end its response
 
@@ -124,7 +126,13 @@ class DecodeStream:
             self.progress.add_ids(*ids)
         if self.ids is not None:
             self.progress.saw(text)
-        if sink.offer(text) > MAX_BACKLOG_BYTES:
+        try:
+            waiting = sink.offer(text)
+        except Exception as e:  # this client's write failed: its stream ends, the feed's others go on
+            logger.warning("stream %s: writing to its client failed: %s", self.stream_id, e)
+            self.abort(error_body(500, f"writing to the client failed: {e}")["error"])
+            return True
+        if waiting > MAX_BACKLOG_BYTES:
             self._stall()
         return True
 

@@ -11,8 +11,10 @@ gets its backlog in one write. The request's task also writes what the reader ne
 frames (router/resume.py), its end, and a mid-stream failure's error frame.
 
 A client that stops reading is not buffered without bound: past `MAX_BACKLOG_BYTES` queued for it
-(router/feeds.py), its stream is stopped on decode and its response ends, while every other stream goes on. A
-client that leaves is seen by Serve, which cancels the request's task (the `finally` stops the stream).
+(router/feeds.py), its stream is stopped on decode and its response ends, while every other stream goes on. (This
+needs the client's flow control to reach the router: behind HAProxy, the default, it does; behind Serve's own
+proxy `send` never waits, and Serve buffers as before.) A write that fails ends that stream alone, with the error.
+A client that leaves is seen by Serve, which cancels the request's task (the `finally` stops the stream).
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ class Sink:
         self.backlog_bytes = 0
         self.writing: asyncio.Task[Any] | None = None  # the response's task, while it writes
         self.stalled = False
+        self.failed: BaseException | None = None  # what a paused write raised: raised again by the next call
 
     def offer(self, text: str) -> int:
         """Write now, or after the paused write; the bytes waiting for the client."""
+        if self.failed is not None:
+            raise self.failed
         if self.pending is not None:
             self.backlog.append(text)
             self.backlog_bytes += len(text)
@@ -84,13 +89,18 @@ class Sink:
             waiting = coro.send(None)
         except StopIteration:
             return
+        except Exception as e:
+            self.failed = e
+            raise
         self.pending = asyncio.ensure_future(_finish(coro, waiting))
         self.pending.add_done_callback(self._written)
 
     def _written(self, done: asyncio.Future[Any]) -> None:
         self.pending = None
         if done.cancelled() or done.exception() is not None:
-            self.backlog.clear()
+            self.backlog.clear()  # (no frame after a lost one: the stream ends with the error instead)
+            if not done.cancelled():
+                self.failed = done.exception()
             return
         if self.backlog:
             text = "".join(self.backlog)
@@ -102,12 +112,17 @@ class Sink:
         """Wait until every offered frame is written (what comes meanwhile joins the backlog's write)."""
         while self.pending is not None:
             await asyncio.wait({self.pending})
+        if self.failed is not None:
+            raise self.failed
 
     async def write(self, text: str) -> None:
         self.writing = asyncio.current_task()  # (the reader queues what comes now: it goes after this)
         try:
             await self.drain()
             await self.send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        except Exception as e:
+            self.failed = e
+            raise
         finally:
             self.writing = None
 
@@ -149,14 +164,22 @@ class ForwardResponse(Response):
             except DecodeFailed as e:  # the decode replica failed mid-stream and it could not be resumed
                 if sink.stalled:
                     raise asyncio.CancelledError from None
+                if sink.failed is not None:  # (ended because its client's write failed: not decode's fault)
+                    raise sink.failed from None
                 logger.error("decode stream failed: %s", e)
                 metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")
                 await sink.write(sse({"error": e.error}) + SSE_DONE)
             await sink.drain()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception as e:
+            if sink.failed is None:
+                raise
+            logger.warning("stream %s: writing to its client failed (%s); its response ended", self.stream.stream_id, e)
         except asyncio.CancelledError:
             if not sink.stalled:
                 raise  # (the client left: Serve cancelled the request)
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()  # (the cancel was the stall's own, `Sink.stall`)
             logger.warning("stream %s: its client stopped reading; its response ended", self.stream.stream_id)
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="client_stalled")
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,22 @@ def install() -> bool:
             self, store: Any, rank: int, size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)
         ) -> None:
             if not shared:
-                shared.append(gloo.create_default_device())
+                shared.extend(_devices(gloo))
             options = gloo._Options()
-            options._devices = [shared[0]]
+            options._devices = list(shared)
             options._timeout = timeout
             super().__init__(store, rank, size, options)
 
     c10d.ProcessGroupGloo = SharedDeviceGloo
     _installed = True
     return True
+
+
+def _devices(gloo: Any) -> list[Any]:
+    """The devices PyTorch would make for each group: one per interface named in `GLOO_SOCKET_IFNAME`, else the
+    default (the host name's address), lazily connected if `TORCH_GLOO_LAZY_INIT` says so."""
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "true")
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if names:
+        return [gloo.create_device(interface=name, lazy_init=lazy) for name in names]
+    return [gloo.create_device(lazy_init=lazy)] if lazy else [gloo.create_default_device()]

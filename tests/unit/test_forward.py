@@ -147,3 +147,33 @@ def test_a_failure_that_cannot_be_resumed_ends_the_stream_with_an_error_frame() 
     assert client.writes[1] == "data: 0\n\n"
     assert client.writes[2].startswith('data: {"error": {"message": "boom"') and client.writes[2].endswith("[DONE]\n\n")
     assert client.ended
+
+
+def test_a_client_whose_write_fails_ends_alone_and_later_frames_are_not_written() -> None:
+    async def run() -> tuple[Client, Client, FakeDecode, DecodeStream, asyncio.Task[None], asyncio.Task[None]]:
+        decode = FakeDecode()
+        feeds = Feeds(decode, "r")  # type: ignore[arg-type]
+        broken, broken_client, broken_task, _ = await _open(decode, feeds)
+        other, other_client, other_task, _ = await _open(decode, feeds)
+        original = broken_client.send
+
+        async def failing(message: dict[str, Any]) -> None:
+            if message.get("body") == b"b1":
+                raise RuntimeError("connection reset")
+            await original(message)
+
+        broken_client.send = failing  # type: ignore[method-assign]
+        assert isinstance(broken.sink, object)
+        broken.sink.send = failing  # type: ignore[union-attr]
+        for i in range(3):
+            await decode.batches.put(({broken.stream_id: f"b{i}", other.stream_id: f"o{i}"}, {}, {}))
+            await _settle()
+        await decode.batches.put(({other.stream_id: "end"}, {other.stream_id: None}, {}))
+        await asyncio.wait_for(other_task, 2)
+        await asyncio.wait([broken_task], timeout=2)
+        return broken_client, other_client, decode, broken, broken_task, other_task
+
+    broken_client, other_client, decode, broken, broken_task, other_task = asyncio.run(run())
+    assert broken_client.writes[1:] == ["b0"]  # nothing after the write that failed
+    assert broken_task.done() and decode.stopped == [broken.stream_id]  # ended, and stopped on decode
+    assert "".join(other_client.writes[1:]) == "o0o1o2end" and other_client.ended  # the feed went on

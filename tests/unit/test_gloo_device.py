@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -29,10 +30,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(mode: str) -> dict[str, object]:
+def run(mode: str, env: dict[str, str] | None = None) -> dict[str, object]:
     (port,) = free_ports(1)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(port), mode], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", SCRIPT, str(port), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, **(env or {})},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -42,3 +48,9 @@ def test_every_gloo_group_shares_one_device_and_its_collectives_work() -> None:
     assert own["loops"] == 7  # PyTorch's default: a TCP loop thread (waking every 10 ms) per group
     assert shared["loops"] == 1
     assert shared["sum"] == own["sum"] == [1.0, 1.0, 1.0]
+
+
+def test_the_shared_device_binds_the_interface_gloo_socket_ifname_names() -> None:
+    """An operator's `GLOO_SOCKET_IFNAME` (the interface the groups must use across nodes) still holds."""
+    shared = run("shared", {"GLOO_SOCKET_IFNAME": "lo"})
+    assert shared["loops"] == 1 and shared["sum"] == [1.0, 1.0, 1.0]
