@@ -175,24 +175,20 @@ async def relay(
     keep: bool = True,
     tools: str | None = None,
 ) -> AsyncGenerator[str, None]:
-    """SSE relay. A failure after the stream started becomes an SSE error event, then `[DONE]`. With `charge`
+    """SSE relay for a stream whose frames the router reads on their way (any other goes through
+    router/forward.py). A failure after the stream started becomes an SSE error event, then `[DONE]`. With `charge`
     (per-key token budgets), the usage frame is read off the stream (and dropped if the client had not asked
     for it). With `tools` (the surface, for a request that has tools), its tool calls are counted."""
     try:
-        if charge is None and tools is None:
-            yield first
-            async for text in stream:
-                yield text
-        else:
-            text: str | None = first
-            while text is not None:
-                if tools is not None:
-                    tool_calls.count(tools, tool_calls.count_in_frames(text))
-                if charge is not None and '"usage"' in text:
-                    text, usage = take_usage(text, keep)
-                    charge(usage)
-                yield text
-                text = await anext(stream, None)
+        text: str | None = first
+        while text is not None:
+            if tools is not None:
+                tool_calls.count(tools, tool_calls.count_in_frames(text))
+            if charge is not None and '"usage"' in text:
+                text, usage = take_usage(text, keep)
+                charge(usage)
+            yield text
+            text = await anext(stream, None)
     except DecodeFailed as e:  # the decode replica failed mid-stream
         logger.error("decode stream failed: %s", e)
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="mid_stream")

@@ -40,9 +40,8 @@ class Sink(Protocol):
 
     writing: Any  # the response's own task while it writes (then frames queue behind it), or None
 
-    def offer(self, text: str) -> int: ...  # written now or after a paused write: the bytes still waiting (raises
-
-    # what an earlier write of this client raised)
+    # Written now or after a paused write: the bytes still waiting (raises what an earlier write raised).
+    def offer(self, text: str) -> int: ...
 
     def stall(self) -> None: ...  # the client stopped reading: end its response
 

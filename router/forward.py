@@ -5,10 +5,10 @@ a task wake of the request's own task, a relay generator and Starlette's Streami
 task group and a disconnect listener per request) cost the router more per token than the write itself. Here
 the reader hands a stream's frames to its `Sink`, which starts the ASGI `send` at once: it completes without
 suspending unless the client's transport is paused (uvicorn's flow control). Only then is the rest of that send
-finished in a task, and the stream's later frames wait in its queue, where the request's own task (the
-`ForwardResponse`) writes them in order once the client reads again: joined, so a client that fell behind
-gets its backlog in one write. The request's task also writes what the reader never does: a resumed stream's
-frames (router/resume.py), its end, and a mid-stream failure's error frame.
+finished in a task, and the stream's later frames wait in the sink's backlog, to leave joined in one write once
+the client reads again. The request's own task (the `ForwardResponse`) writes what the reader does not: frames
+that came while it writes, a resumed stream's frames (router/resume.py), its end, and a mid-stream failure's
+error frame.
 
 A client that stops reading is not buffered without bound: past `MAX_BACKLOG_BYTES` queued for it
 (router/feeds.py), its stream is stopped on decode and its response ends, while every other stream goes on. (This

@@ -13,11 +13,9 @@ Installed in the engine worker processes (`serve_app.engine`'s worker entry poin
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from typing import Any
 
-logger = logging.getLogger(__name__)
 _installed = False
 
 
