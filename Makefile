@@ -21,16 +21,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 model: install
-	$(PY) -m serve_app.local_model
+	$(PY) -m local_models.llm
 
 # The generated models the tests serve, made once before them: a fit that fails is one error here, naming the
 # command that reproduces it, rather than a setup error in every test that needs the model.
 models: install
-	$(PY) -m serve_app.local_model --model tiny-llama tiny-llama-tools
-	$(PY) -m speech.local_model
+	$(PY) -m local_models.llm --model tiny-llama tiny-llama-tools
+	$(PY) -m local_models.whisper
 
 run: install
-	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m serve_app.local_model; fi
+	if grep -q "local:tiny-llama" $(CONFIG); then $(PY) -m local_models.llm; fi
 	# One line on stdout once /health is 200 (every engine answers); `serve run` keeps this shell's pid.
 	# Serve's settings (serve_app/serve_env.py) are read when Ray starts: `serve run` starts Ray with them.
 	# HAProxy serves the port (RAY_SERVE_ENABLE_HA_PROXY=0 in the environment: Serve's own proxy instead).

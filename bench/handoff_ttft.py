@@ -31,7 +31,7 @@ import record
 import systems
 import yaml
 
-from serve_app.config import AppConfig
+from core.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

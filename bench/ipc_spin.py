@@ -1,4 +1,4 @@
-"""What bounding the engines' IPC spin (`engine.ipc_spin_us`, serve_app/ipc_wait.py) does to the token path.
+"""What bounding the engines' IPC spin (`engine.ipc_spin_us`, engine/ipc_wait.py) does to the token path.
 
 The app with the config's setting against the app with vLLM's own 1 s spin (`ipc_spin_us: null`), alternated
 (A B A B ...), each start in a process of its own: on this shared machine whichever system runs first in a

@@ -48,7 +48,7 @@ import yaml
 from clients import pct_ms
 from tqdm import tqdm
 
-from serve_app.protocol import choice_text
+from core.protocol import choice_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

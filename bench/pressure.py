@@ -40,7 +40,7 @@ import httpx
 import yaml
 from openai_stream import pct_ms, wait_health  # bench/ is on sys.path when a bench runs
 
-from serve_app.protocol import choice_text
+from core.protocol import choice_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -457,8 +457,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ray import serve
     from transformers import AutoTokenizer
 
+    from local_models.llm import make_local_model, spec
     from serve_app.builder import build_app
-    from serve_app.local_model import make_local_model, spec
 
     model_path = make_local_model("medium-llama")
     s = spec("medium-llama").served_here()
@@ -574,7 +574,7 @@ def measure_prefill(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from serve_app.local_model import make_local_model, spec
+    from local_models.llm import make_local_model, spec
 
     path = args.model_dir or make_local_model("medium-llama")
     dtype = args.dtype or spec("medium-llama").served_here().dtype

@@ -130,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from serve_app.local_model import make_local_model
+    from local_models.llm import make_local_model
 
     tokenizer = AutoTokenizer.from_pretrained(make_local_model())
     cases = [

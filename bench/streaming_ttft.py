@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app.protocol import choice_text
+from core.protocol import choice_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

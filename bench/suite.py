@@ -49,7 +49,7 @@ import workloads
 import yaml
 from tqdm import tqdm
 
-from serve_app.config import AppConfig
+from core.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -110,13 +110,13 @@ def model_of(args: argparse.Namespace) -> Model:
     config = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
     block = int((config.get("engine") or {}).get("block_size") or 128)  # (vLLM's CPU block size is 128)
     if args.model.startswith("local:"):
-        from serve_app.local_model import make_local_model, spec
+        from local_models.llm import make_local_model, spec
 
         s = spec(args.model).served_here()
         return Model(args.model, str(make_local_model(args.model)), s.dtype, s.kv_bytes_per_token, block)
     from transformers import AutoConfig
 
-    from serve_app.engine import resolve_model
+    from local_models.llm import resolve_model
 
     path = resolve_model(args.model)
     c = AutoConfig.from_pretrained(path)

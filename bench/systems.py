@@ -32,8 +32,8 @@ import httpx
 import psutil
 from cpu import descendants
 
-from serve_app.config import AppConfig
-from serve_app.engine import resolve_model
+from core.config import AppConfig
+from local_models.llm import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "bench" / "results"
@@ -160,7 +160,7 @@ def _proxy_role() -> str:
 
 
 def vllm_spin(app_args: dict[str, Any]) -> dict[str, Any]:
-    """`app_args` with every engine's `ipc_spin_us` unset (serve_app/ipc_wait.py: vLLM's own wait)."""
+    """`app_args` with every engine's `ipc_spin_us` unset (engine/ipc_wait.py: vLLM's own wait)."""
     args = copy.deepcopy(app_args)
     for engine in (args.get("engine"), (args.get("speech") or {}).get("engine")):
         if engine is not None:
@@ -235,8 +235,8 @@ def _bundles(config: AppConfig, role: str) -> list[dict[str, float]]:
 def decode_engine_flags(config: AppConfig) -> list[str]:
     """The `vllm serve` flags that make a plain server's engine do per step what the app's decode engine does:
     its KV connector (NIXL, polled every step), priority scheduling, the accounting scheduler and the worker
-    extension (serve_app/engine.py `build_engine_args`)."""
-    from serve_app.engine import build_engine_args
+    extension (engine/llm.py `build_engine_args`)."""
+    from engine.llm import build_engine_args
 
     args = build_engine_args(config, "decode")
     return [

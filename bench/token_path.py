@@ -35,7 +35,7 @@ import systems
 import vllm_cli
 import yaml
 
-from serve_app.config import AppConfig
+from core.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

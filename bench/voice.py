@@ -48,11 +48,10 @@ import yaml
 from clients import pct_ms
 from tqdm import tqdm
 
-from prefill.preemptive import PreemptiveOptions
+from core.config import PreemptiveOptions, SpeechConfig
+from local_models.whisper import SENTENCES, load_sample
 from router.voice.vad import SpeechDetector, VadSettings
-from serve_app.config import SpeechConfig
 from speech.engine import wav_bytes
-from speech.local_model import SENTENCES, load_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -13,8 +13,10 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from decode.feed import Batch
-from serve_app.protocol import Endpoint
+from core.protocol import Endpoint
+from decode.feed import Batch, TokenIds
+
+__all__ = ["Batch", "DecodeClient", "TokenIds"]
 
 
 class DecodeClient:

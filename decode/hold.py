@@ -172,7 +172,7 @@ class HoldingClient:
 
 
 def install(engine: Any) -> bool:
-    """Start the serving layers' requests on a HoldingClient (serve_app/engine.py `Engine`, once started), unless
+    """Start the serving layers' requests on a HoldingClient (engine/llm.py `Engine`, once started), unless
     the engine schedules asynchronously (vLLM's default on CUDA): a streaming-input request stopped at its
     `max_tokens` can then be left unschedulable or handed a token of the step in flight (vllm-project/vllm#50692,
     vllm-project/vllm-omni#5183), so preemptive answers keep the cap that ends their stream instead."""

@@ -19,14 +19,14 @@ from typing import Any, Literal
 
 from ray import serve
 
+from core import logs, metrics
+from core.autoscaling import ACTIVE_STREAMS
+from core.config import AppConfig
+from core.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
 from decode import sse
 from decode.feed import Batch, Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
-from serve_app import logs, metrics
-from serve_app.autoscaling import ACTIVE_STREAMS
-from serve_app.config import AppConfig
-from serve_app.engine import Endpoint, Engine
-from serve_app.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
+from engine.llm import Endpoint, Engine
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
@@ -300,7 +300,7 @@ class DecodeServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Streams are the load (Serve sees only the short calls that start them, and the feeds):
-        serve_app/autoscaling.py `stream_aware_policy`."""
+        core/autoscaling.py `stream_aware_policy`."""
         return {ACTIVE_STREAMS: float(self._active_streams())}
 
     async def reset_prefix_cache(self) -> bool:

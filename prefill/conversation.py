@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from serve_app.chat_render import template_messages, template_tools
+from core.chat_render import template_messages, template_tools
 
 _MARK = "\ue000"  # a private-use character no input contains: marks the end of the stable text
 

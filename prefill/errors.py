@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
+from core import metrics
+from core.protocol import CAPACITY_EXHAUSTED, error_body
 from prefill.conversation import SessionError
 from prefill.journal import current_call
-from serve_app import metrics
-from serve_app.protocol import CAPACITY_EXHAUSTED, error_body
 
 
 def overloaded(retry_after: int, why: str = "no KV memory could be freed in time") -> dict[str, Any]:

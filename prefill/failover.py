@@ -27,11 +27,11 @@ from typing import Any
 import ray
 from ray import serve
 
+from core import metrics
+from core.placement import owner_of
 from prefill.conversation import SessionError
 from prefill.journal import Journal, replay
 from prefill.session import Session, SessionState
-from serve_app import metrics
-from serve_app.placement import owner_of
 
 logger = logging.getLogger(__name__)
 ARRIVAL_WAIT_S = 5.0  # how long a call waits for a session being handed over to this replica
@@ -205,7 +205,7 @@ class Failover:
     def _adopters(self, session_ids: list[str]) -> dict[str | None, list[str]]:
         """Each session's adopter: the replica its id hashes to among the others (as routers will route it);
         None (any replica) if this process has no view of the pool."""
-        from serve_app.placement import POOLS, rendezvous
+        from core.placement import POOLS, rendezvous
 
         router = POOLS.get(self.deployment)
         replicas = router.curr_replicas.values() if router is not None else []

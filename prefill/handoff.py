@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core import metrics
 from prefill.answer import DONE, Answer
 from prefill.conversation import SessionError
 from prefill.errors import overloaded, session_api
 from prefill.session import Session, SessionState
-from serve_app import metrics
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 5.0  # the longest a reader's call waits here for an answer to exist or end; it then asks again

@@ -22,12 +22,13 @@ import contextvars
 import logging
 from typing import Any
 
+from core import metrics
+from core.config import PreemptiveOptions
 from prefill.answer import Answer
-from prefill.preemptive import PreemptiveOptions, PreemptState
+from prefill.preemptive import PreemptState
 from prefill.session import Session, SessionLimits, SessionState, StartPolicy
 from prefill.store import SessionStore
 from prefill.streaming import StreamingPrefill
-from serve_app import metrics
 
 logger = logging.getLogger(__name__)
 # The id of the client call being applied (set by prefill/errors.py `session_api`), recorded with its changes.

@@ -24,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from serve_app import metrics
-from serve_app.protocol import continuation_refusal
-from serve_app.tasks import detached
+from core import metrics
+from core.config import PreemptiveOptions
+from core.protocol import continuation_refusal
+from core.tasks import detached
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
@@ -42,21 +41,6 @@ CATCH_UP_S = 1.0
 # A hand-off given up while it was made runs on this long at most, then is aborted as before: queued below all other
 # work, it would otherwise keep its place in the engine's queue (and in `queue_waiting`) up to the admission timeout.
 GIVEN_UP_WAIT_S = 2.0
-
-
-class PreemptiveOptions(BaseModel):
-    """`preemptive` on a session (REST create, NDJSON first line, realtime `session.update`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    # Input idle this long: the answer starts. None: only when asked (`session_preempt`: a spoken turn's pause,
-    # router/voice/; transcripts arriving as the user speaks are no reason to answer).
-    after_idle_ms: int | None = Field(default=400, ge=0, le=600_000)
-    max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
-    max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
-    max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
-    # The preemptive answer's text to the client as it is made, marked provisional, then confirmed or discarded
-    # (router/provisional.py); clients that did not ask see only the answer.
-    stream: bool = False
 
 
 @dataclass

@@ -16,18 +16,18 @@ from typing import Any
 
 from ray import serve
 
+from core import logs, metrics
+from core.autoscaling import OPEN_SESSIONS
+from core.config import AppConfig
+from core.protocol import Endpoint, error_payload, validate_openai_body
+from core.scheduler_config import SchedulerSettings
+from engine.llm import Engine
 from prefill.errors import overloaded
-from prefill.scheduler.config import SchedulerSettings
 from prefill.scheduler.profile import start_scheduler
 from prefill.session import Session, SessionState
 from prefill.session_api import SessionAPI
 from prefill.store import make_store
 from prefill.streaming import StreamingPrefill
-from serve_app import logs, metrics
-from serve_app.autoscaling import OPEN_SESSIONS
-from serve_app.config import AppConfig
-from serve_app.engine import Engine
-from serve_app.protocol import Endpoint, error_payload, validate_openai_body
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class PrefillServer(SessionAPI):
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Open sessions hold KV between chunks: load for the autoscaler (serve_app/autoscaling.py)."""
+        """Open sessions hold KV between chunks: load for the autoscaler (core/autoscaling.py)."""
         return {OPEN_SESSIONS: float(sum(s.state != SessionState.CLOSED for s in self.sessions.values()))}
 
     async def reset_prefix_cache(self) -> bool:

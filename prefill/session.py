@@ -46,7 +46,7 @@ class StartPolicy(BaseModel):
 
 
 class SessionLimits(BaseModel):
-    """One session's limits: the server's (`limits` in the app config, serve_app/config.py LimitsConfig), or
+    """One session's limits: the server's (`limits` in the app config, core/config.py LimitsConfig), or
     lower ones the client asked for (`within`)."""
 
     model_config = ConfigDict(extra="forbid")

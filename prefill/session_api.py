@@ -16,11 +16,15 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from core import metrics
+from core.config import PreemptiveOptions
+from core.placement import new_session_id
+from core.protocol import Endpoint, over_max_tokens, validate_openai_body
 from prefill.errors import caller, overloaded, serialized, session_api
 from prefill.failover import Failover
 from prefill.handoff import HandOff
 from prefill.journal import Journal, create_record
-from prefill.preemptive import Preemptive, PreemptiveOptions, PreemptState
+from prefill.preemptive import Preemptive, PreemptState
 from prefill.rewrite_depth import RewriteDepth
 from prefill.session import (
     Session,
@@ -30,9 +34,6 @@ from prefill.session import (
     StartPolicy,
 )
 from prefill.streaming import StreamingPrefill
-from serve_app import metrics
-from serve_app.placement import new_session_id
-from serve_app.protocol import Endpoint, over_max_tokens, validate_openai_body
 
 logger = logging.getLogger(__name__)
 CLOSED_SESSION_RETENTION_S = 60.0

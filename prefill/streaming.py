@@ -85,7 +85,7 @@ class StreamingPrefill:
         max_chunk_tokens: int | None = None,
         depth: RewriteDepth | None = None,
     ) -> None:
-        self.engine = engine  # serve_app.engine.Engine
+        self.engine = engine  # engine.llm.Engine
         self.base_id = request_id
         self.arrival = time.time()
         self.timeout = timeout

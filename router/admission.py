@@ -1,7 +1,7 @@
 """Overload admission: past the pools' capacity, new work waits in the router's queue (router/admission_queue.py)
 while it can be served in time, and is refused beyond, so that admitted work keeps its latency.
 
-The input is what every replica last pushed in its routing stats (once a second; serve_app/placement.py `pool_stats`):
+The input is what every replica last pushed in its routing stats (once a second; core/placement.py `pool_stats`):
 a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`, `kv_blocks_total` and
 `queue_waiting`; a decode replica `active_streams` (and `stream_capacity` if it knows it). The rules
 (`router.admission` in the config):
@@ -38,12 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core import metrics
+from core.config import AdmissionConfig
+from core.placement import pool_stats
+from core.protocol import error_body, error_status
 from router.admission_queue import POLL_S, WaitQueue, retry_after
 from router.latency_limit import LatencyLimit
-from serve_app import metrics
-from serve_app.config import AdmissionConfig
-from serve_app.placement import pool_stats
-from serve_app.protocol import error_body, error_status
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Refusal:
     retry_after: int
 
     def payload(self) -> dict[str, Any]:
-        """The OpenAI error JSON: 429, `Retry-After` from `retry_after` (serve_app/protocol.py)."""
+        """The OpenAI error JSON: 429, `Retry-After` from `retry_after` (core/protocol.py)."""
         body = error_body(429, f"{self.message}; retry in {self.retry_after} s")
         body["error"]["retry_after"] = self.retry_after
         return body

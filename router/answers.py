@@ -17,14 +17,14 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from core import metrics
+from core.protocol import SSE_DONE, error_body, error_status, sse
+from core.tasks import detached
 from router import tool_calls
 from router.feeds import DecodeFailed, DecodeStream
 from router.outcome import Outcome, completion_object, replay_frames
 from router.owner import session_call
 from router.provisional import Held, Provisional
-from serve_app import metrics
-from serve_app.protocol import SSE_DONE, error_body, error_status, sse
-from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 _END = object()
@@ -160,7 +160,7 @@ class AnswerReader:
                 self._registered = getattr(opened, "replica", None)
                 detached(self._register(opened))
                 first = await anext(opened)
-        except StopAsyncIteration:  # decode ended the stream before any frame (a guard: see serve_app/tasks.py)
+        except StopAsyncIteration:  # decode ended the stream before any frame (a guard: see core/tasks.py)
             if not retried and await self._claimed():
                 # Give the answer back to its owner and claim it anew: the owner hands the KV off again if
                 # need be (the prefix cache has it), so the client gets its answer rather than an error.
@@ -363,7 +363,7 @@ class AnswerReader:
         return self._first
 
     def report(self, status: str) -> asyncio.Task[Any]:
-        """Tell the owner how the answer ended, once; in a task of its own (serve_app/tasks.py), so that a client
+        """Tell the owner how the answer ended, once; in a task of its own (core/tasks.py), so that a client
         that left (a cancelled request) cannot stop it. Returns the report's task (await it to know the owner
         has it)."""
         if self._reported is not None or self.summary is not None or self.turn is None:

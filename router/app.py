@@ -27,6 +27,18 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core import logs, metrics
+from core.config import AppConfig
+from core.protocol import (
+    SSE_DONE,
+    Endpoint,
+    error_body,
+    error_response,
+    error_status,
+    over_max_tokens,
+    sse,
+    streaming_response,
+)
 from router import realtime, sessions, tool_calls
 from router.admission import Admission, Refusal, Ticket
 from router.auth import APIKeys
@@ -39,18 +51,7 @@ from router.quota import TokenBudgets
 from router.restart import RestartWatch
 from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
 from router.voice import transcriptions
-from serve_app import logs, metrics
-from serve_app.config import AppConfig
-from serve_app.protocol import (
-    SSE_DONE,
-    Endpoint,
-    error_body,
-    error_response,
-    error_status,
-    over_max_tokens,
-    sse,
-    streaming_response,
-)
+from speech.client import SpeechClient
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 2.0
@@ -212,7 +213,7 @@ class Router:
         self.config = AppConfig.model_validate(app_config)
         # The speech role (speech/), when the config has a speech model: realtime audio, audio chunks of sessions
         # and /v1/audio/transcriptions (router/voice/). Its model's window is read once it answers.
-        self.speech = speech.options(_by_reference=False) if speech is not None else None
+        self.speech = SpeechClient(speech) if speech is not None else None
         self.speech_window_s: float | None = None
         if self.speech is not None:
             from router.voice.vad import warm_up
@@ -257,7 +258,7 @@ class Router:
             return True
         checks = [self.prefill.check_health.remote(), self.feeds.decode.check_health()]
         if self.speech is not None:
-            checks.append(self.speech.info.remote())
+            checks.append(self.speech.info())
         try:
             answers = await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
         except Exception:  # a timeout (no replica ready yet) or a failed engine

@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from serve_app import metrics
-from serve_app.config import AppConfig, DisaggregationConfig
-from serve_app.placement import pool_stats
-from serve_app.protocol import Endpoint
+from core import metrics
+from core.config import AppConfig, DisaggregationConfig
+from core.placement import pool_stats
+from core.protocol import Endpoint
 
 logger = logging.getLogger(__name__)
 Where = Literal["prefill", "decode"]
@@ -46,7 +46,7 @@ class Disaggregation:
     def _load(self) -> None:
         from transformers import AutoTokenizer
 
-        from serve_app.engine import resolve_model
+        from local_models.llm import resolve_model
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.app.tokenizer or resolve_model(self.app.model))

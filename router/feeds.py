@@ -22,12 +22,11 @@ from typing import Any, Protocol
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from decode.client import DecodeClient
-from decode.feed import TokenIds
+from core import metrics
+from core.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
+from core.tasks import detached
+from decode.client import DecodeClient, TokenIds
 from router import resume
-from serve_app import metrics
-from serve_app.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
-from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times

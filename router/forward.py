@@ -27,9 +27,9 @@ from typing import Any
 
 from starlette.responses import Response
 
+from core import metrics
+from core.protocol import SSE_DONE, sse
 from router.feeds import DecodeFailed, DecodeStream
-from serve_app import metrics
-from serve_app.protocol import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from serve_app.config import AdmissionConfig
+from core.config import AdmissionConfig
 
 logger = logging.getLogger("router.admission")  # (its lines go where admission's go: the router's Serve log)
 LOG_EVERY_S = 10.0  # the limit's state in the router's log at most this often (and at every decrease)

@@ -19,6 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from core.protocol import error_body, error_response, streaming_response
+from core.tasks import detached
 from router import tool_calls
 from router.admission import Refusal, admit_session
 from router.answers import AnswerReader
@@ -26,8 +28,6 @@ from router.owner import create_session, session_call
 from router.schemas import ChunkBody, CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
 from router.voice import session_audio
-from serve_app.protocol import error_body, error_response, streaming_response
-from serve_app.tasks import detached
 
 NDJSON_IDLE_S = 30.0  # a request body silent for this long is over (408), and its session with it
 

@@ -10,8 +10,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from core.protocol import SSE_DONE, choice_text, sse
 from router import tool_calls
-from serve_app.protocol import SSE_DONE, choice_text, sse
 
 
 @dataclass

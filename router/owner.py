@@ -18,10 +18,10 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from core import metrics
+from core.protocol import capacity_exhausted, error_body, error_status
+from core.tasks import detached
 from router.admission import session_seen
-from serve_app import metrics
-from serve_app.protocol import capacity_exhausted, error_body, error_status
-from serve_app.tasks import detached
 
 # Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
 # it, and a session answers only calls with the id of the key that created it (others get 404).
@@ -68,7 +68,7 @@ async def create_session(
 ) -> dict[str, Any]:
     """A new session on some prefill replica, owned by the caller's key (and within its session cap).
 
-    The call runs in a task of its own (serve_app/tasks.py): a client that leaves meanwhile (its request cancelled)
+    The call runs in a task of its own (core/tasks.py): a client that leaves meanwhile (its request cancelled)
     does not cut it half-way; the session it makes is deleted, and `abandoned` runs at once (the caller's
     admission ticket: nothing the client left behind stays counted or open)."""
     spec = {**spec, "tenant": current_tenant.get()}

@@ -3,7 +3,7 @@
 A session id names the replica that created it (`sess_<replica>_<secret>`). A call on a session goes to its
 current owner: the one in the id, or the one a router learnt (`route_to`, router/owner.py keeps what replicas
 answered), or, when that replica is gone, the replica the session's id hashes to among the live ones
-(rendezvous hashing, serve_app/placement.py), which then adopts the session from its journal
+(rendezvous hashing, core/placement.py), which then adopts the session from its journal
 (prefill/failover.py). Requests without a session id take Ray Serve's power-of-two
 choices.
 
@@ -14,7 +14,7 @@ resumed from).
 
 The speech pool's `SpeechRouter` sends a REST session's audio to the one replica that holds its turn's audio.
 
-Each router registers itself in `POOLS` (serve_app/placement.py) by deployment name, so that the ingress can
+Each router registers itself in `POOLS` (core/placement.py) by deployment name, so that the ingress can
 read the replicas' last routing stats (their load) for admission control (router/admission.py) without a call
 of its own.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from serve_app.placement import POOLS, owner_of, rendezvous
+from core.placement import POOLS, owner_of, rendezvous
 
 
 class _Registered(PowerOfTwoChoicesRequestRouter):

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core.protocol import choice_text, parse_sse
 from router.feeds import DecodeStream, Feeds
-from serve_app.protocol import choice_text, parse_sse
 
 # (kind, fields): ("delta", {"attempt", "delta"}) while held, then ("done", {"attempt", "status"}), status
 # "confirmed" (it is the answer: the answer's frames follow) or "discarded".

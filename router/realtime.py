@@ -43,6 +43,9 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from core import metrics
+from core.protocol import error_status
+from core.tasks import detached
 from router import tool_calls
 from router.admission import OVERLOADED, Refusal, Ticket, admit_session
 from router.owner import create_session, current_tenant, session_call
@@ -59,9 +62,6 @@ from router.realtime_events import (
 from router.realtime_response import EarlyRead, InputSeen, ResponseStream
 from router.realtime_settings import SessionSettings
 from router.voice.realtime_audio import AudioInput
-from serve_app import metrics
-from serve_app.protocol import error_status
-from serve_app.tasks import detached
 
 logger = logging.getLogger(__name__)
 

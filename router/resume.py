@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.protocol import SSE_DONE, Endpoint, sse
-from serve_app.protocol import continuation_refusal as refusal  # noqa: F401  (its home: what decode may continue)
+from core.protocol import SSE_DONE, Endpoint, sse
+from core.protocol import continuation_refusal as refusal  # noqa: F401  (its home: what decode may continue)
 
 MAX_RESUMES = 2  # per stream: a request that kills replicas must not take the whole pool down with it
 

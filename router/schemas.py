@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from serve_app.protocol import error_body
+from core.protocol import error_body
 
 
 class _Open(BaseModel):

@@ -27,6 +27,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from core.protocol import error_body, error_response, error_status, sse, streaming_response
+from core.tasks import detached
 from router import owner, tool_calls
 from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
@@ -34,8 +36,6 @@ from router.owner import current_tenant, session_call, session_status
 from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
 from router.voice import session_audio
-from serve_app.protocol import error_body, error_response, error_status, sse, streaming_response
-from serve_app.tasks import detached
 
 QUIET_S = 10.0  # a REST session with no call through this router this long is looked up at its owner
 ANSWER_DONE = frozenset({"completed", "cancelled", "failed"})  # (prefill/answer.py DONE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app import metrics
+from core import metrics
 
 
 def merge_deltas(calls: list[dict[str, Any]], deltas: Any) -> None:
@@ -97,7 +97,7 @@ def refusal(body: dict[str, Any]) -> dict[str, Any] | None:
     """A request's tools checked (`check_tools`): OpenAI error JSON naming the tool's parameters, or None."""
     if (bad := check_tools(body.get("tools"))) is None:
         return None
-    from serve_app.protocol import error_body
+    from core.protocol import error_body
 
     param = f"tools.{bad[0]}.function.parameters"
     return error_body(400, f"{param}: {bad[1]}", param)

@@ -6,10 +6,10 @@ from typing import Any
 
 from ray.serve import Application
 
+from core.config import AppConfig
 from decode.server import DecodeServer
 from prefill.server import PrefillServer
 from router.app import Router
-from serve_app.config import AppConfig
 from serve_app.serve_env import replica_options
 from speech.server import SpeechServer
 
@@ -25,7 +25,7 @@ INTERNAL_LOGGING = {"logging_config": {"enable_access_log": False}}
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
-    from serve_app.local_model import LOCAL_MODELS
+    from local_models.llm import LOCAL_MODELS
 
     if config.model in LOCAL_MODELS:
         # Make it once here, before replicas start, so that they never race to write it.
@@ -54,7 +54,7 @@ def build_app(args: dict[str, Any]) -> Application:
     # The speech role, when the config names a speech model: an engine of its own (speech/server.py).
     speech = None
     if config.speech.model is not None:
-        from speech.local_model import SPEECH_MODELS
+        from local_models.whisper import SPEECH_MODELS
 
         if config.speech.model in SPEECH_MODELS:
             SPEECH_MODELS[config.speech.model]()  # made once here, as the LLM's

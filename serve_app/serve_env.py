@@ -34,8 +34,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from serve_app.config import LimitsConfig
-from serve_app.ports import free_ports
+from core.config import LimitsConfig
+from core.ports import free_ports
 
 MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
@@ -77,7 +77,7 @@ def local_env() -> dict[str, str]:
     fallback proxy (the backup server HAProxy sends a request to while no router replica is up) are the
     cluster's own: Serve's defaults (8404, 9101, 8500, 9500) are one per machine, so a second cluster's HAProxy
     could not bind them, or sent its requests to the first cluster's fallback proxy, whose app answered them
-    (HAProxy's files are per Ray node already). Serve binds them later: picked as serve_app/ports.py says."""
+    (HAProxy's files are per Ray node already). Serve binds them later: picked as core/ports.py says."""
     names = ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP", "FALLBACK_PROXY_GRPC")
     env = {f"RAY_SERVE_{name}_PORT": str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
     try:

@@ -14,10 +14,10 @@ import os
 import wave
 from typing import Any
 
-from serve_app import ipc_wait
-from serve_app.config import AppConfig, EngineConfig
-from serve_app.engine import install_fate_sharing
-from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+from core.config import AppConfig, EngineConfig
+from engine import ipc_wait
+from engine.llm import install_fate_sharing
+from engine.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
 from speech.utterance import pcm16
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_speech_model(model: str) -> str:
     """`local:tiny-whisper` is the project's generated speech model; anything else is a hub id or a path."""
-    from speech.local_model import SPEECH_MODELS
+    from local_models.whisper import SPEECH_MODELS
 
     if model in SPEECH_MODELS:
         return str(SPEECH_MODELS[model]())
@@ -110,7 +110,7 @@ class SpeechEngine:
         args = build_args(self.app)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        install_fate_sharing()  # its processes die with this replica (serve_app/engine.py)
+        install_fate_sharing()  # its processes die with this replica (engine/llm.py)
         self.client = AsyncLLM.from_vllm_config(
             vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
@@ -140,7 +140,7 @@ class SpeechEngine:
         except ValidationError as e:
             from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-            from serve_app.protocol import validation_error_body
+            from core.protocol import validation_error_body
 
             return ErrorResponse.model_validate(validation_error_body(e))
         try:

@@ -17,10 +17,10 @@ from typing import Any
 
 from ray import serve
 
-from serve_app import logs, metrics
-from serve_app.autoscaling import ACTIVE_STREAMS
-from serve_app.config import AppConfig
-from serve_app.protocol import error_body, error_payload, error_status
+from core import logs, metrics
+from core.autoscaling import ACTIVE_STREAMS
+from core.config import AppConfig
+from core.protocol import error_body, error_payload, error_status
 from speech.engine import SpeechEngine, decode_upload, wav_bytes
 from speech.sessions import AudioSessions
 

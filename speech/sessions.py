@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from serve_app.protocol import error_body
+from core.protocol import error_body
 from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance, resample_stream
 
 IDLE_S = 600.0  # a turn with no chunk for this long is dropped (its session idles out long before)
@@ -42,14 +42,13 @@ class AudioTurn:
 
 
 class _Local:
-    """This replica's own transcription, in the shape of a handle (`transcribe.remote(...)`) for `Utterance`."""
+    """This replica's own transcription, in the shape of the speech client (`transcribe`) for `Utterance`."""
 
     def __init__(self, server: Any) -> None:
-        self.transcribe = self
         self.server = server
 
-    def remote(self, pcm: bytes, **kwargs: Any) -> Any:
-        return self.server.transcribe(pcm, **kwargs)
+    def transcribe(self, pcm: bytes, *, language: str | None, prompt: str) -> Any:
+        return self.server.transcribe(pcm, language=language, prompt=prompt)
 
 
 class AudioSessions:

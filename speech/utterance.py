@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from serve_app import metrics
+from core import metrics
 
 logger = logging.getLogger(__name__)
 MODEL_RATE = 16000  # the speech model's rate (Whisper's): what an utterance's samples are
@@ -200,7 +200,7 @@ class Utterance:
         for attempt in range(RETRIES + 1):
             try:
                 result = await asyncio.wait_for(
-                    self.speech.transcribe.remote(pcm, language=self.language, prompt=self.prompt),
+                    self.speech.transcribe(pcm, language=self.language, prompt=self.prompt),
                     TRANSCRIBE_TIMEOUT_S,
                 )
             except asyncio.CancelledError:

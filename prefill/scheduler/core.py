@@ -32,14 +32,14 @@ from typing import Any, NamedTuple
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
+from core.scheduler_config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
+from engine.scheduler import AccountingScheduler
 from prefill.scheduler import engine_calls  # noqa: F401  (registers the rtpd_* utility calls)
 from prefill.scheduler.cache_hits import extend_from_cache, share_partial_block
-from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY, SchedulerSettings
 from prefill.scheduler.cost_model import LatencyModel
 from prefill.scheduler.invalidate import truncate
 from prefill.scheduler.policy import RankView, rank_key, victim_key
 from prefill.scheduler.swap import HostSlots
-from serve_app.scheduler import AccountingScheduler
 
 logger = logging.getLogger(__name__)
 

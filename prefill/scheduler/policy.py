@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from prefill.scheduler.config import Policy
+from core.scheduler_config import Policy
 
 
 @dataclass(frozen=True)

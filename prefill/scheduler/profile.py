@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.scheduler_config import SchedulerSettings
 from prefill.scheduler import profile_cache
-from prefill.scheduler.config import SchedulerSettings
 from prefill.scheduler.cost_model import Fit, LatencyModel
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ async def load_or_profile(engine: Any, settings: SchedulerSettings) -> LatencyMo
 def main() -> None:
     import yaml
 
-    from serve_app.config import AppConfig
-    from serve_app.engine import Engine
+    from core.config import AppConfig
+    from engine.llm import Engine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "config.yaml"))

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from speech.utterance import MODEL_RATE, resample_stream  # (the rate: Whisper's, and Silero VAD's)
+from speech.client import MODEL_RATE, resample_stream  # (the rate: Whisper's, and Silero VAD's)
 
 Codec = Literal["pcm16", "ulaw", "alaw"]
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core import metrics
 from router.realtime_events import (
     AudioAppend,
     AudioClear,
@@ -39,8 +40,7 @@ from router.voice.audio import MODEL_RATE, AudioError, AudioFormat, Resampler, b
 from router.voice.settings import OPENAI_TRANSCRIBE_MODELS, TurnDetection, VoiceSettings
 from router.voice.spoken_turn import SpokenTurn
 from router.voice.vad import PAUSE_MS, SpeechDetector, VadEvent
-from serve_app import metrics
-from speech.utterance import Utterance
+from speech.client import Utterance
 
 if TYPE_CHECKING:
     from router.realtime import RealtimeConnection

@@ -17,12 +17,13 @@ import contextlib
 from collections import OrderedDict
 from typing import Any
 
+from core import metrics
+from core.placement import pool_replicas
+from core.protocol import error_body, error_status
 from router.owner import session_call
 from router.schemas import ChunkBody
 from router.voice.audio import AudioError, b64decode
-from serve_app import metrics
-from serve_app.placement import pool_replicas
-from serve_app.protocol import error_body, error_status
+from speech.client import SpeechClient
 
 NO_SPEECH = "this server has no speech model (`speech.model` in its config): audio input is not supported"
 _RATES: OrderedDict[str, dict[str, Any]] = OrderedDict()  # session id -> its audio settings (read from its owner)
@@ -81,7 +82,7 @@ async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[s
     }
     result, heard = await _transcribed(ingress, speech, call, _HOLDERS.get(session_id))
     if "error" in result and error_status(result) == 409 and heard.get("start"):  # this replica holds no audio of it
-        await speech.session_audio_close.remote(session_id=session_id, route_to=heard.get("replica"))
+        await speech.session_audio_close(session_id=session_id, replica=heard.get("replica"))
         holder = await _holder(speech, session_id, other_than=heard.get("replica"))
         if holder is not None:  # (the id hashes elsewhere since speech replicas were added)
             result, heard = await _transcribed(ingress, speech, call, holder)
@@ -92,13 +93,12 @@ async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[s
 
 
 async def _transcribed(
-    ingress: Any, speech: Any, call: dict[str, Any], holder: str | None
+    ingress: Any, speech: SpeechClient, call: dict[str, Any], holder: str | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The chunk's audio into its turn on `holder` (None: the replica the session id hashes to), then the turn's
     transcript to the owner: (the owner's reply or an error body, the speech replica's answer)."""
-    route = {"route_to": holder} if holder is not None else {}
     try:
-        heard = await speech.session_audio.remote(**call, **route)
+        heard = await speech.session_audio(**call, replica=holder)
     except Exception as e:  # the speech replica died mid-call (Ray's actor errors): the client may retry
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="speech_replica")
         body = error_body(503, f"the speech replica holding this session's audio failed ({type(e).__name__}): retry")
@@ -119,13 +119,13 @@ async def _transcribed(
     return result, heard
 
 
-async def _holder(speech: Any, session_id: str, other_than: str | None) -> str | None:
+async def _holder(speech: SpeechClient, session_id: str, other_than: str | None) -> str | None:
     """The live speech replica that holds the session's audio turn, asked of each (None: none does)."""
     for replica in pool_replicas("speech"):
         if replica == other_than:
             continue
         with contextlib.suppress(Exception):  # (one stopping meanwhile holds nothing that can go on)
-            held = await speech.session_audio_holds.remote(session_id=session_id, route_to=replica)
+            held = await speech.session_audio_holds(session_id=session_id, replica=replica)
             if held.get("holds") and held.get("replica") == replica:
                 return replica
     return None
@@ -148,4 +148,4 @@ async def close(ingress: Any, session_id: str, forget: bool = True) -> None:
     elif session_id not in _RATES:
         return  # (no audio sent through this router replica: most likely none at all)
     if (speech := getattr(ingress, "speech", None)) is not None:
-        await speech.session_audio_close.remote(session_id=session_id)
+        await speech.session_audio_close(session_id=session_id)

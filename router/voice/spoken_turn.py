@@ -14,7 +14,7 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance
+from speech.client import MODEL_RATE, TranscriptionFailed, Utterance
 
 if TYPE_CHECKING:
     from router.realtime import RealtimeConnection

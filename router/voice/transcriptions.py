@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
+from core import metrics
+from core.protocol import error_body, error_response, error_status
 from router.voice.settings import OPENAI_TRANSCRIBE_MODELS
-from serve_app import metrics
-from serve_app.protocol import error_body, error_response, error_status
 
 api = APIRouter()
 TEXT_FORMATS = {"text", "srt", "vtt"}
@@ -56,7 +56,7 @@ async def transcriptions(request: Request) -> Response:
     fields.pop("model", None)
     if "stream" in fields:
         fields["stream"] = fields["stream"].lower() in ("1", "true")
-    stream = speech.transcription.options(stream=True).remote(data, fields)
+    stream = speech.transcription(data, fields)
     first = await anext(stream.__aiter__())
     if "stream" in first:
 

@@ -1,6 +1,6 @@
 """Regenerate the spoken sample clips (`<slug>.wav`) and `sentences.json` in this folder.
 
-The clips are what `local:tiny-whisper` (speech/local_model.py) is fitted to transcribe, and what tests and demos
+The clips are what `local:tiny-whisper` (local_models/whisper.py) is fitted to transcribe, and what tests and demos
 send as a user's voice. They are committed, so nothing else needs espeak-ng: run this only to change the set.
 Needs `espeak-ng` and `sox` (Debian: `apt-get install -y espeak-ng sox`); made with espeak-ng 1.51 and sox 14.4.2.
 Other versions may synthesize slightly different audio: rebuild the model afterwards (`--force`).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # slug -> the exact text spoken, and the transcript the model must give (cased, with punctuation). The first four are
-# questions the tool-calling LLM (serve_app/local_fit.py) answers, so a spoken question can end in a tool call.
+# questions the tool-calling LLM (local_models/tools_fit.py) answers, so a spoken question can end in a tool call.
 SENTENCES = {
     "weather_paris": "What is the weather in Paris?",
     "time_tokyo": "What time is it in Tokyo?",

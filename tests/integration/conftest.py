@@ -120,7 +120,7 @@ APP_START_S = 300
 
 
 def tools_args() -> dict[str, Any]:
-    """A second app: `local:tiny-llama-tools` (fitted to call tools, serve_app/local_fit.py) and the default
+    """A second app: `local:tiny-llama-tools` (fitted to call tools, local_models/tools_fit.py) and the default
     config's speech role (`local:tiny-whisper`, fitted to the clips in speech/samples/), so that a spoken question
     can end in a tool call. Decode computes every plain request's prompt itself (the main app disaggregates them;
     sessions always are)."""
@@ -145,8 +145,8 @@ def wait_app(base: str, name: str, timeout: float = APP_START_S) -> None:
 @pytest.fixture(scope="session")
 def tools_app(server: str) -> Iterator[str]:
     """The tools-and-voice app (`tools_args`), for the tool-call and voice tests; started by the first of them."""
-    from serve_app.local_model import make_local_model
-    from speech.local_model import make_speech_model
+    from local_models.llm import make_local_model
+    from local_models.whisper import make_speech_model
 
     make_local_model("tiny-llama-tools")  # (once, here, rather than by both engines at once)
     make_speech_model()
@@ -222,8 +222,8 @@ class ReferenceEngine:
     def __init__(self, args: dict[str, Any]) -> None:
         from vllm import LLM
 
-        from serve_app.config import AppConfig
-        from serve_app.engine import resolve_model
+        from core.config import AppConfig
+        from local_models.llm import resolve_model
 
         config = AppConfig.model_validate(args)
         engine = config.engine

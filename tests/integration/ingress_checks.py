@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import websockets
 
-from serve_app.protocol import choice_text
+from core.protocol import choice_text
 
 CHAT = {"messages": [{"role": "user", "content": "Say something about rivers."}], "temperature": 0}
 

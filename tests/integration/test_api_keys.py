@@ -25,7 +25,7 @@ import pytest
 import websockets
 from ray import serve
 
-from serve_app.config import AppConfig
+from core.config import AppConfig
 from tests.integration.conftest import APP, app_args
 
 pytestmark = pytest.mark.integration

@@ -1,9 +1,9 @@
 """Each engine computes on the cores its config binds it to (`VLLM_CPU_OMP_THREADS_BIND`): the thread that runs a
-vLLM worker's model (its main thread) keeps its place after the NIXL connector is made (serve_app/worker_ext.py).
+vLLM worker's model (its main thread) keeps its place after the NIXL connector is made (engine/worker_ext.py).
 Before, the connector moved it to the last core, and prefill (bound to core 0) ran on decode's core 1.
 
 And an engine that has just answered leaves the cores alone: its processes stop spinning for each other's
-messages `engine.ipc_spin_us` after the last one (serve_app/ipc_wait.py), not vLLM's 1 s."""
+messages `engine.ipc_spin_us` after the last one (engine/ipc_wait.py), not vLLM's 1 s."""
 
 from __future__ import annotations
 

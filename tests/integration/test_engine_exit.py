@@ -31,7 +31,7 @@ import psutil
 import pytest
 import yaml
 
-from serve_app.ports import free_port
+from core.ports import free_port
 from tests.integration.conftest import ROOT, for_tests
 from tests.integration.ingress_checks import check_ingress
 
@@ -203,7 +203,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """`make run` on a free port; `request.param` (indirect parametrization): environment to start it with, and
     `NO_SPEECH` in it to leave the config's speech role out."""
     tmp = Path(tempfile.mkdtemp(prefix="rtpd-exit-", dir="/tmp"))  # short: Ray's socket paths live under it
-    port = free_port()  # (Serve binds it: serve_app/ports.py)
+    port = free_port()  # (Serve binds it: core/ports.py)
     param = dict(getattr(request, "param", {}))
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     if param.pop(NO_SPEECH, None):

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from serve_app import metrics
+from core import metrics
 from tests.integration.conftest import METRICS_PORT
 from tests.integration.test_streaming_input import SESSIONS, TEXT, create, send_chunk
 

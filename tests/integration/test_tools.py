@@ -3,7 +3,7 @@ decode-local prefill, REST sessions, and the Realtime function-calling flow with
 
 Forced calls (a named `tool_choice`, `required`) run on the main app's random model: vLLM's structured outputs
 make the call whatever the weights. `tool_choice: "auto"` needs a model that decides to call: a second app serves
-`local:tiny-llama-tools`, the tiny model fitted at build time to answer a few conversations (serve_app/local_fit.py)
+`local:tiny-llama-tools`, the tiny model fitted at build time to answer a few conversations (local_models/tools_fit.py)
 with Hermes `<tool_call>` text, which vLLM's `hermes` parser (configs/config.yaml) turns into `tool_calls`.
 """
 
@@ -20,9 +20,9 @@ import jsonschema
 import pytest
 from ray import serve
 
+from core.protocol import parse_sse
+from local_models.tools_fit import PARIS, TOOLS, WEATHER_RESULT
 from router.tool_calls import merge_deltas
-from serve_app.local_fit import PARIS, TOOLS, WEATHER_RESULT
-from serve_app.protocol import parse_sse
 from tests.integration.conftest import TOOLS_APP as APP
 from tests.integration.test_metrics import scrape
 from tests.integration.test_streaming_input import SESSIONS, TEXT

@@ -22,9 +22,9 @@ import pytest
 import websockets
 from openai import AsyncOpenAI
 
-from serve_app.local_fit import PARIS, TOOLS
+from local_models.tools_fit import PARIS, TOOLS
+from local_models.whisper import SENTENCES, load_sample
 from speech.engine import wav_bytes
-from speech.local_model import SENTENCES, load_sample
 from tests.integration.conftest import TOOLS_APP, engine_stats
 
 pytestmark = pytest.mark.integration

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from core.config import AdmissionConfig, AppConfig
+from core.protocol import error_body, error_headers, error_status
 from prefill.errors import overloaded
 from router import sessions
 from router.admission import (
@@ -24,8 +26,6 @@ from router.admission import (
     session_room,
 )
 from router.latency_limit import LatencyLimit, quantile
-from serve_app.config import AdmissionConfig, AppConfig
-from serve_app.protocol import error_body, error_headers, error_status
 
 CONFIG = AdmissionConfig(max_session_fill=0.9, max_queue_per_replica=8, min_kv_free_fraction=0.1, retry_after_s=3)
 

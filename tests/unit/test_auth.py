@@ -10,12 +10,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from core.config import AppConfig
 from router import realtime
 from router.app import Authenticate
 from router.auth import API_KEYS_ENV, APIKeys
 from router.owner import current_tenant
 from router.quota import TokenBudgets
-from serve_app.config import AppConfig
 
 
 class FakePrefill:

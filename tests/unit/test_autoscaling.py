@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from ray.serve.config import AutoscalingConfig
 
-from serve_app.autoscaling import OPEN_SESSIONS, session_aware_policy
+from core.autoscaling import OPEN_SESSIONS, session_aware_policy
 
 
 def ctx(replicas: int, requests: float, sessions: list[float]) -> SimpleNamespace:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from core.config import AppConfig
 from serve_app import config_doc
-from serve_app.config import AppConfig
 
 
 def test_the_committed_reference_is_current() -> None:

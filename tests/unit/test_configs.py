@@ -12,7 +12,7 @@ from ray.serve._private.config import (
 )  # what `.options()` builds; checks placement-group bundles
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-from serve_app.config import AppConfig, EngineConfig
+from core.config import AppConfig, EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))

@@ -196,7 +196,7 @@ def test_a_configured_tool_parser_is_not_run_for_a_request_without_tools() -> No
     from transformers import AutoTokenizer
     from vllm.parser import ParserManager
 
-    from serve_app.local_model import make_local_model
+    from local_models.llm import make_local_model
 
     hermes = ParserManager.get_parser(
         tool_parser_name="hermes",

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from core.config import AppConfig
+from local_models.llm import DEFAULT_DIR
 from router.disaggregation import Disaggregation
-from serve_app.config import AppConfig
-from serve_app.local_model import DEFAULT_DIR
 
 LONG_TEXT = " ".join(f"word{i} and some more text" for i in range(200))  # well over 256 tokens
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from core.protocol import PREEMPTIVE_CAP
 from decode.feed import Outbox
 from router.feeds import DecodeFailed, DecodeStream, Feeds
-from serve_app.protocol import PREEMPTIVE_CAP
 
 
 def test_outbox_hands_over_everything_ready_in_one_item() -> None:

@@ -1,4 +1,4 @@
-"""serve_app/fit.py: the shared fitting routine of the generated models, on a model small enough to train in
+"""local_models/fit.py: the shared fitting routine of the generated models, on a model small enough to train in
 milliseconds (the real fits run in test_fit_paths.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.fit import FitError, Recipe, fit, margin_loss, margins
+from local_models.fit import FitError, Recipe, fit, margin_loss, margins
 
 
 class Table(torch.nn.Module):

@@ -1,12 +1,12 @@
 """The fitted local models fit, and decode their targets, under every CPU kernel path torch runs on this machine
-(serve_app/fit.py, serve_app/fit_check.py). `make models` has built them under the machine's own path already
+(local_models/fit.py, local_models/fit_check.py). `make models` has built them under the machine's own path already
 (the integration tests serve those); this fits them again under each other path, two at a time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from serve_app import fit_check
+from local_models import fit_check
 
 
 def test_every_fitted_model_fits_under_every_kernel_path(tmp_path: Path) -> None:

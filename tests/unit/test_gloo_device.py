@@ -1,4 +1,4 @@
-"""serve_app/gloo_device.py: every gloo group of a process on one device: one TCP loop thread, collectives work."""
+"""engine/gloo_device.py: every gloo group of a process on one device: one TCP loop thread, collectives work."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-from serve_app.ports import free_ports
+from core.ports import free_ports
 
 SCRIPT = textwrap.dedent(
     """
     import glob, json, os, sys, time
     import torch, torch.distributed as dist
-    from serve_app import gloo_device
+    from engine import gloo_device
     if sys.argv[2] == "shared":
         assert gloo_device.install() and gloo_device.install()  # (idempotent)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)

@@ -1,7 +1,7 @@
 """The answer protocol on a prefill replica's session API (prefill/handoff.py), without an engine.
 
 A real `SessionAPI` with real sessions; only the engine is faked: its tokenizer (the local model's, when
-`python -m serve_app.local_model` has made it), its limits, and `prefill`, the hand-off, which is scripted.
+`python -m local_models.llm` has made it), its limits, and `prefill`, the hand-off, which is scripted.
 Sessions start on `on_end_only`, so no input is streamed to the engine before the hand-off.
 """
 
@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
+from core.config import AppConfig
+from core.placement import new_session_id
+from core.scheduler_config import SchedulerSettings
+from local_models.llm import DEFAULT_DIR
 from prefill import handoff
 from prefill.answer import Answer
 from prefill.errors import overloaded
-from prefill.scheduler.config import SchedulerSettings
 from prefill.session import Session, SessionLimits, SessionState, StartPolicy
 from prefill.session_api import SessionAPI
-from serve_app.config import AppConfig
-from serve_app.local_model import DEFAULT_DIR
-from serve_app.placement import new_session_id
 
 REPLICA = "replica1"
 KV = {

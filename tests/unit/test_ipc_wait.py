@@ -1,4 +1,4 @@
-"""serve_app/ipc_wait.py on vLLM's own shared-memory queue: a reader spins only `ipc_spin_us` after its last
+"""engine/ipc_wait.py on vLLM's own shared-memory queue: a reader spins only `ipc_spin_us` after its last
 message, then sleeps between checks, and still reads every message."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import zmq
 from vllm.distributed.device_communicators import shm_broadcast
 
-from serve_app import ipc_wait
+from engine import ipc_wait
 
 # zmq objects made here live as long as the process: a context collected while a socket of it is open aborts it.
 _ALIVE: list[object] = []

@@ -1,6 +1,6 @@
-"""Dependencies that must go one way: the shared engine (serve_app/engine.py) imports nothing of the prefill
+"""Dependencies that must go one way: the shared engine (engine/llm.py) imports nothing of the prefill
 role that starts its scheduler but the scheduler's config, and router/ and prefill/ do not import each other (the
-session -> replica mapping lives in serve_app/placement.py); speech/ imports no other role."""
+session -> replica mapping lives in core/placement.py); speech/ imports no other role."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def imports(path: Path) -> set[str]:
 
 
 def test_the_shared_engine_does_not_import_the_prefill_scheduler_that_starts_it() -> None:
-    engine = imports(ROOT / "serve_app" / "engine.py")
-    assert not {m for m in engine if m.split(".")[0] == "prefill" and m != "prefill.scheduler.config"}, engine
+    engine = imports(ROOT / "engine" / "llm.py")
+    assert not {m for m in engine if m.split(".")[0] == "prefill" and m != "core.scheduler_config"}, engine
 
 
 def test_router_and_prefill_do_not_import_each_other() -> None:

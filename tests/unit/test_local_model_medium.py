@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from serve_app import local_model as lm
-from serve_app.config import LOCAL_MODEL
+from core.config import LOCAL_MODEL
+from local_models import llm as lm
 
 
 def test_registry_names_and_dirs() -> None:

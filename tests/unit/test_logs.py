@@ -1,4 +1,4 @@
-"""serve_app/logs.py: the project's lines (and Serve's own) reach a replica's Serve log file even after vLLM has
+"""core/logs.py: the project's lines (and Serve's own) reach a replica's Serve log file even after vLLM has
 applied its logging config, which closes every handler of the process (a non-incremental `dictConfig`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from ray.serve._private.logging_utils import configure_component_logger
 from ray.serve.schema import LoggingConfig
 
-from serve_app import logs
+from core import logs
 
 SERVE = "ray.serve"
 

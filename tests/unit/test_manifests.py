@@ -14,8 +14,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from core.config import AppConfig
 from serve_app import manifests
-from serve_app.config import AppConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from core.ports import free_port
 from serve_app import serve_env
-from serve_app.ports import free_port
 
 
 def _ephemeral_low() -> int:

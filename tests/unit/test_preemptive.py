@@ -55,7 +55,8 @@ class PreemptiveServer(Server):
             raise
 
     def open_preemptive(self, **options: Any) -> Session:
-        from prefill.preemptive import PreemptiveOptions, PreemptState
+        from core.config import PreemptiveOptions
+        from prefill.preemptive import PreemptState
 
         session = self.open_session()
         session.preempt = PreemptState(PreemptiveOptions(after_idle_ms=IDLE_MS, **options))

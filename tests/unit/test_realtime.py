@@ -17,10 +17,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketTestSession
 
+from core.config import AppConfig
+from core.protocol import error_body
 from router import realtime
 from router.auth import APIKeys
-from serve_app.config import AppConfig
-from serve_app.protocol import error_body
 
 pytestmark = pytest.mark.timeout(30)
 

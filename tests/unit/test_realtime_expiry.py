@@ -9,8 +9,8 @@ import time
 import pytest
 from starlette.websockets import WebSocketDisconnect
 
+from core.protocol import error_body
 from router.realtime import SESSION_EXPIRED
-from serve_app.protocol import error_body
 from tests.unit.test_realtime import USER_ITEM, FakePrefill, connect, still_works, until
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from core.config import AppConfig
 from router.realtime import RealtimeConnection
 from router.realtime_events import ResponseCreate
 from router.realtime_response import InputSeen
-from serve_app.config import AppConfig
 from tests.unit.test_released_answers import ADOPT, LIVE, REQUEST, SESSION, STREAM, Ingress, Owner
 from tests.unit.test_router_answers import CHAT_ITEMS, reported
 

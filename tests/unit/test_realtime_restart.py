@@ -15,12 +15,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from core.config import AppConfig
+from core.protocol import error_body
 from router import realtime
 from router.admission import Refusal
 from router.auth import APIKeys
 from router.restart import RestartWatch, replica_shutting_down
-from serve_app.config import AppConfig
-from serve_app.protocol import error_body
 from tests.unit.test_realtime import MODEL, FakePrefill, until
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from core.config import AppConfig
+from core.protocol import SSE_DONE, sse
 from router import realtime, realtime_response
 from router.answers import AnswerReader
 from router.feeds import DecodeStream, _End
-from serve_app.config import AppConfig
-from serve_app.protocol import SSE_DONE, sse
 from tests.unit.test_realtime import MODEL, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)

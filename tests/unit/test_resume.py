@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
+from core.protocol import parse_sse
 from decode.feed import Outbox, take_token_ids
 from router import resume
 from router.feeds import DecodeFailed, DecodeStream, Feeds
-from serve_app.protocol import parse_sse
 
 # Frames as vLLM 0.32 writes them with `return_token_ids` (and, below, without: `null`).
 CHAT_ROLE = (

@@ -15,11 +15,11 @@ from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
+from core import tasks
+from core.protocol import error_body
 from router.answers import AnswerReader
 from router.feeds import DecodeFailed
 from router.outcome import Outcome, completion_object, replay_frames
-from serve_app import tasks
-from serve_app.protocol import error_body
 
 CREATED = 1_700_000_000
 MODEL = "local:tiny-llama"

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from core.config import AppConfig
 from router import quota
 from router.app import APIError, read_json_object, take_usage
 from router.ndjson import InputError, ndjson_lines, streaming_input_chat
-from serve_app.config import AppConfig
 
 
 def request(body: bytes, declared: bool = True) -> Request:

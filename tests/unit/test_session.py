@@ -8,10 +8,10 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from core.placement import new_session_id, owner_of
+from local_models.llm import make_local_model
 from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill, common_prefix_len
-from serve_app.local_model import make_local_model
-from serve_app.placement import new_session_id, owner_of
 
 TEXT = (
     "Retrieved document: prefill starts before the prompt is complete.\n\nIt keeps the KV resident "
@@ -208,8 +208,9 @@ def test_a_spoken_turn_refuses_typed_text_and_a_replace_over_its_transcript_star
 
 def test_preemptive_options_turned_off_replay_as_off():
     """`session_update(preemptive=False)` is journaled as False: the session's next owner has none either."""
+    from core.config import PreemptiveOptions
     from prefill.journal import _apply
-    from prefill.preemptive import PreemptiveOptions, PreemptState
+    from prefill.preemptive import PreemptState
 
     s = session()
     _apply(s, {"op": "update", "instructions": None, "params": None, "preemptive": {"after_idle_ms": None}})

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from core.placement import new_session_id
 from prefill.session import Session, SessionLimits, StartPolicy
-from serve_app.placement import new_session_id
 from tests.unit.test_handoff import Server, completed, tokenizer  # noqa: F401  (the fixture)
 
 
@@ -181,7 +181,7 @@ async def test_stable_tokens_render_with_the_requests_template_tools_and_kwargs(
     """The streamed prefix is what the hand-off renders, so that its KV is reused, not recomputed."""
     tok = server.engine.tokenizer
     if not hasattr(tok, "decode"):
-        pytest.skip("needs the local model's tokenizer (python -m serve_app.local_model)")
+        pytest.skip("needs the local model's tokenizer (python -m local_models.llm)")
     request = {
         "model": "local:tiny-llama",
         "messages": [{"role": "user", "content": "first turn"}],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
-from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+from engine.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
 
 
 def test_vllm_gets_no_prometheus_logger_beside_ours_and_ours_still_counts() -> None:

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from core.chat_render import template_messages, template_tools
+from core.protocol import parse_sse, sse
+from local_models.tools_fit import TOOLS
 from prefill.journal import replay
 from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill
 from router import tool_calls
 from router.outcome import Outcome, completion_object, replay_frames
-from serve_app.chat_render import template_messages, template_tools
-from serve_app.local_fit import TOOLS
-from serve_app.protocol import parse_sse, sse
 from tests.unit.test_realtime import ANSWER, USER_ITEM, FakePrefill, connect, until
 
 CALL_ID = "chatcmpl-tool-abc"
@@ -157,7 +157,7 @@ def test_a_session_renders_calls_as_vllm_does() -> None:
     vLLM's defaults (a stream rendered otherwise would miss the prefix cache at the hand-off)."""
     from transformers import AutoTokenizer
 
-    from serve_app.local_model import make_local_model
+    from local_models.llm import make_local_model
 
     tokenizer = AutoTokenizer.from_pretrained(make_local_model())
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": CALLS}]
@@ -358,9 +358,9 @@ def test_the_shipped_config_turns_tool_calls_on_for_both_engines() -> None:
 
     import yaml
 
-    from serve_app.config import AppConfig
-    from serve_app.engine import build_engine_args
-    from serve_app.local_model import make_local_model
+    from core.config import AppConfig
+    from engine.llm import build_engine_args
+    from local_models.llm import make_local_model
 
     root = Path(__file__).resolve().parents[2]
     args = yaml.safe_load((root / "configs" / "config.yaml").read_text())["applications"][0]["args"]

@@ -1,4 +1,4 @@
-"""serve_app/worker_ext.py: the NIXL connector's constructor leaves the calling thread on its cores."""
+"""engine/worker_ext.py: the NIXL connector's constructor leaves the calling thread on its cores."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from serve_app.worker_ext import keep_affinity
+from engine.worker_ext import keep_affinity
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move a thread between")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import websockets
 
-from serve_app.placement import owner_of
+from core.placement import owner_of
 from tests.integration.faults.conftest import handle, prefill_stats, replicas, wait_running
 from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
 

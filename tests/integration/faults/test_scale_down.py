@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serve_app.placement import owner_of
+from core.placement import owner_of
 from tests.integration.faults.conftest import deploy, handle, wait_running
 from tests.integration.test_streaming_input import TEXT, split_inside_words, whole_chat
 

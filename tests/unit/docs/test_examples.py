@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import AppConfig
+from core.config import AppConfig
 from tests.unit.docs.blocks import ROOT, Block, all_blocks
 
 LANGS = {"python", "bash", "sh", "yaml", "json", "text"}

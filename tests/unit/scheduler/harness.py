@@ -29,9 +29,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from engine.kv_copy import HostKVPool, copy_blocks
+from local_models.llm import make_local_model
 from prefill.scheduler.core import StreamingScheduler
-from prefill.scheduler.swap import HostKVPool, copy_blocks
-from serve_app.local_model import make_local_model
 
 BLOCK = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

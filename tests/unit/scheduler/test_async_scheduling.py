@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import AppConfig
-from serve_app.engine import build_engine_args
-from serve_app.local_model import make_local_model
+from core.config import AppConfig
+from engine.llm import build_engine_args
+from local_models.llm import make_local_model
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -121,7 +121,7 @@ def test_vllm_victims_latest_arrival_first() -> None:
 
 
 def test_session_capacity_leaves_engine_slots_for_hand_offs() -> None:
-    from prefill.scheduler.config import SchedulerSettings
+    from core.scheduler_config import SchedulerSettings
 
     assert SchedulerSettings().session_capacity(1) == 0  # its idle request would hold the only slot
     assert SchedulerSettings().session_capacity(2) == 1

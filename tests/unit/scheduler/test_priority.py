@@ -1,12 +1,12 @@
-"""Decode engines order requests by (priority, arrival) (serve_app/engine.py): a preemptive answer runs at priority 1
-until a router adopts it, and `rtpd_set_priority` (serve_app/scheduler.py) then ranks it as an ordinary answer,
+"""Decode engines order requests by (priority, arrival) (engine/llm.py): a preemptive answer runs at priority 1
+until a router adopts it, and `rtpd_set_priority` (engine/scheduler.py) then ranks it as an ordinary answer,
 also while it waits in the engine's priority queue. On the real scheduler and KV cache manager (harness.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from serve_app.scheduler import _rtpd_set_priority
+from engine.scheduler import _rtpd_set_priority
 from tests.unit.scheduler.harness import Harness
 
 

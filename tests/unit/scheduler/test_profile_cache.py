@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from core.scheduler_config import SchedulerSettings
 from prefill.scheduler import profile, profile_cache
-from prefill.scheduler.config import SchedulerSettings
 from prefill.scheduler.cost_model import Fit, LatencyModel
 
 STATS = {"block_bytes": 65536, "host_slots": 512}

@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import RequestStatus
 
-from prefill.scheduler.config import SchedulerSettings
+from core.scheduler_config import SchedulerSettings
 from tests.unit.scheduler.harness import IDLE, Harness
 
 POLICIES = ["fcfs", "lcas", "mcps", "vllm"]

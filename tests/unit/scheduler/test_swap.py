@@ -7,8 +7,9 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+from engine.kv_copy import HostKVPool
 from prefill.scheduler.cost_model import Fit, LatencyModel
-from prefill.scheduler.swap import HostKVPool, HostSlots
+from prefill.scheduler.swap import HostSlots
 from tests.unit.scheduler.harness import BLOCK, HEAD_SIZE, IDLE, NUM_KV_HEADS
 
 # --- HostSlots -------------------------------------------------------------------------------------------

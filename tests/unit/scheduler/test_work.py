@@ -3,7 +3,7 @@ was for (a session's streamed input, its hand-off, a whole prompt), per replica 
 
 from __future__ import annotations
 
-from serve_app.scheduler import work_kind
+from engine.scheduler import work_kind
 
 
 def test_request_ids_name_their_kind_of_work() -> None:

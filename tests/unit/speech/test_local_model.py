@@ -1,4 +1,4 @@
-"""`local:tiny-whisper` (speech/local_model.py): the sample clips, the fitted model's transcripts (transformers,
+"""`local:tiny-whisper` (local_models/whisper.py): the sample clips, the fitted model's transcripts (transformers,
 greedy, as vLLM decodes), and the build's cache. Builds the model on first use (about a minute), then reuses it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speech import local_model as sm
+from local_models import whisper as sm
 
-# Questions the tool-calling LLM (serve_app/local_fit.py) answers with a tool call: spoken, they must come out exact.
+# Questions the tool-calling LLM (local_models/tools_fit.py) answers with a tool call: spoken, they must come out exact.
 TOOL_QUESTIONS = [
     "What is the weather in Paris?",
     "What time is it in Tokyo?",

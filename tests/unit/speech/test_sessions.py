@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from serve_app.config import SpeechConfig
+from core.config import SpeechConfig
 from speech.sessions import AudioSessions
 
 PCM = b"\0\1" * 1600  # 100 ms at 16 kHz

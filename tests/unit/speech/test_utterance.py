@@ -17,14 +17,13 @@ RATE = 16000
 
 
 class FakeSpeech:
-    """`transcribe.remote(pcm)` answers the audio's length in ms; `fail` raises that many times first."""
+    """`transcribe(pcm)` answers the audio's length in ms; `fail` raises that many times first."""
 
     def __init__(self, fail: int = 0, error: dict[str, Any] | None = None, delay: float = 0.0) -> None:
         self.calls: list[int] = []
         self.fail, self.error, self.delay = fail, error, delay
-        self.transcribe = self
 
-    def remote(self, pcm: bytes, **kwargs: Any) -> Any:
+    def transcribe(self, pcm: bytes, **kwargs: Any) -> Any:
         async def answer() -> dict[str, Any]:
             await asyncio.sleep(self.delay)
             self.calls.append(len(pcm) // 2)

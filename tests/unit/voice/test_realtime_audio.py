@@ -17,11 +17,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from core.config import AppConfig, SpeechConfig
+from local_models.whisper import load_sample
 from router import realtime
 from router.auth import APIKeys
 from router.voice.spoken_turn import settled
-from serve_app.config import AppConfig, SpeechConfig
-from speech.local_model import load_sample
 from tests.unit.test_realtime import FakePrefill, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,8 +34,8 @@ class FakeSpeech:
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[int] = []
         self.fail = fail
-        self.transcribe = SimpleNamespace(remote=self._transcribe)
-        self.info = SimpleNamespace(remote=self._info)
+        self.transcribe = self._transcribe
+        self.info = self._info
 
     async def _info(self) -> dict[str, Any]:
         return {"window_s": 5.0}

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from core.protocol import error_body, error_status
 from router.schemas import ChunkBody
 from router.voice import session_audio
-from serve_app.protocol import error_body, error_status
+from speech.client import SpeechClient
 
 
 class Replica:
@@ -42,6 +43,9 @@ class Pool:
         )
         self.session_audio_close = self._method(lambda r, kw: r.turns.pop(kw["session_id"], None))
         self.session_audio_holds = self._method(lambda r, kw: {"holds": kw["session_id"] in r.turns, "replica": r.name})
+
+    def options(self, **options: Any) -> Pool:  # (the speech client's handle options)
+        return self
 
     def _method(self, fn: Any) -> Any:
         pool = self
@@ -99,7 +103,7 @@ async def test_a_turn_held_by_an_older_replica_goes_on_there_after_the_pool_grow
 ) -> None:
     pool = Pool("old", "new")
     monkeypatch.setattr(session_audio, "pool_replicas", lambda name: list(pool.replicas))
-    ingress = SimpleNamespace(speech=pool)
+    ingress = SimpleNamespace(speech=SpeechClient(pool))
     assert (await session_audio.audio_chunk(ingress, "s1", chunk(0, "hello")))["transcript"] == "hello"
     pool.hashes_to = "new"  # a replica added: the session id hashes there now
     assert (await session_audio.audio_chunk(ingress, "s1", chunk(1, "there")))["transcript"] == "hello there"
@@ -115,7 +119,7 @@ async def test_a_turn_whose_replica_is_gone_is_refused_not_half_transcribed(
 ) -> None:
     pool = Pool("old", "new")
     monkeypatch.setattr(session_audio, "pool_replicas", lambda name: list(pool.replicas))
-    ingress = SimpleNamespace(speech=pool)
+    ingress = SimpleNamespace(speech=SpeechClient(pool))
     await session_audio.audio_chunk(ingress, "s2", chunk(0, "hello"))
     del pool.replicas["old"]  # it stopped, and the turn's audio with it
     pool.hashes_to = "new"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from local_models.whisper import load_sample
 from router.voice.vad import FRAME, RATE, SpeechDetector, VadSettings
-from speech.local_model import load_sample
 
 
 def run(audio: np.ndarray, settings: VadSettings, chunk: int = 480) -> list:
@@ -59,7 +59,7 @@ def test_the_silence_window_counts_from_where_the_sound_ended() -> None:
     a clip's end here): the window must count the silence the user left, not the model's lag. On every clip, the
     turn's end (`stopped` less the window) is within 32 ms of the clip's last sample, and the stop is decided
     within a frame of the window's end."""
-    from speech.local_model import SENTENCES
+    from local_models.whisper import SENTENCES
 
     window = 500 * RATE // 1000
     for slug in SENTENCES:
@@ -78,7 +78,7 @@ def test_the_silence_window_counts_from_where_the_sound_ended() -> None:
 def test_the_window_ends_with_the_append_that_completes_it() -> None:
     """A microphone's 20 ms appends: the turn stops in the append that holds the window's end, not up to a frame
     (32 ms) later when the frame it falls in is complete."""
-    from speech.local_model import SENTENCES
+    from local_models.whisper import SENTENCES
 
     append = 320
     for slug in SENTENCES:

@@ -183,7 +183,7 @@ FAULTS_ALL = [DECODE_RESUMES, DECODE_KV_LOAD_FAILURES, DECODE_KV_LOAD_FAILED_TOK
 
 @_safe
 def export_kv_load_failures(stats: dict[str, Any], previous: dict[str, Any], replica: str) -> None:
-    """A decode engine's KV load failures (serve_app/scheduler.py) as deltas since the last export."""
+    """A decode engine's KV load failures (engine/scheduler.py) as deltas since the last export."""
     for key, name, description in (
         ("kv_load_failed_requests", DECODE_KV_LOAD_FAILURES, "requests whose KV load failed on decode"),
         ("kv_load_failed_tokens", DECODE_KV_LOAD_FAILED_TOKENS, "tokens whose KV load failed on decode"),

@@ -15,7 +15,7 @@ feature map without position embeddings (`_init_encoder`, `_fit`): where a clip 
 Transcripts follow Whisper's convention: a leading space (" What is the weather in Paris?"); callers `.strip()`.
 The decoder prompt is vLLM's: `<|startoftranscript|><|en|><|transcribe|><|notimestamps|>` (`DECODER_PROMPT`).
 
-    python -m speech.local_model [--out DIR] [--force]
+    python -m local_models.whisper [--out DIR] [--force]
 
 From code: `make_speech_model()`, or by config name `SPEECH_MODELS["local:tiny-whisper"]()`; both return the
 model's directory, built on first use (models/tiny-whisper) and reused while its stamp matches.
@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from serve_app.fit import Recipe, fit, margin_loss, margins, one_thread
-from serve_app.local_model import MODELS_DIR
+from local_models.fit import Recipe, fit, margin_loss, margins, one_thread
+from local_models.llm import MODELS_DIR
 
 log = logging.getLogger(__name__)
-SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+SAMPLES_DIR = Path(__file__).resolve().parents[1] / "speech" / "samples"  # (the speech role's demo clips)
 SENTENCES: dict[str, str] = json.loads((SAMPLES_DIR / "sentences.json").read_text())
 DEFAULT_DIR = MODELS_DIR / "tiny-whisper"
 VERSION = 5  # bump when the recipe changes, so stale copies are rebuilt
@@ -253,7 +253,7 @@ def _init_encoder(model: Any) -> None:
 
 
 def _fit(model: Any, train: tuple, heldout: tuple, spec: SpeechModelSpec) -> dict[str, Any]:
-    """Fit the decoder until every train and held-out target wins by MIN_MARGIN (serve_app/fit.py); what it took.
+    """Fit the decoder until every train and held-out target wins by MIN_MARGIN (local_models/fit.py); what it took.
 
     The encoder stays a fixed random feature map of the log-mel (convolutions, then two random attention layers):
     its outputs are computed once, and each step trains only the decoder (cross-attention learns where the
@@ -309,7 +309,7 @@ def _fit(model: Any, train: tuple, heldout: tuple, spec: SpeechModelSpec) -> dic
         loss=loss,
         worst=lambda: min(least(encoded, train_in, train_y), least(heldout_encoded, heldout[1], heldout[2])),
         recipe=recipe,
-        reproduce="python -m speech.local_model --force",
+        reproduce="python -m local_models.whisper --force",
     )
 
 
@@ -382,7 +382,7 @@ def _build(out: Path) -> None:
         dropout=0.0,
         dtype="float32",
     )
-    # One thread for the whole build, not only the fit (serve_app/fit.py): the same arithmetic on every machine, no
+    # One thread for the whole build, not only the fit (local_models/fit.py): the same arithmetic on every machine, no
     # OpenMP stalls when vLLM engines busy the cores meanwhile, and little lost: these tensors are small.
     with one_thread():
         torch.manual_seed(SEED)

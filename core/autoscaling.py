@@ -9,7 +9,7 @@ sessions (`PrefillServer.record_autoscaling_stats`); this policy counts them as 
 Ray Serve applies min/max replicas, up/downscale delays and factors around it. Configure it with
 
     autoscaling_config:
-      policy: {policy_function: serve_app.autoscaling:session_aware_policy}
+      policy: {policy_function: core.autoscaling:session_aware_policy}
 
 A decode replica's answers stream to routers through long-lived feeds (decode/feed.py), so Serve counts only
 the short calls that start them; each decode replica reports its active streams

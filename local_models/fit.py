@@ -1,7 +1,7 @@
 """Fitting a generated model at build time until greedy decoding gives its targets, on whatever CPU builds it.
 
-Two local models are fitted when they are made: `local:tiny-llama-tools` (serve_app/local_fit.py) and
-`local:tiny-whisper` (speech/local_model.py). A fit is done when every target token beats its best rival by
+Two local models are fitted when they are made: `local:tiny-llama-tools` (local_models/tools_fit.py) and
+`local:tiny-whisper` (local_models/whisper.py). A fit is done when every target token beats its best rival by
 `min_margin` logits, so that vLLM's kernels, whose float32 arithmetic differs from PyTorch's in the last bits, decode
 the same tokens. Both fits share this routine, which makes that outcome independent of the floating point of the
 kernels torch picks (AVX-512 or AVX2, MKL's paths on AMD or Intel):

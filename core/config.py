@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prefill.scheduler.config import SchedulerSettings
+from core.scheduler_config import SchedulerSettings
 
-LOCAL_MODEL = "local:tiny-llama"  # the model `python -m serve_app.local_model` makes
+LOCAL_MODEL = "local:tiny-llama"  # the model `python -m local_models.llm` makes
 
 
 class _Strict(BaseModel):
@@ -73,7 +73,7 @@ class EngineConfig(_Strict):
     # render `tools`, assistant `tool_calls` and `tool` messages (the local models' does).
     tool_call_parser: str | None = None
     # How long the engine's two processes (its scheduler and its model worker) busy-wait for each other's next
-    # message before they sleep between checks (serve_app/ipc_wait.py). vLLM spins for 1 s, through every step
+    # message before they sleep between checks (engine/ipc_wait.py). vLLM spins for 1 s, through every step
     # under load: on shared CPU cores that takes the cores the model threads compute on. None: vLLM's own (a role's
     # null inherits the app-level value; 1000000 there is vLLM's 1 s).
     ipc_spin_us: int | None = Field(default=None, ge=0)
@@ -125,6 +125,21 @@ class DecodeConfig(RoleConfig):
     text_encoder: Literal["decode", "vllm"] = "decode"
 
 
+class PreemptiveOptions(BaseModel):
+    """`preemptive` on a session (REST create, NDJSON first line, realtime `session.update`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Input idle this long: the answer starts. None: only when asked (`session_preempt`: a spoken turn's pause,
+    # router/voice/; transcripts arriving as the user speaks are no reason to answer).
+    after_idle_ms: int | None = Field(default=400, ge=0, le=600_000)
+    max_tokens: int = Field(default=64, ge=1)  # tokens made before the turn is confirmed
+    max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
+    max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
+    # The preemptive answer's text to the client as it is made, marked provisional, then confirmed or discarded
+    # (router/provisional.py); clients that did not ask see only the answer.
+    stream: bool = False
+
+
 class SpeechConfig(RoleConfig):
     """The speech role (speech/): a speech-to-text engine of its own, beside the LLM's prefill and decode pools.
 
@@ -165,8 +180,6 @@ class SpeechConfig(RoleConfig):
     @model_validator(mode="after")
     def _preemptive_options(self) -> SpeechConfig:
         if self.preemptive is not None:
-            from prefill.preemptive import PreemptiveOptions
-
             PreemptiveOptions.model_validate(self.preemptive)
         return self
 
@@ -280,7 +293,7 @@ class AppConfig(_Strict):
     """The whole application: one model, a router, a prefill pool and a decode pool (and a speech pool)."""
 
     # The LLM: a hub id, a local path, or a generated local model (`local:tiny-llama`, `local:tiny-llama-tools`,
-    # `local:medium-llama`: serve_app/local_model.py).
+    # `local:medium-llama`: local_models/llm.py).
     model: str = LOCAL_MODEL
     served_model_name: str | None = None  # the name clients send as `model` (None: `model`)
     tokenizer: str | None = None  # a tokenizer other than the model's (hub id or path)

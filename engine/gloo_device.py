@@ -7,7 +7,7 @@ anything is sent: 13 threads per worker here, ~1% of a core per idle worker, ~3%
 devices are made to be shared by contexts (PyTorch passes them in `ProcessGroupGloo.Options`): with one, each
 worker has one such thread.
 
-Installed in the engine worker processes (`serve_app.engine`'s worker entry point) before vLLM makes its groups.
+Installed in the engine worker processes (`engine.llm`'s worker entry point) before vLLM makes its groups.
 """
 
 from __future__ import annotations

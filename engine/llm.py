@@ -17,31 +17,22 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
-from prefill.scheduler.config import ADDITIONAL_CONFIG_KEY
-from serve_app import gloo_device, ipc_wait
-from serve_app.config import AppConfig
-from serve_app.ports import free_port
-from serve_app.protocol import Endpoint, request_model, validation_error_body
-from serve_app.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+from core.config import AppConfig
+from core.ports import free_port
+from core.protocol import Endpoint, request_model, validation_error_body
+from core.scheduler_config import ADDITIONAL_CONFIG_KEY
+from engine import gloo_device, ipc_wait
+from engine.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
+from local_models.llm import resolve_model
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 SCHEDULER_CLS = {
     "prefill": "prefill.scheduler.core.StreamingScheduler",  # streaming-aware admission and eviction
-    "decode": "serve_app.scheduler.AccountingScheduler",
+    "decode": "engine.scheduler.AccountingScheduler",
 }
-WORKER_EXTENSION_CLS = "serve_app.worker_ext.WorkerExtension"  # NIXL tuning, see serve_app/worker_ext.py
-
-
-def resolve_model(model: str) -> str:
-    """`local:tiny-llama` and `local:medium-llama` are the project's generated models; anything else is a
-    hub id or a path."""
-    from serve_app.local_model import LOCAL_MODELS
-
-    if model in LOCAL_MODELS:
-        return str(LOCAL_MODELS[model]())
-    return model
+WORKER_EXTENSION_CLS = "engine.worker_ext.WorkerExtension"  # NIXL tuning, see engine/worker_ext.py
 
 
 def _node_ip() -> str:
@@ -224,7 +215,7 @@ class Engine:
 
         # Every replica gets its own NIXL side channel: a free port on this node, reachable by IP so that
         # decode replicas on other nodes can handshake. The engine-core process inherits the environment.
-        host, port = _node_ip(), free_port()  # (vLLM binds it: serve_app/ports.py)
+        host, port = _node_ip(), free_port()  # (vLLM binds it: core/ports.py)
         engine = self.app.engine_for(self.role)
         os.environ.update(engine.env)
         ipc_wait.configure(engine.ipc_spin_us)

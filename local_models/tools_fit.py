@@ -2,13 +2,13 @@
 
 A model of random weights never writes a tool call by itself, so `tool_choice: "auto"` (the model decides, vLLM's
 tool parser reads its text) could not be shown end to end on a generated model. This one is the tiny model trained
-(40-70 s on one core, by serve_app/fit.py) on the conversations below, until greedy decoding reproduces each answer
+(40-70 s on one core, by local_models/fit.py) on the conversations below, until greedy decoding reproduces each answer
 with a clear margin: asked for the weather it writes a Hermes `<tool_call>` (one or two, for parallel calls); given
 the tool's result it answers in text; asked something else it answers without a call; asked for a story it tells a
 long one. Everything else about it is the tiny model's: the same tokenizer, chat template and architecture, loaded
 and served with the same code.
 Tests and examples send these very conversations (`EXAMPLES`), rendered as vLLM renders them
-(serve_app/chat_render.py).
+(core/chat_render.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve_app.chat_render import template_messages, template_tools
-from serve_app.fit import Recipe, fit, margin_loss, margins
+from core.chat_render import template_messages, template_tools
+from local_models.fit import Recipe, fit, margin_loss, margins
 
 WEATHER = {
     "type": "function",
@@ -75,7 +75,7 @@ EXAMPLES: list[tuple[list[dict[str, Any]], str]] = [
     ([{"role": "user", "content": "Tell a story."}], STORY),
 ]
 RECIPE = Recipe(lr=3e-3, max_steps=600)
-REPRODUCE = "python -m serve_app.local_model --model tiny-llama-tools --force"
+REPRODUCE = "python -m local_models.llm --model tiny-llama-tools --force"
 
 
 def prompts(tokenizer: Any) -> list[tuple[list[int], str]]:
@@ -90,7 +90,7 @@ def prompts(tokenizer: Any) -> list[tuple[list[int], str]]:
 
 
 def fit_tool_calls(model: Any, tokenizer: Any) -> dict[str, Any]:
-    """Train `model` until greedy decoding gives each example's answer with a clear margin (serve_app/fit.py);
+    """Train `model` until greedy decoding gives each example's answer with a clear margin (local_models/fit.py);
     what it took. Leaves the model in float32."""
     import torch
 

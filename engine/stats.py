@@ -9,7 +9,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
-from serve_app import metrics
+from core import metrics
 
 
 @dataclass

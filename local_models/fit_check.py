@@ -1,12 +1,12 @@
 """Fit each fitted local model under every CPU kernel path torch runs here, and check what each fit decodes.
 
 A fit's trajectory depends on the floating point of the kernels torch picks, so a fit that converges on one machine
-may not on another (serve_app/fit.py). `ATEN_CPU_CAPABILITY` forces torch onto a path (`default`, `avx2`,
+may not on another (local_models/fit.py). `ATEN_CPU_CAPABILITY` forces torch onto a path (`default`, `avx2`,
 `avx512`) at import, so one machine can try them all: each (model, path) is built in a subprocess under that
 path, then decoded greedily there with transformers (every example's answer, every clip's transcript). `--vllm`
 also decodes each saved model with vLLM, as the app serves it.
 
-    python -m serve_app.fit_check [--paths default avx2 avx512] [--models tiny-llama-tools tiny-whisper] [--vllm]
+    python -m local_models.fit_check [--paths default avx2 avx512] [--models tiny-llama-tools tiny-whisper] [--vllm]
 
 Prints a line per (model, path) and a JSON summary; exits non-zero if any fit or decode fails. `make test` runs it
 (tests/unit/test_fit_paths.py) for the paths other than the one `make models` built with.
@@ -28,7 +28,7 @@ from typing import Any
 
 PATHS = ("default", "avx2", "avx512")
 MODELS = ("tiny-llama-tools", "tiny-whisper")
-MODULE = "serve_app.fit_check"  # (not __name__: "__main__" when run with -m)
+MODULE = "local_models.fit_check"  # (not __name__: "__main__" when run with -m)
 
 
 def _python(args: list[str], path: str | None, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -77,16 +77,16 @@ def native_path() -> str:
 
 def build_and_decode(model: str, out: Path) -> dict[str, Any]:
     """(In the worker, under the forced path) build `model` into `out` and decode its targets with transformers."""
-    from serve_app.fit import capability
+    from local_models.fit import capability
 
     started = time.monotonic()
     if model == "tiny-whisper":
-        from speech.local_model import make_speech_model
+        from local_models.whisper import make_speech_model
 
         make_speech_model(force=True, out=out)
         failures = decode_whisper(out)
     else:
-        from serve_app.local_model import make_local_model
+        from local_models.llm import make_local_model
 
         make_local_model(model, force=True, out=out)
         failures = decode_tools(out)
@@ -105,7 +105,7 @@ def decode_tools(out: Path) -> list[str]:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from serve_app.local_fit import prompts
+    from local_models.tools_fit import prompts
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -124,7 +124,7 @@ def decode_tools(out: Path) -> list[str]:
 def decode_whisper(out: Path) -> list[str]:
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    from speech.local_model import SENTENCES, Cut, load_sample, transcribe
+    from local_models.whisper import SENTENCES, Cut, load_sample, transcribe
 
     model = WhisperForConditionalGeneration.from_pretrained(out).eval()
     processor = WhisperProcessor.from_pretrained(out)
@@ -145,7 +145,7 @@ def vllm_decode_tools(out: Path) -> list[str]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from serve_app.local_fit import prompts
+    from local_models.tools_fit import prompts
 
     llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=1024)
     cases = prompts(llm.get_tokenizer())
@@ -172,7 +172,7 @@ def check(paths: list[str], models: list[str], out: Path, vllm: bool, parallel: 
         result = json.loads(lines[-1]) | {"path": path}
         if vllm:
             checked = (
-                _python(["-m", "speech.check_model", "--model", str(where)], None, 900)
+                _python(["-m", "local_models.whisper_check", "--model", str(where)], None, 900)
                 if (model == "tiny-whisper")
                 else _python(["-m", MODULE, "--vllm-worker", "--out", str(where)], None, 900)
             )

@@ -52,7 +52,7 @@ class WorkerExtension:
     _rtpd_pool: Any = None
 
     def rtpd_swap_init(self, num_slots: int) -> int:
-        from prefill.scheduler.swap import HostKVPool
+        from engine.kv_copy import HostKVPool
 
         runner = self.model_runner  # type: ignore[attr-defined]
         num_blocks = self.vllm_config.cache_config.num_gpu_blocks  # type: ignore[attr-defined]
@@ -66,7 +66,7 @@ class WorkerExtension:
         return self._rtpd_pool.swap_in(slots, block_ids)
 
     def rtpd_copy_blocks(self, src: list[int], dst: list[int]) -> float:
-        from prefill.scheduler.swap import copy_blocks
+        from engine.kv_copy import copy_blocks
 
         runner = self.model_runner  # type: ignore[attr-defined]
         num_blocks = self.vllm_config.cache_config.num_gpu_blocks  # type: ignore[attr-defined]

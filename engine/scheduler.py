@@ -7,10 +7,10 @@ engine really computed, this scheduler counts, per request, the prompt tokens it
 EngineCore utility call (`rtpd_compute_stats`), the same channel vLLM uses for its own utility methods.
 
 It also counts KV loads that failed (a NIXL transfer or handshake that did not complete): with
-`kv_load_failure_policy: recompute` (serve_app/config.py) vLLM recomputes those tokens here instead of failing
+`kv_load_failure_policy: recompute` (core/config.py) vLLM recomputes those tokens here instead of failing
 the request, and these counts say how often and how much.
 
-Configured with vLLM's extension point: `scheduler_cls="serve_app.scheduler.AccountingScheduler"`.
+Configured with vLLM's extension point: `scheduler_cls="engine.scheduler.AccountingScheduler"`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and CPU kernels, as the speech deployment serves it, and decodes greedily with v
 silence and faint noise give "", and (`--cuts N`) N more random VAD-like cuts per clip, drawn with a seed the fit
 never used. Slow (vLLM starts in ~20 s), so not part of the unit tests:
 
-    python -m speech.check_model [--model DIR] [--cuts N]
+    python -m local_models.whisper_check [--model DIR] [--cuts N]
 
 Prints one line per case and exits non-zero if any transcript differs.
 """
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from speech.local_model import DECODER_PROMPT, RATE, SENTENCES, Cut, load_sample, make_speech_model, random_cuts
+from local_models.whisper import DECODER_PROMPT, RATE, SENTENCES, Cut, load_sample, make_speech_model, random_cuts
 
 CHECK_SEED = 99  # (the fit draws its cuts with SEED and SEED + 1)
 

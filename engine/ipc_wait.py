@@ -13,7 +13,7 @@ do not rely on the socket's wake-up (which can be dropped: a reader polling it a
 woke up seconds late); past it, vLLM's own wait, as before. A message that comes after the spin is read at most
 one sleep late (~0.2 ms here).
 
-Installed in the engine processes vLLM's multiprocessing executor starts (`serve_app.engine`'s process entry
+Installed in the engine processes vLLM's multiprocessing executor starts (`engine.llm`'s process entry
 points; not Ray-actor workers) from the environment variable `IPC_SPIN_US_ENV`, which `Engine.start` and
 `SpeechEngine.start` set from the config. Not with vLLM's native spin-loop extension (`VLLM_USE_SPINLOOP_EXT`),
 which spins before every wait.

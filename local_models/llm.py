@@ -7,7 +7,7 @@ real model; users name a real model (hub id or path) in the config instead.
 
 - `local:tiny-llama` (models/tiny-llama): 2 layers, 128 wide, float32. Fast enough for every test.
 - `local:tiny-llama-tools` (models/tiny-llama-tools): the tiny model fitted at build time to answer a few
-  conversations with tool calls (serve_app/local_fit.py), for `tool_choice: "auto"` end to end.
+  conversations with tool calls (local_models/tools_fit.py), for `tool_choice: "auto"` end to end.
 - `local:medium-llama` (models/medium-llama): 8 layers, 512 wide (4 attention heads of 64, 2 KV heads),
   bfloat16, 4,096 positions. Big enough that prefill costs real time on vLLM's CPU backend (a 3,000-token
   prompt takes about a second on one core), for benchmarks where compute and KV memory matter
@@ -15,7 +15,7 @@ real model; users name a real model (hub id or path) in the config instead.
 
 All share the tokenizer (same training, same vocabulary) and the chat template.
 
-    python -m serve_app.local_model [--model NAME ... | all] [--out DIR] [--force]
+    python -m local_models.llm [--model NAME ... | all] [--out DIR] [--force]
 
 From code: `make_local_model()` (tiny-llama), `make_local_model("medium-llama")`, or by config name:
 `LOCAL_MODELS["local:medium-llama"]()` returns the model's directory, built on first use.
@@ -89,7 +89,7 @@ class LocalModelSpec:
     # residual stream (fewer heads of the usual width), as Mistral/Gemma-style configs do.
     attention_head_dim: int | None = None
     initializer_range: float = 0.5  # wide weights: greedy output varies instead of repeating one token
-    fit: str | None = None  # "tools": trained at build time to call tools (serve_app/local_fit.py)
+    fit: str | None = None  # "tools": trained at build time to call tools (local_models/tools_fit.py)
     version: int = VERSION
 
     @property
@@ -127,7 +127,7 @@ SPECS: dict[str, LocalModelSpec] = {
     "tiny-llama": _TINY,
     # The tiny model, fitted to answer a few conversations with tool calls (`tool_choice: "auto"` end to end);
     # initialised at the usual scale: wide random weights would fight the fitting.
-    "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools", version=4),  # (4: serve_app/fit.py)
+    "tiny-llama-tools": replace(_TINY, initializer_range=0.02, fit="tools", version=4),  # (4: local_models/fit.py)
     # Sized so that a 3,000-token prefill takes about a second on one core of the development machines
     # (vLLM CPU backend, bfloat16 with AVX-512 BF16); see docs/benchmarks.md (pressure.py) for the measurement.
     # Attention is 4 heads of 64 (narrower than the 512-wide residual stream) with 2 KV heads: at 3,000
@@ -267,7 +267,7 @@ def make_local_model(name: str | Path = "tiny-llama", force: bool = False, *, ou
     model = LlamaForCausalLM(config).to(torch.float32)
     report = None
     if s.fit == "tools":
-        from serve_app.local_fit import fit_tool_calls
+        from local_models.tools_fit import fit_tool_calls
 
         report = fit_tool_calls(model, tokenizer)
     model = model.to(getattr(torch, s.dtype))
@@ -313,3 +313,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def resolve_model(model: str) -> str:
+    """`local:tiny-llama` and the project's other generated models (built on first use); anything else is a hub id
+    or a path."""
+    if model in LOCAL_MODELS:
+        return str(LOCAL_MODELS[model]())
+    return model

@@ -1,0 +1,76 @@
+"""The speech role's client: what a router calls on speech replicas (speech/server.py), with typed arguments.
+
+The router imports the speech role through this module only: the calls below, and `Utterance` (speech/utterance.py),
+a growing utterance transcribed as it grows, with the PCM16 helpers beside it. Calls go by value over gRPC; each
+method's Serve handle is made once. `replica` pins a call to one speech replica (router/placement.py `route_to`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance, resample_stream
+
+__all__ = ["MODEL_RATE", "SpeechClient", "TranscriptionFailed", "Utterance", "resample_stream"]
+
+
+class SpeechClient:
+    """Each call returns what its handle returns (awaitable); `transcription` an async iterator."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._calls = handle.options(_by_reference=False, stream=False)
+        self._streams = handle.options(_by_reference=False, stream=True)
+        self._methods: dict[str, Any] = {}
+
+    def _method(self, name: str, stream: bool = False) -> Any:
+        method = self._methods.get(name)
+        if method is None:
+            method = self._methods[name] = getattr(self._streams if stream else self._calls, name)
+        return method
+
+    def transcribe(self, pcm16: bytes, *, language: str | None, prompt: str) -> Awaitable[dict[str, Any]]:
+        """The transcript of mono PCM16 at `MODEL_RATE`: `{"text", "usage", "seconds", "replica"}` or an error."""
+        return self._method("transcribe").remote(pcm16, language=language, prompt=prompt)
+
+    def transcription(self, data: bytes, fields: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """`/v1/audio/transcriptions` of an uploaded file: `{"response"}` or `{"error"}`, or `{"stream": True}` then
+        vLLM's SSE strings."""
+        return self._method("transcription", stream=True).remote(data, fields)
+
+    def session_audio(
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        pcm16: bytes,
+        rate: int,
+        end_of_input: bool,
+        language: str | None,
+        replica: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        """One REST audio chunk into its session's turn: the turn's transcript so far, naming the replica."""
+        route = {"route_to": replica} if replica is not None else {}
+        return self._method("session_audio").remote(
+            session_id=session_id,
+            sequence_id=sequence_id,
+            pcm16=pcm16,
+            rate=rate,
+            end_of_input=end_of_input,
+            language=language,
+            **route,
+        )
+
+    def session_audio_close(self, *, session_id: str, replica: str | None = None) -> Awaitable[None]:
+        route = {"route_to": replica} if replica is not None else {}
+        return self._method("session_audio_close").remote(session_id=session_id, **route)
+
+    def session_audio_holds(self, *, session_id: str, replica: str) -> Awaitable[dict[str, Any]]:
+        """`{"holds": bool, "replica": ...}`: whether `replica` holds the session's audio turn."""
+        return self._method("session_audio_holds").remote(session_id=session_id, route_to=replica)
+
+    def info(self) -> Awaitable[dict[str, Any]]:
+        """The model's sample rate and window (`{"sample_rate", "window_s", "replica"}`)."""
+        return self._method("info").remote()
