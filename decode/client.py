@@ -1,4 +1,5 @@
-"""The decode role's client: what a router calls on decode replicas (decode/server.py), with typed arguments.
+"""The decode role's client: what a router, and a prefill replica starting a preemptive answer, call on decode
+replicas (decode/server.py), with typed arguments.
 
 Each method's Serve handle is made once: `handle.start` builds a new handle (its options copied) on every
 attribute access, which py-spy put at ~10% of the router's CPU under 1-token requests at 32 streams. Calls go by
@@ -42,13 +43,31 @@ class DecodeClient:
         endpoint: Endpoint,
         body: dict[str, Any],
         ids: str | None,
-        avoid: list[str],
-        prefer: str | None,
+        avoid: list[str] | None = None,
+        prefer: str | None = None,
+        park_tokens: int | None = None,
+        hold_tokens: int | None = None,
+        preemptive: bool = False,
     ) -> Awaitable[dict[str, Any]]:
-        """`{"replica": ...}` (its frames come on `consumer`'s feed), `{"response": ...}` or `{"error": ...}`."""
+        """`{"replica": ...}` (its frames come on `consumer`'s feed), `{"response": ...}` or `{"error": ...}`.
+        `preemptive` (a prefill replica's preemptive answer, parked under `consumer`): it stops at `park_tokens`,
+        or is held at `hold_tokens` until confirmed (decode/server.py `start`)."""
         return self._method("start").remote(
-            consumer=consumer, stream_id=stream_id, endpoint=endpoint, body=body, ids=ids, avoid=avoid, prefer=prefer
+            consumer=consumer,
+            stream_id=stream_id,
+            endpoint=endpoint,
+            body=body,
+            ids=ids,
+            avoid=avoid,
+            prefer=prefer,
+            park_tokens=park_tokens,
+            hold_tokens=hold_tokens,
+            preemptive=preemptive,
         )
+
+    def release(self, *, request_id: str, kv_transfer_params: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+        """Free the KV a prefill replica holds for a hand-off nobody will read (through any decode replica)."""
+        return self._method("release").remote(request_id=request_id, kv_transfer_params=kv_transfer_params)
 
     def adopt(
         self, *, consumer: str, stream_id: str, parked: str, request_id: str, replica: str, tentative: bool

@@ -29,6 +29,7 @@ from ray import serve
 
 from core import metrics
 from core.placement import owner_of
+from prefill.client import PrefillClient
 from prefill.conversation import SessionError
 from prefill.journal import Journal, replay
 from prefill.session import Session, SessionState
@@ -180,9 +181,9 @@ class Failover:
         for session in open_sessions:  # pending journal writes land first: none is lost on the way out
             await session.journal.flush()
         journals = await asyncio.gather(*(self.store.records(s.id) for s in open_sessions))
-        handle = serve.get_deployment_handle(self.deployment, self.app_name)
+        peers = PrefillClient(serve.get_deployment_handle(self.deployment, self.app_name))
         with contextlib.suppress(Exception):  # a first call gives this process a view of the pool (POOLS)
-            await asyncio.wait_for(handle.check_health.remote(), 2.0)
+            await asyncio.wait_for(peers.check_health(), 2.0)
         groups = self._adopters([s.id for s in open_sessions])
         calls = []
         by_id = {j[0]["id"]: j for j in journals if j}
@@ -193,8 +194,11 @@ class Failover:
                     continue
                 if adopter is not None:  # calls reaching the adopter first wait for the hand-over
                     await asyncio.gather(*(self.store.set_owner(r[0]["id"], adopter) for r in batch))
-                route = {"session_id": batch[0][0]["id"], "route_to": adopter} if adopter else {}
-                calls.append(handle.adopt_sessions.remote(owner=self.replica, journals=batch, **route))
+                # To its adopter (steered by the first session's id and `route_to`), else to any replica.
+                steer = batch[0][0]["id"] if adopter else None
+                calls.append(
+                    peers.adopt_sessions(owner=self.replica, journals=batch, session_id=steer, route_to=adopter)
+                )
         left = max(0.1, deadline - time.monotonic())
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), left)
         handed = sum(len(r["adopted"]) for r in results if isinstance(r, dict))

@@ -28,6 +28,7 @@ from core import metrics
 from core.config import PreemptiveOptions
 from core.protocol import continuation_refusal
 from core.tasks import detached
+from decode.client import DecodeClient
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
@@ -105,7 +106,7 @@ class Preemptive:
     sessions: dict[str, Any]
     settings: Any
     engine: Any
-    decode: Any
+    decode: DecodeClient | None  # (None: no decode pool given, as in some unit tests)
     replica: str
     prefill: Any
     _scheduler_stats: dict[str, Any]
@@ -227,7 +228,7 @@ class Preemptive:
             # instead, still at the lowest priority.
             cap = None if continuation_refusal(session.endpoint, body) else state.options.max_tokens
             call = asyncio.ensure_future(
-                self.decode.start.remote(
+                self.decode.start(
                     consumer=live.parked,
                     stream_id=live.stream_id,
                     endpoint=session.endpoint,
@@ -263,7 +264,7 @@ class Preemptive:
         if not (params := handoff.get("kv_transfer_params")):
             return
         try:
-            await self.decode.release.remote(request_id=f"{stream_id}-released", kv_transfer_params=params)
+            await self.decode.release(request_id=f"{stream_id}-released", kv_transfer_params=params)
         except Exception as e:  # (the lease frees the KV in the end)
             logger.warning("releasing a preemptive hand-off on decode failed: %s", e)
 
@@ -324,7 +325,7 @@ class Preemptive:
     async def _stop_parked(self, parked: str, stream_id: str, replica: str, state: PreemptState | None = None) -> None:
         """Stop a parked decode stream; what it had made counts as discarded (the session's, if `state`)."""
         with contextlib.suppress(Exception):
-            stopped = await self.decode.stop.remote(consumer=parked, stream_id=stream_id, replica=replica)
+            stopped = await self.decode.stop(consumer=parked, stream_id=stream_id, replica=replica)
             tokens = int((stopped or {}).get("tokens", 0))
             if state is not None:
                 state.discarded_tokens += tokens

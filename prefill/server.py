@@ -21,6 +21,7 @@ from core.autoscaling import OPEN_SESSIONS
 from core.config import AppConfig
 from core.protocol import Endpoint, error_payload, validate_openai_body
 from core.scheduler_config import SchedulerSettings
+from decode.client import DecodeClient
 from engine.llm import Engine
 from prefill.errors import overloaded
 from prefill.scheduler.profile import start_scheduler
@@ -82,7 +83,7 @@ class PrefillServer(SessionAPI):
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
         # Preemptive answers start decode themselves (prefill/preemptive.py); their tokens never come here.
-        self.decode = decode.options(stream=False) if decode is not None else None
+        self.decode = DecodeClient(decode) if decode is not None else None
         self.engine = Engine(self.config, "prefill")
         await self.engine.start()
         await start_scheduler(self.engine, self.settings)

@@ -20,10 +20,9 @@ from typing import Any
 from core import metrics
 from core.protocol import SSE_DONE, error_body, error_status, sse
 from core.tasks import detached
-from router import tool_calls
+from router import owner, tool_calls
 from router.feeds import DecodeFailed, DecodeStream
 from router.outcome import Outcome, completion_object, replay_frames
-from router.owner import session_call
 from router.provisional import Held, Provisional
 
 logger = logging.getLogger(__name__)
@@ -112,11 +111,9 @@ class AnswerReader:
             summary = claim["answer"]
             if summary["status"] not in ("completed", "cancelled", "failed"):
                 deadline = time.monotonic() + (limits.answer_timeout_s if limits else 600.0)
-                while (
-                    result := await session_call(
-                        self.ingress, "session_result", session_id=self.session_id, turn=self.turn
-                    )
-                ).get("pending"):
+                while (result := await owner.session_result(self.ingress, self.session_id, turn=self.turn)).get(
+                    "pending"
+                ):
                     if time.monotonic() > deadline:
                         return error_body(408, f"answer {self.turn} did not end in time")
                 if "error" in result:
@@ -210,15 +207,14 @@ class AnswerReader:
 
     def _claim_call(self, stream: bool, retried: bool, reclaim: bool, holding: str | None) -> asyncio.Future[Any]:
         return asyncio.ensure_future(
-            session_call(
+            owner.session_claim(
                 self.ingress,
-                "session_claim",
-                session_id=self.session_id,
+                self.session_id,
                 turn=self.turn,
                 adopts=stream,  # (a reader of a whole answer takes an ordinary hand-off, not a preemptive one)
-                **({"fresh": True} if retried else {}),
-                **({"reclaim": True} if reclaim else {}),
-                **({"holding": holding} if holding is not None else {}),
+                fresh=retried,
+                reclaim=reclaim,
+                holding=holding,
             )
         )
 
@@ -319,7 +315,7 @@ class AnswerReader:
 
     async def _alive(self) -> None:
         with contextlib.suppress(Exception):
-            await session_call(self.ingress, "session_alive", session_id=self.session_id, turn=self.turn)
+            await owner.session_alive(self.ingress, self.session_id, turn=self.turn)
 
     async def _register(self, stream: DecodeStream) -> None:
         """Tell the owner where this answer streams from (a cancel through any router then stops it there)."""
@@ -327,9 +323,7 @@ class AnswerReader:
         if not await self._claimed():
             return
         try:
-            reply = await session_call(
-                self.ingress, "session_streaming", session_id=self.session_id, turn=self.turn, decode=decode
-            )
+            reply = await owner.session_streaming(self.ingress, self.session_id, turn=self.turn, decode=decode)
         except Exception:  # the answer still streams; only a cancel from another router could not reach it
             logger.warning("session %s: could not register answer %s's stream", self.session_id, self.turn)
             return
@@ -388,9 +382,7 @@ class AnswerReader:
         """Retried a while: when the owner drains, its adopter becomes known to routers within seconds."""
         for attempt in range(REPORT_ATTEMPTS):
             try:
-                result = await session_call(
-                    self.ingress, "session_answer_done", session_id=self.session_id, turn=turn, outcome=outcome
-                )
+                result = await owner.session_answer_done(self.ingress, self.session_id, turn=turn, outcome=outcome)
                 if not isinstance(result.get("error"), dict) or error_status(result) not in (404, 503):
                     return result
             except Exception:

@@ -24,7 +24,7 @@ from core.tasks import detached
 from router import tool_calls
 from router.admission import Refusal, admit_session
 from router.answers import AnswerReader
-from router.owner import create_session, session_call
+from router.owner import create_session, session_chunk, session_delete, session_finish
 from router.schemas import ChunkBody, CreateSessionBody, is_unicode, validation_error
 from router.sessions import session_spec
 from router.voice import session_audio
@@ -115,9 +115,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             body = ChunkBody(sequence_id=seq, modality="audio", payload=payload, end_of_input=end)
             result = await session_audio.audio_chunk(ingress, session_id, body)
         else:
-            result = await session_call(
-                ingress, "session_chunk", session_id=session_id, sequence_id=seq, payload=payload, end_of_input=end
-            )
+            result = await session_chunk(ingress, session_id, sequence_id=seq, payload=payload, end_of_input=end)
         if "error" in result:
             raise InputError(result)
 
@@ -150,16 +148,16 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         except ValueError as e:
             raise InputError(error_body(400, f"invalid NDJSON line: {e}")) from None
         if not ended:
-            finished = await session_call(ingress, "session_finish", session_id=session_id)
+            finished = await session_finish(ingress, session_id)
             if "error" in finished:
                 raise InputError(finished)
     except InputError as e:
         ticket.release()
-        await session_call(ingress, "session_delete", session_id=session_id)
+        await session_delete(ingress, session_id)
         return error_response(e.payload)
     except BaseException:  # the client left mid-body (or the request was cancelled): nothing stays behind
         ticket.release()
-        detached(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_delete(ingress, session_id))
         raise
 
     reader = AnswerReader(ingress, session_id)
@@ -167,11 +165,11 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
         err = await reader.open(stream=stream)
     except BaseException:  # the client left: the delete runs in a task of its own (this one is cancelled)
         ticket.release()
-        detached(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_delete(ingress, session_id))
         raise
     if err is not None:
         ticket.release()
-        await session_call(ingress, "session_delete", session_id=session_id)
+        await session_delete(ingress, session_id)
         return error_response(err)
     headers = {"X-Session-Id": session_id}
     if not stream:
@@ -179,7 +177,7 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
             body = await reader.whole()
         finally:  # in a task of its own: a cancelled request's awaits are cancelled too
             ticket.release()
-            detached(session_call(ingress, "session_delete", session_id=session_id))
+            detached(session_delete(ingress, session_id))
         return JSONResponse(body, headers=headers)
 
     async def frames() -> AsyncGenerator[str, None]:
@@ -189,6 +187,6 @@ async def streaming_input_chat(ingress: Any, request: Request) -> Response:
     def close() -> None:  # however the response ends, even before its body ran: nothing stays behind
         reader.release()
         ticket.release()
-        detached(session_call(ingress, "session_delete", session_id=session_id))
+        detached(session_delete(ingress, session_id))
 
     return streaming_response(frames(), close, headers)

@@ -4,6 +4,10 @@ The session-affinity request router (router/placement.py) sends each call to the
 id, or to the one this router learnt holds it now. When that replica is gone, the call reaches the replica the
 session id hashes to, which adopts the session from its journal (prefill/failover.py) or says where it is (503
 with `owner`); a call cut by its replica's death is retried with the same id. The client sees a delay.
+
+Each prefill session method has its typed function here, named as on the replica (`session_buffer(ingress,
+session_id, op=..., text=...)`), through `ingress.prefill` (prefill/client.py). The calls that change a session
+make one `call_id` for all their tries, so that the owner applies them once.
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Literal
 
 from ray.exceptions import RayActorError
 
 from core import metrics
 from core.protocol import capacity_exhausted, error_body, error_status
 from core.tasks import detached
+from prefill.client import PrefillClient
 from router.admission import session_seen
 
 # Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
@@ -39,12 +44,10 @@ CAPACITY_RETRY_S = 0.5  # a new session refused by a full prefill replica is ask
 # and a drained replica's sessions are handed over within its drain timeout.
 FAILOVER_WAIT_S = 30.0
 MAX_KNOWN_OWNERS = 100_000
-# Calls that change a session carry an id, so that one retried after its owner died is not applied twice.
-MUTATING = frozenset(
-    {"session_chunk", "session_message", "session_buffer", "session_update", "session_finish", "session_respond"}
-)
 # Where sessions are now, as replicas answered (503 with `owner`): calls go straight there next time.
 owners: OrderedDict[str, str] = OrderedDict()
+# One try of a session call: the prefill client and the replica to send it to (None: the one the id names).
+OwnerCall = Callable[[PrefillClient, str | None], Awaitable[dict[str, Any]]]
 
 
 def handing_over(result: Any) -> bool:
@@ -63,6 +66,12 @@ def _learn(session_id: str, owner: str) -> None:
         owners.popitem(last=False)
 
 
+def new_call_id() -> str:
+    """A call that changes a session: made once per call, so that a retry after its owner died is acknowledged,
+    not applied twice (prefill/errors.py `session_api`)."""
+    return uuid.uuid4().hex
+
+
 async def create_session(
     ingress: Any, spec: dict[str, Any], abandoned: Callable[[], None] | None = None
 ) -> dict[str, Any]:
@@ -74,13 +83,14 @@ async def create_session(
     spec = {**spec, "tenant": current_tenant.get()}
     admission = getattr(getattr(getattr(ingress, "config", None), "router", None), "admission", None)
     wait_s = admission.max_wait_s if admission is not None and admission.enabled else 0.0
+    prefill: PrefillClient = ingress.prefill
 
     async def create() -> dict[str, Any]:
         # Admission read the replicas' stats up to a second old: a replica found full when asked is asked again
         # (room frees as sessions end) within the admission's wait, rather than the client refused at once.
         deadline = time.monotonic() + wait_s
         while True:
-            made = await ingress.prefill.create_session.remote(spec)
+            made = await prefill.create_session(spec)
             if not capacity_exhausted(made) or time.monotonic() + CAPACITY_RETRY_S > deadline:
                 return made
             await asyncio.sleep(CAPACITY_RETRY_S)
@@ -97,34 +107,25 @@ async def create_session(
 
 def _delete_made(ingress: Any, call: asyncio.Task[dict[str, Any]]) -> None:
     if not call.cancelled() and call.exception() is None and "session_id" in (made := call.result()):
-        detached(session_call(ingress, "session_delete", session_id=made["session_id"]))
+        detached(session_delete(ingress, made["session_id"]))
 
 
-async def session_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
+async def session_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[str, Any]:
     """A call on the session's owner replica. While the session changes owner (its replica died or drains),
-    the call is retried, with the same `call_id`, until it lands where the session now is (bounded)."""
-    result = await _owner_call(ingress, method, **kwargs)
-    if (session_id := kwargs.get("session_id")) is not None:
-        session_seen(ingress, session_id, result)  # (admission: active again, or gone)
+    the call is tried again (the same `call`, so a mutating one keeps its `call_id`) until it lands where the
+    session now is (bounded)."""
+    result = await _owner_call(ingress, session_id, call)
+    session_seen(ingress, session_id, result)  # (admission: active again, or gone)
     return result
 
 
-async def session_status(ingress: Any, session_id: str, tenant: str) -> dict[str, Any]:
-    """The session's state, asked by the router itself for admission: no client's call, so not counted as the
-    session's activity here."""
-    return await _owner_call(ingress, "session_status", session_id=session_id, tenant=tenant)
-
-
-async def _owner_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any]:
-    kwargs.setdefault("tenant", current_tenant.get())
-    session_id = kwargs.get("session_id")
-    if method in MUTATING:
-        kwargs.setdefault("call_id", uuid.uuid4().hex)
+async def _owner_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[str, Any]:
+    prefill: PrefillClient = ingress.prefill
     deadline = time.monotonic() + FAILOVER_WAIT_S
     while True:
-        route = {"route_to": owners[session_id]} if session_id in owners else {}
+        route = owners.get(session_id)
         try:
-            result = await getattr(ingress.prefill, method).remote(**kwargs, **route)
+            result = await call(prefill, route)
         except RayActorError:  # the owner died with the call: the session's next owner answers the retry
             if time.monotonic() > deadline:
                 raise
@@ -137,8 +138,265 @@ async def _owner_call(ingress: Any, method: str, **kwargs: Any) -> dict[str, Any
         moved = result["error"].get("owner")
         if time.monotonic() > deadline:
             return not_found(result)
-        if moved is not None and moved != route.get("route_to"):
+        if moved is not None and moved != route:
             _learn(session_id, moved)  # held by that replica: straight there
             continue
         metrics.inc(metrics.SESSION_CALL_RETRIES, 1, "session calls retried", why="handing_over")
         await asyncio.sleep(HANDOVER_RETRY_S)
+
+
+# --- the session calls (prefill/session_api.py, prefill/handoff.py) ------------------------------------------------
+# Each carries the caller's key; those that change the session (chunk, message, buffer, update, finish, respond) a
+# `call_id` too, made once for all their tries.
+async def session_chunk(
+    ingress: Any,
+    session_id: str,
+    *,
+    sequence_id: int,
+    payload: str,
+    end_of_input: bool = False,
+    mode: str = "append",
+    offset: int | None = None,
+    role: str = "user",
+    tool_call_id: str | None = None,
+    audio_start: bool = False,
+) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_chunk(
+            session_id=session_id,
+            sequence_id=sequence_id,
+            payload=payload,
+            end_of_input=end_of_input,
+            mode=mode,
+            offset=offset,
+            role=role,
+            tool_call_id=tool_call_id,
+            audio_start=audio_start,
+            tenant=who,
+            call_id=call_id,
+            route_to=route,
+        ),
+    )
+
+
+async def session_message(
+    ingress: Any,
+    session_id: str,
+    *,
+    role: str,
+    content: str,
+    tool_call_id: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_message(
+            session_id=session_id,
+            role=role,
+            content=content,
+            tool_call_id=tool_call_id,
+            tool_calls=tool_calls,
+            tenant=who,
+            call_id=call_id,
+            route_to=route,
+        ),
+    )
+
+
+async def session_truncate(ingress: Any, session_id: str, *, chars: int) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_truncate(session_id=session_id, chars=chars, tenant=who, route_to=route),
+    )
+
+
+async def session_buffer(ingress: Any, session_id: str, *, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_buffer(
+            session_id=session_id, op=op, text=text, offset=offset, tenant=who, call_id=call_id, route_to=route
+        ),
+    )
+
+
+async def session_preempt(ingress: Any, session_id: str) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_preempt(session_id=session_id, tenant=who, route_to=route),
+    )
+
+
+async def session_update(
+    ingress: Any,
+    session_id: str,
+    *,
+    instructions: str | None = None,
+    params: dict[str, Any] | None = None,
+    preemptive: dict[str, Any] | Literal[False] | None = None,
+) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_update(
+            session_id=session_id,
+            instructions=instructions,
+            params=params,
+            preemptive=preemptive,
+            tenant=who,
+            call_id=call_id,
+            route_to=route,
+        ),
+    )
+
+
+async def session_finish(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_finish(
+            session_id=session_id, overrides=overrides, tenant=who, call_id=call_id, route_to=route
+        ),
+    )
+
+
+async def session_respond(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    who, call_id = tenant(), new_call_id()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_respond(
+            session_id=session_id, overrides=overrides, tenant=who, call_id=call_id, route_to=route
+        ),
+    )
+
+
+async def session_delete(ingress: Any, session_id: str) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_delete(session_id=session_id, tenant=who, route_to=route),
+    )
+
+
+async def session_attach(ingress: Any, session_id: str, *, connection: str | None = None) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_attach(
+            session_id=session_id, connection=connection, tenant=who, route_to=route
+        ),
+    )
+
+
+async def session_status(ingress: Any, session_id: str, tenant: str) -> dict[str, Any]:
+    """The session's state, asked by the router itself for admission (with the key that opened it): no
+    client's call, so not counted as the session's activity here."""
+    return await _owner_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_status(session_id=session_id, tenant=tenant, route_to=route),
+    )
+
+
+async def session_info(ingress: Any, session_id: str) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_info(session_id=session_id, tenant=who, route_to=route),
+    )
+
+
+async def session_claim(
+    ingress: Any,
+    session_id: str,
+    *,
+    turn: int | None = None,
+    fresh: bool = False,
+    adopts: bool = True,
+    reclaim: bool = False,
+    holding: str | None = None,
+) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_claim(
+            session_id=session_id,
+            turn=turn,
+            fresh=fresh,
+            adopts=adopts,
+            reclaim=reclaim,
+            holding=holding,
+            tenant=who,
+            route_to=route,
+        ),
+    )
+
+
+async def session_answer_done(ingress: Any, session_id: str, *, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_answer_done(
+            session_id=session_id, turn=turn, outcome=outcome, tenant=who, route_to=route
+        ),
+    )
+
+
+async def session_streaming(ingress: Any, session_id: str, *, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_streaming(
+            session_id=session_id, turn=turn, decode=decode, tenant=who, route_to=route
+        ),
+    )
+
+
+async def session_alive(ingress: Any, session_id: str, *, turn: int) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_alive(session_id=session_id, turn=turn, tenant=who, route_to=route),
+    )
+
+
+async def session_cancel(ingress: Any, session_id: str) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_cancel(session_id=session_id, tenant=who, route_to=route),
+    )
+
+
+async def session_result(
+    ingress: Any, session_id: str, *, turn: int | None = None, wait: bool = True
+) -> dict[str, Any]:
+    who = tenant()
+    return await session_call(
+        ingress,
+        session_id,
+        lambda prefill, route: prefill.session_result(
+            session_id=session_id, turn=turn, wait=wait, tenant=who, route_to=route
+        ),
+    )

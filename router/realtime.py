@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
@@ -48,7 +48,7 @@ from core.protocol import error_status
 from core.tasks import detached
 from router import tool_calls
 from router.admission import OVERLOADED, Refusal, Ticket, admit_session
-from router.owner import create_session, current_tenant, session_call
+from router.owner import create_session, current_tenant, session_attach, session_delete, session_info
 from router.realtime_conversation import Conversation
 from router.realtime_events import (
     ClientEvent,
@@ -64,6 +64,7 @@ from router.realtime_settings import SessionSettings
 from router.voice.realtime_audio import AudioInput
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")  # (a session call's arguments, as router/owner.py types them)
 
 api = APIRouter()
 
@@ -98,7 +99,6 @@ class RealtimeConnection(SessionSettings, Conversation):
         # prefilled again, and the server closes the socket (1000) after `response.done`.
         self.close_after_answer = close_after_answer
         self.ingress = ingress
-        self.prefill = ingress.prefill
         self.beta = beta
         self.limits = ingress.config.limits  # read once: a connection keeps the limits it started with
         self.session_id: str | None = None
@@ -147,10 +147,23 @@ class RealtimeConnection(SessionSettings, Conversation):
         error = {"type": type_, "code": code, "message": message, "param": param, "event_id": self.event_id}
         await self.send("error", error=error)
 
-    async def call(self, method: str, fields: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any] | None:
-        """A session call on the owner prefill replica; an `error` event (and None) if it failed (`fields`: the
-        owner's names of fields → the event's), and `SessionGone` once the session is over."""
-        result = await self.input_seen.call(session_call(self.ingress, method, session_id=self.session_id, **kwargs))
+    async def call(
+        self,
+        method: Callable[Concatenate[Any, str, P], Awaitable[dict[str, Any]]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> dict[str, Any] | None:
+        """One of router/owner.py's session calls, on this connection's session (`call(session_buffer, op=...)`),
+        its reply `checked`."""
+        return await self.checked(method(self.ingress, self.session_id, *args, **kwargs))
+
+    async def checked(
+        self, call: Awaitable[dict[str, Any]], fields: dict[str, str] | None = None
+    ) -> dict[str, Any] | None:
+        """A session call's reply; an `error` event (and None) if it failed (`fields`: the owner's names of fields
+        → the event's), and `SessionGone` once the session is over."""
+        result = await self.input_seen.call(call)
         if "error" in result:
             err = result["error"]
             param = (fields or {}).get(err.get("param"), err.get("param"))
@@ -197,7 +210,7 @@ class RealtimeConnection(SessionSettings, Conversation):
 
     async def attach(self, session_id: str) -> bool:
         """Re-attach to an open session of this key (after a restart's 1012); 4404 if there is none."""
-        info = await session_call(self.ingress, "session_info", session_id=session_id)
+        info = await session_info(self.ingress, session_id)
         if "error" in info or info.get("state") == "closed":
             message = f"session {session_id} not found (it ended, expired or belongs to another API key)"
             await self.refuse(message, "session_not_found", SESSION_NOT_FOUND)
@@ -215,10 +228,9 @@ class RealtimeConnection(SessionSettings, Conversation):
             )
         self.buffer = info.get("buffer") or ""
         # The connection is this router replica's now: the session no longer dies with the one it left.
-        await session_call(
+        await session_attach(
             self.ingress,
-            "session_attach",
-            session_id=session_id,
+            session_id,
             connection=getattr(self.ingress, "replica_name", None),
         )
         return True
@@ -261,7 +273,7 @@ class RealtimeConnection(SessionSettings, Conversation):
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
             # Not when this replica stops: the client reconnects to the session through another one.
             if not self.restarting:
-                detached(session_call(self.ingress, "session_delete", session_id=self.session_id))
+                detached(session_delete(self.ingress, self.session_id))
 
     async def close_for_restart(self) -> None:
         """1012, with an `error` naming the session before it."""

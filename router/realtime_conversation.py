@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.owner import current_tenant
+from router.owner import current_tenant, session_buffer, session_message, session_respond
 from router.realtime_events import (
     BufferAppend,
     BufferClear,
@@ -31,6 +31,7 @@ class Conversation:
     """Mixin of `RealtimeConnection`: conversation items, the text input buffer and responses."""
 
     ingress: Any
+    session_id: str | None
     settings: dict[str, Any]
     buffer: str
     audio: Any
@@ -42,6 +43,7 @@ class Conversation:
     closing: bool
     close_after_answer: bool
     call: Any
+    checked: Any
     send: Any
     error: Any
     sampling: Any
@@ -79,12 +81,11 @@ class Conversation:
         item_id = item.id or new_id("item")
         base = {"id": item_id, "object": "realtime.item", "type": item.type, "status": "completed"}
         if item.type == "function_call_output":  # a call's result: a `tool` message answering it
-            made = await self.call(
-                "session_message",
+            made = await self.checked(
+                session_message(
+                    self.ingress, self.session_id, role="tool", content=item.output, tool_call_id=item.call_id
+                ),
                 fields={"tool_call_id": "item.call_id"},
-                role="tool",
-                content=item.output,
-                tool_call_id=item.call_id,
             )
             if made is None:
                 return
@@ -95,11 +96,11 @@ class Conversation:
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
-            if await self.call("session_message", role="assistant", content="", tool_calls=[call]) is None:
+            if await self.call(session_message, role="assistant", content="", tool_calls=[call]) is None:
                 return
             shown = {**base, "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
         else:
-            if await self.call("session_message", role=item.role, content=item.text) is None:
+            if await self.call(session_message, role=item.role, content=item.text) is None:
                 return
             shown = {**base, "role": item.role, "content": item.parts}
         await self.announce(shown)
@@ -144,7 +145,7 @@ class Conversation:
         """The input text becomes the user's turn: a text or an audio item (`parts` as the item shows it), after
         the `committed` event if given."""
         async with self.audio.lock:  # (not while a transcript revises it)
-            if not await self.call("session_buffer", op="commit"):
+            if not await self.call(session_buffer, op="commit"):
                 return False
             self.buffer = ""
         if committed is not None:
@@ -156,7 +157,7 @@ class Conversation:
         async with self.audio.lock:
             if self.audio.speaking:  # the typed text goes; the spoken turn's transcript stays
                 cleared = await self.audio.typed(0, "")
-            elif cleared := bool(await self.call("session_buffer", op="clear")):
+            elif cleared := bool(await self.call(session_buffer, op="clear")):
                 self.buffer = ""
         if cleared:
             await self.send("input_text_buffer.cleared")
@@ -182,7 +183,7 @@ class Conversation:
                     await self.announce_item(item_id, "user", parts)
                     await announced()
                     self.response = ResponseStream(self, released.turn, released)
-                    committed = await self.call("session_buffer", op="commit")
+                    committed = await self.call(session_buffer, op="commit")
                 finally:
                     if not committed:  # (refused, or the call failed: the owner still has the input)
                         self.buffer = buffer
@@ -246,7 +247,7 @@ class Conversation:
         """The owner's answer to the response (`session_respond`); `released`: the held answer already streaming."""
         started = None
         try:
-            started = await self.call("session_respond", overrides=overrides)
+            started = await self.call(session_respond, overrides=overrides)
         finally:
             if released is not None and started is None:  # refused: the response ends with an error, not with it
                 released.revoke({"message": "the response was refused", "type": "invalid_request_error", "code": 409})

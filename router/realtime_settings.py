@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from router import tool_calls
+from router.owner import session_update
 from router.realtime_events import InvalidEvent, Sampling, SessionUpdate
 
 
@@ -96,7 +97,7 @@ class SessionSettings:
         # are not the session's).
         off = session.preemptive is None
         preemptive = {"preemptive": False if off else session.preemptive} if set_preemptive else {}
-        if updated := await self.call("session_update", instructions=session.instructions, params=params, **preemptive):
+        if updated := await self.call(session_update, instructions=session.instructions, params=params, **preemptive):
             self.settings = settings
             if voice is not None:
                 self.audio.apply(voice)

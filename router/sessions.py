@@ -32,7 +32,16 @@ from core.tasks import detached
 from router import owner, tool_calls
 from router.admission import Refusal, admit_session, bind_session, release_session
 from router.answers import AnswerReader
-from router.owner import current_tenant, session_call, session_status
+from router.owner import (
+    current_tenant,
+    session_cancel,
+    session_chunk,
+    session_delete,
+    session_finish,
+    session_info,
+    session_result,
+    session_status,
+)
 from router.provisional import Provisional
 from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
 from router.voice import session_audio
@@ -126,30 +135,30 @@ async def add_chunk(session_id: str, request: Request) -> Response:
 
 
 async def _forward_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[str, Any]:
-    return await session_call(
+    return await session_chunk(
         ingress,
-        "session_chunk",
-        session_id=session_id,
+        session_id,
         sequence_id=chunk.sequence_id,
         payload=chunk.payload,
         end_of_input=chunk.end_of_input,
         mode=chunk.mode,
         offset=chunk.offset,
-        **({"role": "tool", "tool_call_id": chunk.tool_call_id} if chunk.role == "tool" else {}),
+        role=chunk.role,
+        tool_call_id=chunk.tool_call_id if chunk.role == "tool" else None,  # (a user chunk's is not sent on)
     )
 
 
 @api.post("/{session_id}/finish")
 async def finish(session_id: str, request: Request) -> Response:
     detached(session_audio.close(_ingress(request), session_id, forget=False))  # (an audio turn: as it stands)
-    return _reply(await session_call(_ingress(request), "session_finish", session_id=session_id), 202)
+    return _reply(await session_finish(_ingress(request), session_id), 202)
 
 
 @api.post("/{session_id}/cancel")
 async def cancel(session_id: str, request: Request) -> Response:
     """Stop the answer in progress (it ends `cancelled`, keeping the text it had; the session goes on)."""
     ingress = _ingress(request)
-    result = await session_call(ingress, "session_cancel", session_id=session_id)
+    result = await session_cancel(ingress, session_id)
     if (stop := result.pop("stop", None)) is not None:
         await ingress.feeds.decode.stop(**stop)  # the answer's decode replica (router/placement.py pins it)
     return _reply(result, 202)
@@ -157,7 +166,7 @@ async def cancel(session_id: str, request: Request) -> Response:
 
 @api.get("/{session_id}")
 async def describe(session_id: str, request: Request) -> Response:
-    return _reply(await session_call(_ingress(request), "session_info", session_id=session_id))
+    return _reply(await session_info(_ingress(request), session_id))
 
 
 @api.get("/{session_id}/result")
@@ -168,7 +177,7 @@ async def result(
     (`wait=false`: the session and its answer so far, without waiting)."""
     ingress = _ingress(request)
     if not wait:
-        return _reply(await session_call(ingress, "session_result", session_id=session_id, turn=turn, wait=False))
+        return _reply(await session_result(ingress, session_id, turn=turn, wait=False))
     reader = AnswerReader(ingress, session_id, turn)
     if (err := await reader.open(stream=False)) is not None:
         return error_response(err)
@@ -182,7 +191,7 @@ async def result(
 async def delete(session_id: str, request: Request) -> Response:
     release_session(_ingress(request), session_id)
     detached(session_audio.close(_ingress(request), session_id))
-    return _reply(await session_call(_ingress(request), "session_delete", session_id=session_id))
+    return _reply(await session_delete(_ingress(request), session_id))
 
 
 @api.get("/{session_id}/events")

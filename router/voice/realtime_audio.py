@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core import metrics
+from router.owner import session_truncate, session_update
 from router.realtime_events import (
     AudioAppend,
     AudioClear,
@@ -43,15 +44,15 @@ from router.voice.vad import PAUSE_MS, SpeechDetector, VadEvent
 from speech.client import Utterance
 
 if TYPE_CHECKING:
-    from router.realtime import RealtimeConnection
+    from router.voice.connection import VoiceConnection
 
 logger = logging.getLogger(__name__)
 
 
 class AudioInput(SpokenTurn):
-    """The audio side of one `RealtimeConnection`."""
+    """The audio side of one realtime connection (router/voice/connection.py: what it needs of it)."""
 
-    def __init__(self, connection: RealtimeConnection) -> None:
+    def __init__(self, connection: VoiceConnection) -> None:
         self.conn = connection
         self.settings = VoiceSettings()
         self.vllm_flow = False  # vLLM's realtime client: `transcription.delta` / `transcription.done`
@@ -198,7 +199,7 @@ class AudioInput(SpokenTurn):
         conn = self.conn
         if default is None or "preemptive" in conn.settings or self.transcription_only or conn.close_after_answer:
             return
-        if (updated := await conn.call("session_update", preemptive=default)) is not None:
+        if (updated := await conn.call(session_update, preemptive=default)) is not None:
             conn.settings["preemptive"] = default
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
                 conn.read_early(turns)
@@ -352,7 +353,7 @@ class AudioInput(SpokenTurn):
             if event.item_id != self.conn.answer_item or self.conn.responding:
                 message = "only the last answer, once it has ended, can be cut (`text_end`)"
                 raise InvalidEvent(message, "invalid_value", "item_id")
-            if await self.conn.call("session_truncate", chars=event.text_end) is None:
+            if await self.conn.call(session_truncate, chars=event.text_end) is None:
                 return
         fields = {"item_id": event.item_id, "content_index": event.content_index, "audio_end_ms": event.audio_end_ms}
         await self.conn.send("conversation.item.truncated", **fields)

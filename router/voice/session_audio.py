@@ -20,7 +20,7 @@ from typing import Any
 from core import metrics
 from core.placement import pool_replicas
 from core.protocol import error_body, error_status
-from router.owner import session_call
+from router import owner
 from router.schemas import ChunkBody
 from router.voice.audio import AudioError, b64decode
 from speech.client import SpeechClient
@@ -36,7 +36,7 @@ async def audio_settings(ingress: Any, session_id: str) -> dict[str, Any] | None
     owner, then kept here); None if the session is not there."""
     if (known := _RATES.get(session_id)) is not None:
         return known
-    info = await session_call(ingress, "session_info", session_id=session_id)
+    info = await owner.session_info(ingress, session_id)
     if "error" in info:
         return None
     remember(session_id, info.get("audio") or {})
@@ -68,7 +68,7 @@ async def audio_chunk(ingress: Any, session_id: str, chunk: ChunkBody) -> dict[s
         return error_body(400, f"`payload` holds {len(raw)} bytes: 16-bit PCM needs an even count", "payload")
     settings = await audio_settings(ingress, session_id)
     if settings is None:  # the owner's own error says why (not found, closed)
-        return await session_call(ingress, "session_info", session_id=session_id)
+        return await owner.session_info(ingress, session_id)
     metrics.inc(
         metrics.VOICE_AUDIO_SECONDS, len(raw) / 2 / settings["rate"], "audio seconds received", surface="session"
     )
@@ -106,10 +106,9 @@ async def _transcribed(
         return body, {}
     if "error" in heard:
         return heard, heard
-    result = await session_call(
+    result = await owner.session_chunk(
         ingress,
-        "session_chunk",
-        session_id=call["session_id"],
+        call["session_id"],
         sequence_id=call["sequence_id"],
         payload=heard["text"],
         end_of_input=call["end_of_input"],

@@ -14,10 +14,11 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
+from router.owner import session_buffer, session_preempt
 from speech.client import MODEL_RATE, TranscriptionFailed, Utterance
 
 if TYPE_CHECKING:
-    from router.realtime import RealtimeConnection
+    from router.voice.connection import VoiceConnection
 
 SETTLED_WORDS = 2  # words at a partial transcript's end kept out of the LLM's input until the pause
 
@@ -46,7 +47,7 @@ def settled(agreed: str, newest: str) -> str:
 class SpokenTurn:
     """Mixin of `AudioInput`: the turn's transcript, typed text beside it, and the turn's end."""
 
-    conn: RealtimeConnection
+    conn: VoiceConnection
     turn: Utterance | None
     item_id: str | None
     offset: int  # where the turn's transcript starts in the session's input text
@@ -74,9 +75,9 @@ class SpokenTurn:
         transcript = conn.buffer[self.offset :] if self.speaking else ""
         typed = self.typed_text()
         if offset == len(typed) and not transcript:
-            ok = await conn.call("session_buffer", op="append", text=text)
+            ok = await conn.call(session_buffer, op="append", text=text)
         else:
-            ok = await conn.call("session_buffer", op="replace", text=text + transcript, offset=offset)
+            ok = await conn.call(session_buffer, op="replace", text=text + transcript, offset=offset)
         if ok:
             conn.buffer = typed[:offset] + text + transcript
             if self.speaking:
@@ -104,7 +105,7 @@ class SpokenTurn:
             if turn is not None and turn.at_pause:
                 await self.revise(text, turn)
                 if self.conn.settings.get("preemptive") is not None:
-                    await self.conn.call("session_preempt")  # (not waiting for the input to idle)
+                    await self.conn.call(session_preempt)  # (not waiting for the input to idle)
             else:
                 # As the user speaks, the words two transcripts agree on (LocalAgreement-2) that are SETTLED_WORDS
                 # behind the newest one's end (a recognizer revises its last words most): few of them change
@@ -136,9 +137,9 @@ class SpokenTurn:
                 return
             n = common_prefix(current, joined)
             if n == len(current):
-                ok = await self.conn.call("session_buffer", op="append", text=joined[n:])
+                ok = await self.conn.call(session_buffer, op="append", text=joined[n:])
             else:
-                ok = await self.conn.call("session_buffer", op="replace", text=joined[n:], offset=self.offset + n)
+                ok = await self.conn.call(session_buffer, op="replace", text=joined[n:], offset=self.offset + n)
             if ok:
                 self.conn.buffer = self.conn.buffer[: self.offset] + joined
 

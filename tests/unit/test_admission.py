@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from core.config import AdmissionConfig, AppConfig
 from core.protocol import error_body, error_headers, error_status
+from prefill.client import PrefillClient
 from prefill.errors import overloaded
 from router import sessions
 from router.admission import (
@@ -282,6 +283,9 @@ class FakePrefill:
         self.calls: list[str] = []
         self.replies = replies or {}
 
+    def options(self, **options: Any) -> FakePrefill:  # (the prefill client's handle options)
+        return self
+
     def __getattr__(self, method: str) -> Any:
         calls, replies = self.calls, self.replies
 
@@ -301,7 +305,7 @@ class FakePrefill:
 
 def sessions_client(gate: Admission, prefill: FakePrefill, config: AppConfig | None = None) -> httpx.AsyncClient:
     ingress = SimpleNamespace(
-        config=config or AppConfig(), prefill=prefill, admission=gate, check_model=lambda body: None,
+        config=config or AppConfig(), prefill=PrefillClient(prefill), admission=gate, check_model=lambda body: None,
         check_max_tokens=lambda body: None, read_body=lambda request: request.json(),
     )  # fmt: skip
     app = FastAPI()

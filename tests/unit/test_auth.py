@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from core.config import AppConfig
+from prefill.client import PrefillClient
 from router import realtime
 from router.app import Authenticate
 from router.auth import API_KEYS_ENV, APIKeys
@@ -34,6 +35,9 @@ class FakePrefill:
 
     create_session = _CreateSession()
 
+    def options(self, **options: Any) -> FakePrefill:  # (the prefill client's handle options)
+        return self
+
 
 def client(keys: list[str], tokens_per_minute: int | None = None) -> TestClient:
     app = FastAPI()
@@ -55,7 +59,9 @@ def client(keys: list[str], tokens_per_minute: int | None = None) -> TestClient:
 
     config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits, speech=AppConfig().speech)
     budgets = TokenBudgets(tokens_per_minute)
-    app.state.ingress = SimpleNamespace(api_keys=APIKeys(keys), config=config, prefill=FakePrefill(), budgets=budgets)
+    app.state.ingress = SimpleNamespace(
+        api_keys=APIKeys(keys), config=config, prefill=PrefillClient(FakePrefill()), budgets=budgets
+    )
     return TestClient(app)
 
 

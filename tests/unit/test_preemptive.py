@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from decode.client import DecodeClient
 from prefill.preemptive import RETRY_MAX_S
 from prefill.session import Session
 from tests.unit.test_handoff import Server, tokenizer  # noqa: F401  (the fixture)
@@ -37,11 +38,15 @@ class FakeDecode:
         self.release = Method({})
         self.started, self.stopped, self.released = self.start.calls, self.stop.calls, self.release.calls
 
+    def options(self, **options: Any) -> FakeDecode:  # (the decode client's handle options)
+        return self
+
 
 class PreemptiveServer(Server):
     def __init__(self, tokenizer: Any) -> None:  # noqa: F811
         super().__init__(tokenizer)
-        self.decode = FakeDecode()
+        self.decode_pool = FakeDecode()  # (the calls the server's decode client makes)
+        self.decode = DecodeClient(self.decode_pool)
         self._scheduler_stats: dict[str, Any] = {}
         self.cancelled: list[str] = []  # hand-offs cancelled while made (their engine requests aborted)
 
@@ -85,7 +90,7 @@ async def test_an_unchanged_turn_is_answered_by_its_preemptive_answer(server: Pr
     await idle()
     assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1"]
     assert server.calls[0]["preemptive"] is True  # ranked below all other work by the prefill scheduler
-    (started,) = server.decode.started
+    (started,) = server.decode_pool.started
     assert started["consumer"].startswith("preempt:") and started["park_tokens"] == 64
     assert started["body"]["priority"] == 1 and started["body"]["kv_transfer_params"]["handoff"] == 1
 
@@ -95,10 +100,10 @@ async def test_an_unchanged_turn_is_answered_by_its_preemptive_answer(server: Pr
     assert len(server.calls) == 1  # no hand-off after end of input
     assert claim["adopt"] == {"replica": "d1", "parked": started["consumer"], "stream_id": started["stream_id"]}
     assert claim["request"]["kv_transfer_params"]["handoff"] == 1
-    assert session.describe()["preemptive"]["delivered"] == 1 and not server.decode.stopped
+    assert session.describe()["preemptive"]["delivered"] == 1 and not server.decode_pool.stopped
     timing = session.answers[0].summary()["timing"]
     # Started on decode before the turn ended, by as long as it ran there (not a fixed figure: timers slip under load).
-    assert timing["preempted_ms"] >= (ended_at - server.decode.start.called_at[0]) * 1e3 > 0
+    assert timing["preempted_ms"] >= (ended_at - server.decode_pool.start.called_at[0]) * 1e3 > 0
     assert timing["handoff_ms"] < 5
 
 
@@ -112,8 +117,8 @@ async def test_new_input_discards_the_preemptive_answer_and_the_turn_is_handed_o
     claim = await server.session_claim(session_id=session.id)
     await asyncio.sleep(0.01)
     assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
-    (stopped,) = server.decode.stopped  # stopped on decode
-    assert stopped["stream_id"] == server.decode.started[0]["stream_id"]
+    (stopped,) = server.decode_pool.stopped  # stopped on decode
+    assert stopped["stream_id"] == server.decode_pool.started[0]["stream_id"]
     assert session.describe()["preemptive"]["discarded"] == 1
     assert session.describe()["preemptive"]["discarded_tokens"] == 5  # what it had made on decode
 
@@ -136,7 +141,7 @@ async def test_a_preemptive_answer_waits_out_a_busy_engine_and_stops_at_max_atte
     assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls] == ["p1", "p2"]  # max_attempts
     await server._close(session, "test")
     await asyncio.sleep(0.01)
-    assert len(server.decode.stopped) == 2  # both given up: the last when the session closed
+    assert len(server.decode_pool.stopped) == 2  # both given up: the last when the session closed
 
 
 async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_as_complete_work(
@@ -153,7 +158,7 @@ async def test_a_turn_ending_while_the_preemptive_hand_off_waits_is_handed_off_a
     server.gate.set()  # (now: the ordinary hand-off goes through, and the preemptive one, given up, is released)
     claim = await server.session_claim(session_id=session.id)
     assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
-    assert server.decode.started == []  # decode never started it
+    assert server.decode_pool.started == []  # decode never started it
     assert session.describe()["preemptive"]["discarded"] == 1
 
 
@@ -171,8 +176,8 @@ async def test_a_hand_off_made_for_an_answer_given_up_is_released_on_decode(serv
     claim = await server.session_claim(session_id=session.id)
     await asyncio.sleep(0.01)
     assert [c["request_id"] for c in server.calls] == [f"{session.id}-t0-p1", f"{session.id}-t0-h1"]
-    assert server.decode.started == []
-    (released,) = server.decode.released  # the preemptive hand-off's KV, not the answer's
+    assert server.decode_pool.started == []
+    (released,) = server.decode_pool.released  # the preemptive hand-off's KV, not the answer's
     assert "handoff" in released["kv_transfer_params"]
     assert released["kv_transfer_params"] is not claim["request"]["kv_transfer_params"]
     assert released["request_id"].startswith(f"{session.id}-t0-p1")
@@ -192,7 +197,7 @@ async def test_a_hand_off_given_up_that_is_not_made_in_time_is_aborted(
     await asyncio.sleep(0.01)
     assert server.cancelled == []  # still being made
     await asyncio.sleep(0.6)
-    assert server.cancelled == [f"{session.id}-t0-p1"] and server.decode.released == []
+    assert server.cancelled == [f"{session.id}-t0-p1"] and server.decode_pool.released == []
 
 
 async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server: PreemptiveServer) -> None:
@@ -200,11 +205,11 @@ async def test_a_commit_that_changes_nothing_keeps_the_preemptive_answer(server:
     session = server.open_preemptive()
     await server.session_buffer(session_id=session.id, op="append", text="What is a KV cache?")
     await idle()
-    assert len(server.decode.started) == 1
+    assert len(server.decode_pool.started) == 1
     await server.session_buffer(session_id=session.id, op="commit")
     await server.session_finish(session_id=session.id)
     claim = await server.session_claim(session_id=session.id)
-    assert claim["adopt"]["stream_id"] == server.decode.started[0]["stream_id"] and not server.decode.stopped
+    assert claim["adopt"]["stream_id"] == server.decode_pool.started[0]["stream_id"] and not server.decode_pool.stopped
 
 
 async def test_a_reader_of_the_whole_answer_gets_an_ordinary_hand_off(server: PreemptiveServer) -> None:
@@ -215,7 +220,7 @@ async def test_a_reader_of_the_whole_answer_gets_an_ordinary_hand_off(server: Pr
     claim = await server.session_claim(session_id=session.id, adopts=False)
     await asyncio.sleep(0.01)
     assert "adopt" not in claim and claim["request"]["request_id"] == f"{session.id}-t0-h1"
-    assert len(server.decode.stopped) == 1  # the parked stream nobody will adopt was stopped
+    assert len(server.decode_pool.stopped) == 1  # the parked stream nobody will adopt was stopped
 
 
 async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
@@ -228,7 +233,7 @@ async def test_each_turn_has_its_own_attempts(server: PreemptiveServer) -> None:
     assert "adopt" in claim
     await server.chunk(session, "Second question? ")
     await idle()
-    assert len(server.decode.started) == 2  # the second turn's own attempt
+    assert len(server.decode_pool.started) == 2  # the second turn's own attempt
 
 
 async def test_a_pause_asks_for_the_preemptive_answer_at_once_and_idleness_alone_starts_none(
@@ -249,15 +254,15 @@ async def test_a_pause_asks_for_the_preemptive_answer_at_once_and_idleness_alone
         assert (await server.session_preempt(session_id=session.id))["preempting"] is True  # the same input: no new one
         await asyncio.sleep(0.01)
         assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls][-1] == f"p{attempt}"
-        assert len(server.decode.started) == attempt
+        assert len(server.decode_pool.started) == attempt
         if attempt == 1:
             await server.session_buffer(session_id=session.id, op="replace", text="caches? ", offset=12)
     await asyncio.sleep(0.01)
-    assert len(server.decode.stopped) == 1  # the first, made from the old input
+    assert len(server.decode_pool.stopped) == 1  # the first, made from the old input
     await server.session_buffer(session_id=session.id, op="commit")
     await server.session_finish(session_id=session.id)
     claim = await server.session_claim(session_id=session.id)
-    assert claim["adopt"]["stream_id"] == server.decode.started[1]["stream_id"]
+    assert claim["adopt"]["stream_id"] == server.decode_pool.started[1]["stream_id"]
     assert session.describe()["preemptive"]["delivered"] == 1
 
 

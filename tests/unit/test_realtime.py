@@ -19,6 +19,7 @@ from starlette.testclient import WebSocketTestSession
 
 from core.config import AppConfig
 from core.protocol import error_body
+from prefill.client import PrefillClient
 from router import realtime
 from router.auth import APIKeys
 
@@ -44,6 +45,9 @@ class FakePrefill:
         self.closed: dict[str, Any] | None = None
         self.claim_delay = 0.0
         self.turns = 0
+
+    def options(self, **options: Any) -> FakePrefill:  # (the prefill client's handle options)
+        return self
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):
@@ -80,7 +84,7 @@ def make_client(prefill: FakePrefill, **limits: Any) -> TestClient:
     config = SimpleNamespace(
         model_name=MODEL, limits=AppConfig().limits.model_copy(update=limits), speech=AppConfig().speech
     )
-    app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=prefill)
+    app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill))
     return TestClient(app)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from core.config import AppConfig
+from router.owner import session_buffer
 from router.realtime import RealtimeConnection
 from router.realtime_events import ResponseCreate
 from router.realtime_response import InputSeen
@@ -87,7 +88,7 @@ async def connection_holding(tag: str) -> tuple[RealtimeConnection, Socket, Ingr
     connection = RealtimeConnection(socket, ingress, "m", beta=False)  # type: ignore[arg-type]
     connection.session_id = SESSION
     connection.settings["preemptive"] = {"after_idle_ms": 150}
-    await connection.call("session_buffer", op="commit")
+    await connection.call(session_buffer, op="commit")
     connection.read_early(0)
     for _ in range(100):
         if SESSION in ingress.feeds.held:
@@ -120,13 +121,13 @@ async def test_response_create_streams_the_held_answer_before_the_owner_replies(
     assert "response.output_text.delta" in socket.types() and not creating.done()  # (`session_respond` waits)
     assert "response.done" not in socket.types()  # the end waits for the owner to confirm it and hear the outcome
 
-    ingress.prefill.responds.set()
+    ingress.owner.responds.set()
     await asyncio.wait_for(creating, 5)
     await end(connection, ingress)
     done = socket.sent[-1]
     assert done["type"] == "response.done" and done["response"]["status"] == "completed", done
     assert "".join(e["delta"] for e in socket.sent if e["type"] == "response.output_text.delta") == "Hello, world"
-    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.prefill.reports] == [
+    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.owner.reports] == [
         (0, "completed", "Hello, world")  # the conversation has it
     ]
 
@@ -136,7 +137,7 @@ async def test_a_held_answer_of_other_input_waits_for_the_owner() -> None:
     creating = asyncio.ensure_future(connection.response_create(ResponseCreate(type="response.create")))
     await asyncio.sleep(0.05)
     assert "response.created" not in socket.types()  # not released: the ordinary path, after the owner's reply
-    ingress.prefill.responds.set()
+    ingress.owner.responds.set()
     await asyncio.wait_for(creating, 5)
     await end(connection, ingress)
     assert socket.sent[-1]["response"]["status"] == "completed"
@@ -145,17 +146,17 @@ async def test_a_held_answer_of_other_input_waits_for_the_owner() -> None:
 
 async def test_a_refused_response_create_withdraws_the_released_answer() -> None:
     connection, socket, ingress = await connection_holding(TAG)
-    ingress.prefill.refuse = {"message": "session gone", "type": "NotFoundError", "code": 404}
+    ingress.owner.refuse = {"message": "session gone", "type": "NotFoundError", "code": 404}
     creating = asyncio.ensure_future(connection.response_create(ResponseCreate(type="response.create")))
     await asyncio.sleep(0.02)
-    ingress.prefill.responds.set()
+    ingress.owner.responds.set()
     await asyncio.wait_for(creating, 5)
     await end(connection, ingress)
     assert "error" in socket.types()  # the refusal, as any owner error
     done = socket.sent[-1]
     assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
     assert "withdrawn" in done["response"]["status_details"]["error"]["message"]
-    assert not ingress.prefill.reports  # nothing of it is the owner's
+    assert not ingress.owner.reports  # nothing of it is the owner's
 
 
 async def spoken_turn_end(connection: RealtimeConnection, socket: Socket) -> asyncio.Future[None]:
@@ -173,7 +174,7 @@ async def test_a_spoken_turns_end_streams_the_held_answer_before_the_owner_commi
     """The commit's round trip to the owner is not on the answer's path: the user's item, then the held answer,
     go out while the owner's commit is still in flight; the commit and then the claim follow."""
     connection, socket, ingress = await connection_holding(TAG)
-    owner = ingress.prefill
+    owner = ingress.owner
     owner.commits = asyncio.Event()
     ending = await spoken_turn_end(connection, socket)
     for _ in range(100):
@@ -197,7 +198,7 @@ async def test_a_spoken_turns_end_streams_the_held_answer_before_the_owner_commi
 
 async def test_a_refused_commit_withdraws_the_answer_it_released() -> None:
     connection, socket, ingress = await connection_holding(TAG)
-    owner = ingress.prefill
+    owner = ingress.owner
     owner.commits = asyncio.Event()
     owner.refuse_commit = {"message": "session gone", "type": "NotFoundError", "code": 404}
     ending = await spoken_turn_end(connection, socket)
@@ -243,7 +244,7 @@ async def test_a_commit_that_fails_withdraws_the_answer_it_released() -> None:
     """The owner's commit raises (its replica is gone for good): the released answer is withdrawn, not left
     streaming unclaimed, and the input stays the connection's."""
     connection, socket, ingress = await connection_holding(TAG)
-    owner = ingress.prefill
+    owner = ingress.owner
     owner.commits = asyncio.Event()
     owner.refuse_commit = RuntimeError("ActorDiedError")
     ending = await spoken_turn_end(connection, socket)

@@ -17,6 +17,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from core.config import AppConfig
 from core.protocol import error_body
+from prefill.client import PrefillClient
 from router import realtime
 from router.admission import Refusal
 from router.auth import APIKeys
@@ -46,7 +47,7 @@ def serving(prefill: FakePrefill, admission: Any = None) -> Iterator[tuple[TestC
     app.include_router(realtime.api)
     config = SimpleNamespace(model_name=MODEL, limits=AppConfig().limits, speech=AppConfig().speech)
     app.state.ingress = SimpleNamespace(
-        api_keys=APIKeys([]), config=config, prefill=prefill, restart=watch, admission=admission
+        api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill), restart=watch, admission=admission
     )
     with TestClient(app) as client:
         yield client, stopping, watch

@@ -14,6 +14,7 @@ import pytest
 
 from core.config import AppConfig
 from core.protocol import SSE_DONE, sse
+from prefill.client import PrefillClient
 from router import realtime, realtime_response
 from router.answers import AnswerReader
 from router.feeds import DecodeStream, _End
@@ -71,7 +72,7 @@ async def test_a_slow_reader_gets_coalesced_deltas_and_all_the_text(monkeypatch:
     monkeypatch.setattr(realtime_response, "AnswerReader", Reader)
     ingress = SimpleNamespace(
         config=SimpleNamespace(model_name=MODEL, limits=AppConfig().limits, speech=AppConfig().speech),
-        prefill=FakePrefill(),
+        prefill=PrefillClient(FakePrefill()),
     )
     socket = SlowSocket()
     connection = realtime.RealtimeConnection(socket, ingress, MODEL, beta=False)  # type: ignore[arg-type]

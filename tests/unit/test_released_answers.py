@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from prefill.client import PrefillClient
 from router.answers import AnswerReader
 from router.feeds import Feeds
 from tests.unit.test_feeds import FakeDecode
@@ -53,6 +54,9 @@ class Owner:
         self.session_answer_done = Remote(self._done)
         self.session_streaming = Remote(self._streaming)
 
+    def options(self, **options: Any) -> Owner:  # (the prefill client's handle options)
+        return self
+
     async def _claim(self, **kwargs: Any) -> dict[str, Any]:
         self.claims.append(kwargs)
         if kwargs.get("holding") == "":
@@ -71,7 +75,8 @@ class Owner:
 
 class Ingress:
     def __init__(self, owner: Owner) -> None:
-        self.prefill = owner
+        self.owner = owner  # (its client's handle)
+        self.prefill = PrefillClient(owner)
         self.decode = FakeDecode()
         self.feeds = Feeds(self.decode, "router-1")  # type: ignore[arg-type]
 
@@ -99,21 +104,21 @@ async def test_an_end_chunk_here_releases_the_held_answer_before_the_owner_repli
     assert held.release(5)
 
     assert await asyncio.wait_for(opening, 1) is None  # without the owner's reply
-    assert ingress.prefill.claims[-1]["holding"] == STREAM  # (still on its way)
+    assert ingress.owner.claims[-1]["holding"] == STREAM  # (still on its way)
     assert "released" in reader.server_timing and reader.turn == 0
     items = reader.items()
     first, deltas = await anext(items)
     assert deltas == ["Hel"] and ingress.decode.confirmed == [STREAM]  # cap lifted, ordinary rank
     assert SESSION not in ingress.feeds.held  # read, no longer held: a second end chunk releases nothing
-    assert not ingress.prefill.reports  # nothing of it is reported before the owner says it is the answer
+    assert not ingress.owner.reports  # nothing of it is reported before the owner says it is the answer
 
-    ingress.prefill.has_end.set()
+    ingress.owner.has_end.set()
     await ingress.decode.batches.put(({STREAM: CHAT_ITEMS[2] + CHAT_ITEMS[3]}, {STREAM: None}, {}))
     rest = [item async for item in items]
     await ingress.decode.batches.put(StopAsyncIteration())  # (the feed ends: only the reports are left to run)
     await reported()
     assert [d for _, ds in rest for d in ds] == ["lo", ", world"]
-    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.prefill.reports] == [
+    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.owner.reports] == [
         (0, "completed", "Hello, world")
     ]
 
@@ -139,7 +144,7 @@ async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: st
     elif how == "over before":  # the whole answer, [DONE] and its end, came before the owner's reply
         await ingress.decode.batches.put(({STREAM: CHAT_ITEMS[2] + CHAT_ITEMS[3]}, {STREAM: None}, {}))
         await asyncio.sleep(0.01)
-    ingress.prefill.has_end.set()
+    ingress.owner.has_end.set()
     rest = "".join([forward async for forward, _ in items])
     await ingress.decode.batches.put(StopAsyncIteration())
     await reported()
@@ -147,7 +152,7 @@ async def test_a_released_answer_the_owner_does_not_confirm_is_withdrawn(how: st
     assert rest.count("data: [DONE]") == 1 and reader.outcome.status == "failed"
     assert (STREAM in ingress.decode.stopped) == (how != "over before")  # stopped on decode (unless it ended)
     # Nothing reported as this answer's outcome; the claimed other answer is given back for its next reader.
-    assert [(r["turn"], r["outcome"]["status"]) for r in ingress.prefill.reports] == [(0, "released")]
+    assert [(r["turn"], r["outcome"]["status"]) for r in ingress.owner.reports] == [(0, "released")]
 
 
 # The whole answer made before the turn ended (its own max_tokens, below `preemptive.max_tokens`, ended it, or a
@@ -165,14 +170,14 @@ async def test_a_released_answer_made_whole_streams_its_text_before_the_owner_re
     assert await asyncio.wait_for(opening, 1) is None
     items = reader.items()
     forward, deltas = await asyncio.wait_for(anext(items), 1)  # (the owner has not replied)
-    assert deltas == ["Hel", "lo", ", world"] and "[DONE]" not in forward and not ingress.prefill.reports
+    assert deltas == ["Hel", "lo", ", world"] and "[DONE]" not in forward and not ingress.owner.reports
 
-    ingress.prefill.has_end.set()
+    ingress.owner.has_end.set()
     rest = [item async for item in items]
     await ingress.decode.batches.put(StopAsyncIteration())
     await reported()
     assert "".join(f for f, _ in rest).endswith("data: [DONE]\n\n") and not any(d for _, d in rest)
-    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.prefill.reports] == [
+    assert [(r["turn"], r["outcome"]["status"], r["outcome"]["text"]) for r in ingress.owner.reports] == [
         (0, "completed", "Hello, world")
     ]
 
@@ -184,8 +189,8 @@ async def test_a_held_answer_made_whole_streams_its_text_before_its_end_is_repor
     ingress, reader, opening = await held_reader(final)
     await ingress.decode.batches.put(({STREAM: "".join(CHAT_ITEMS[2:])}, {STREAM: None}, {}))
     await asyncio.sleep(0.01)
-    ingress.prefill.reports_land.clear()
-    ingress.prefill.has_end.set()
+    ingress.owner.reports_land.clear()
+    ingress.owner.has_end.set()
     assert await asyncio.wait_for(opening, 1) is None
     assert "held" in reader.server_timing and "released" not in reader.server_timing
     items = reader.items()
@@ -195,8 +200,8 @@ async def test_a_held_answer_made_whole_streams_its_text_before_its_end_is_repor
     ending = asyncio.ensure_future(anext(items))
     await asyncio.sleep(0.01)
     assert not ending.done()  # [DONE] only once the owner has the outcome
-    ingress.prefill.reports_land.set()
+    ingress.owner.reports_land.set()
     forward, deltas = await asyncio.wait_for(ending, 1)
-    assert forward == "data: [DONE]\n\n" and deltas == [] and len(ingress.prefill.reports) == 1
+    assert forward == "data: [DONE]\n\n" and deltas == [] and len(ingress.owner.reports) == 1
     await ingress.decode.batches.put(StopAsyncIteration())
     await reported()

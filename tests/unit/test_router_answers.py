@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from core import tasks
 from core.protocol import error_body
+from prefill.client import PrefillClient
 from router.answers import AnswerReader
 from router.feeds import DecodeFailed
 from router.outcome import Outcome, completion_object, replay_frames
@@ -280,6 +281,9 @@ class FakeOwner:
         self.session_result = Remote(self._result)
         self.session_answer_done = Remote(self._done)
 
+    def options(self, **options: Any) -> FakeOwner:  # (the prefill client's handle options)
+        return self
+
     async def _claim(self, **kwargs: Any) -> dict[str, Any]:
         assert kwargs.pop("tenant") == ""  # every session call says whose it is (no API keys here)
         self.calls.append(("session_claim", kwargs))
@@ -342,7 +346,7 @@ class FakeDecode:
 
 class FakeIngress:
     def __init__(self, owner: FakeOwner, decode_items: list[Any] | None = None) -> None:
-        self.prefill = owner
+        self.prefill = PrefillClient(owner)
         self.decode = self.feeds = FakeDecode(decode_items or [])
 
 
@@ -402,8 +406,18 @@ async def test_reader_streams_decode_frames_and_reports_once(include_usage: bool
         }
     ]
     assert owner.calls == [
-        ("session_claim", {"session_id": "sess_r1_abc", "turn": None, "adopts": True, "holding": ""})
-    ]  # (it holds no preemptive answer)
+        (
+            "session_claim",
+            {
+                "session_id": "sess_r1_abc",
+                "turn": None,
+                "fresh": False,
+                "adopts": True,
+                "reclaim": False,
+                "holding": "",
+            },
+        )
+    ]  # (it holds no preemptive answer; a first claim, neither fresh nor a reclaim)
 
 
 async def test_a_report_of_a_completed_answer_ends_cleanly() -> None:
@@ -440,7 +454,7 @@ async def test_a_second_reader_waits_for_the_first_to_end() -> None:
     reader = AnswerReader(FakeIngress(owner), "sess_r1_abc")
 
     assert await reader.open() is None
-    assert owner.calls[-1] == ("session_result", {"session_id": "sess_r1_abc", "turn": 0})
+    assert owner.calls[-1] == ("session_result", {"session_id": "sess_r1_abc", "turn": 0, "wait": True})
     assert await reader.whole() == completion_object("chat", summary())
     await reported()
     assert owner.reports == []

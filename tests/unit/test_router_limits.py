@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from core.config import AppConfig
+from prefill.client import PrefillClient
 from router import quota
 from router.app import APIError, read_json_object, take_usage
 from router.ndjson import InputError, ndjson_lines, streaming_input_chat
@@ -76,6 +77,9 @@ class _Calls:
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
+    def options(self, **options: Any) -> _Calls:  # (the prefill client's handle options)
+        return self
+
     def __getattr__(self, method: str) -> Any:
         calls = self.calls
 
@@ -96,7 +100,7 @@ async def test_an_ndjson_body_that_stops_sending_is_refused_and_its_session_dele
     prefill = _Calls()
     ingress = SimpleNamespace(
         config=SimpleNamespace(limits=config.limits, model_name=config.model_name),
-        prefill=prefill,
+        prefill=PrefillClient(prefill),
         check_model=lambda body: None,
         check_max_tokens=lambda body: None,
     )

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from core.config import AppConfig, SpeechConfig
 from local_models.whisper import load_sample
+from prefill.client import PrefillClient
 from router import realtime
 from router.auth import APIKeys
 from router.voice.spoken_turn import settled
@@ -70,7 +71,9 @@ def connect(prefill: FakePrefill, speech: FakeSpeech | None, **speech_config: An
     app.include_router(realtime.api)
     speech_settings = SpeechConfig(model="local:tiny-whisper", **speech_config)
     config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits, speech=speech_settings)
-    app.state.ingress = SimpleNamespace(api_keys=APIKeys([]), config=config, prefill=prefill, speech=speech)
+    app.state.ingress = SimpleNamespace(
+        api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill), speech=speech
+    )
     with TestClient(app).websocket_connect("/v1/realtime") as ws:
         assert ws.receive_json()["type"] == "session.created"
         yield ws
@@ -100,10 +103,11 @@ def test_a_spoken_turn_revises_the_input_commits_it_and_answers() -> None:
     # so no delta followed: `completed` carries the transcript.
     assert deltas == "what is"
     # The input was revised as the transcript changed: appended, then replaced from the first changed character.
-    ops = [(c["op"], c.get("offset"), c.get("text")) for c in prefill.called("session_buffer")]
-    assert ops[0][:2] == ("append", None) and "what is".startswith(ops[0][2])
+    # (The client sends each keyword: an append's and a commit's `offset` and a commit's `text` are the defaults.)
+    ops = [(c["op"], c["offset"], c["text"]) for c in prefill.called("session_buffer")]
+    assert ops[0][:2] == ("append", 0) and "what is".startswith(ops[0][2])
     assert applied(prefill) == "What is the weather in Paris?"
-    assert ops[-1] == ("commit", None, None)
+    assert ops[-1] == ("commit", 0, "")
     assert prefill.called("session_respond")  # server_vad's create_response
     assert done["response"]["status"] == "completed"
 

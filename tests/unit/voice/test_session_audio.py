@@ -78,17 +78,20 @@ def owner(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The session's owner: its turn's transcript, refusing a transcript that starts a turn which has one."""
     state: dict[str, Any] = {"transcript": None}
 
-    async def session_call(ingress: Any, method: str, **kw: Any) -> dict[str, Any]:
-        if method == "session_info":
-            return {"audio": {"rate": 16000}}
-        assert method == "session_chunk"
+    async def session_info(ingress: Any, session_id: str) -> dict[str, Any]:
+        return {"audio": {"rate": 16000}}
+
+    async def session_chunk(ingress: Any, session_id: str, **kw: Any) -> dict[str, Any]:
+        assert kw["mode"] == "transcript"  # (the speech replica's transcript of the audio chunk)
         if kw["audio_start"] and state["transcript"] is not None:
             return error_body(409, "the speech replica that held this turn's audio stopped", "sequence_id")
         state["transcript"] = None if kw["end_of_input"] else kw["payload"]
         state["last"] = kw["payload"]
         return {"accepted": kw["sequence_id"]}
 
-    monkeypatch.setattr(session_audio, "session_call", session_call)
+    # (the session's other owner calls would reach the ingress, which has no prefill client here)
+    monkeypatch.setattr(session_audio.owner, "session_info", session_info)
+    monkeypatch.setattr(session_audio.owner, "session_chunk", session_chunk)
     return state
 
 

@@ -1,0 +1,270 @@
+"""The prefill role's client: what routers (and prefill's peers) call on prefill replicas, with typed arguments.
+
+The methods are prefill/server.py's (`prefill`, `check_health`), prefill/session_api.py's and prefill/handoff.py's
+(a streaming-input session's calls), and prefill/failover.py's `adopt_sessions`. Calls go by value over gRPC
+(`_by_reference=False`, serve_app/serve_env.py); each method's Serve handle is made once (a handle's attribute
+builds a new handle on every access). A session call goes to the session's owner (router/placement.py): the one
+its id names, or `route_to`, the replica a router learnt holds it now (router/owner.py). Every session call
+carries `tenant`, the caller's key id; one that changes the session carries a `call_id`, so that a retry after its
+owner died is not applied twice (router/owner.py reuses it across retries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, Literal
+
+from ray.serve.handle import DeploymentHandle
+
+from core.protocol import Endpoint
+
+__all__ = ["PrefillClient"]
+
+
+class PrefillClient:
+    """Each call returns what its handle returns: an awaitable of the replica's reply (a dict)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._calls = handle.options(_by_reference=False, stream=False)
+        self._methods: dict[str, Any] = {}
+
+    def _method(self, name: str) -> Any:
+        """The handle of one method, made on first use and kept."""
+        method = self._methods.get(name)
+        if method is None:
+            method = self._methods[name] = getattr(self._calls, name)
+        return method
+
+    def _session(self, name: str, route_to: str | None, **kwargs: Any) -> Awaitable[dict[str, Any]]:
+        # No `route_to` unless given: the request router then takes the replica the session id names.
+        route = {"route_to": route_to} if route_to is not None else {}
+        return self._method(name).remote(**kwargs, **route)
+
+    # --- whole prompts and health -------------------------------------------------------------------
+    def prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+        """A one-token prefill leaving the KV for decode: `{"kv_transfer_params": ...}` or `{"error": ...}`."""
+        return self._method("prefill").remote(endpoint, body)
+
+    def check_health(self) -> Awaitable[None]:
+        return self._method("check_health").remote()
+
+    # --- sessions -----------------------------------------------------------------------------------
+    def create_session(self, spec: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+        """A new session on some replica (`spec["tenant"]` owns it): its description, or an error (429: full)."""
+        return self._method("create_session").remote(spec)
+
+    def session_chunk(
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        payload: str,
+        end_of_input: bool = False,
+        mode: str = "append",
+        offset: int | None = None,
+        role: str = "user",
+        tool_call_id: str | None = None,
+        audio_start: bool = False,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_chunk",
+            route_to,
+            session_id=session_id,
+            sequence_id=sequence_id,
+            payload=payload,
+            end_of_input=end_of_input,
+            mode=mode,
+            offset=offset,
+            role=role,
+            tool_call_id=tool_call_id,
+            audio_start=audio_start,
+            tenant=tenant,
+            call_id=call_id,
+        )
+
+    def session_message(
+        self,
+        *,
+        session_id: str,
+        role: str,
+        content: str,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_message",
+            route_to,
+            session_id=session_id,
+            role=role,
+            content=content,
+            tool_call_id=tool_call_id,
+            tool_calls=tool_calls,
+            tenant=tenant,
+            call_id=call_id,
+        )
+
+    def session_truncate(
+        self, *, session_id: str, chars: int, tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session("session_truncate", route_to, session_id=session_id, chars=chars, tenant=tenant)
+
+    def session_buffer(
+        self,
+        *,
+        session_id: str,
+        op: str,
+        text: str = "",
+        offset: int = 0,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_buffer",
+            route_to,
+            session_id=session_id,
+            op=op,
+            text=text,
+            offset=offset,
+            tenant=tenant,
+            call_id=call_id,
+        )
+
+    def session_preempt(
+        self, *, session_id: str, tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session("session_preempt", route_to, session_id=session_id, tenant=tenant)
+
+    def session_update(
+        self,
+        *,
+        session_id: str,
+        instructions: str | None = None,
+        params: dict[str, Any] | None = None,
+        preemptive: dict[str, Any] | Literal[False] | None = None,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_update",
+            route_to,
+            session_id=session_id,
+            instructions=instructions,
+            params=params,
+            preemptive=preemptive,
+            tenant=tenant,
+            call_id=call_id,
+        )
+
+    def session_finish(
+        self,
+        *,
+        session_id: str,
+        overrides: dict[str, Any] | None = None,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_finish", route_to, session_id=session_id, overrides=overrides, tenant=tenant, call_id=call_id
+        )
+
+    def session_respond(
+        self,
+        *,
+        session_id: str,
+        overrides: dict[str, Any] | None = None,
+        tenant: str,
+        call_id: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_respond", route_to, session_id=session_id, overrides=overrides, tenant=tenant, call_id=call_id
+        )
+
+    def session_delete(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+        return self._session("session_delete", route_to, session_id=session_id, tenant=tenant)
+
+    def session_attach(
+        self, *, session_id: str, connection: str | None = None, tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session("session_attach", route_to, session_id=session_id, connection=connection, tenant=tenant)
+
+    def session_status(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+        return self._session("session_status", route_to, session_id=session_id, tenant=tenant)
+
+    def session_info(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+        return self._session("session_info", route_to, session_id=session_id, tenant=tenant)
+
+    # --- answers (prefill/handoff.py) ---------------------------------------------------------------
+    def session_claim(
+        self,
+        *,
+        session_id: str,
+        turn: int | None = None,
+        fresh: bool = False,
+        adopts: bool = True,
+        reclaim: bool = False,
+        holding: str | None = None,
+        tenant: str,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_claim",
+            route_to,
+            session_id=session_id,
+            turn=turn,
+            fresh=fresh,
+            adopts=adopts,
+            reclaim=reclaim,
+            holding=holding,
+            tenant=tenant,
+        )
+
+    def session_answer_done(
+        self, *, session_id: str, turn: int, outcome: dict[str, Any], tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_answer_done", route_to, session_id=session_id, turn=turn, outcome=outcome, tenant=tenant
+        )
+
+    def session_streaming(
+        self, *, session_id: str, turn: int, decode: dict[str, Any], tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session(
+            "session_streaming", route_to, session_id=session_id, turn=turn, decode=decode, tenant=tenant
+        )
+
+    def session_alive(
+        self, *, session_id: str, turn: int, tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session("session_alive", route_to, session_id=session_id, turn=turn, tenant=tenant)
+
+    def session_cancel(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+        return self._session("session_cancel", route_to, session_id=session_id, tenant=tenant)
+
+    def session_result(
+        self, *, session_id: str, turn: int | None = None, wait: bool = True, tenant: str, route_to: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        return self._session("session_result", route_to, session_id=session_id, turn=turn, wait=wait, tenant=tenant)
+
+    # --- peers (prefill/failover.py) ----------------------------------------------------------------
+    def adopt_sessions(
+        self,
+        *,
+        owner: str,
+        journals: list[list[dict[str, Any]]],
+        session_id: str | None = None,
+        route_to: str | None = None,
+    ) -> Awaitable[dict[str, Any]]:
+        """A draining replica's sessions taken over: `{"adopted": [ids], "by": replica}`. `session_id` and
+        `route_to` only steer the call (to its adopter); without them any replica takes it."""
+        steer = {"session_id": session_id} if session_id is not None else {}
+        return self._session("adopt_sessions", route_to, owner=owner, journals=journals, **steer)
