@@ -136,7 +136,7 @@ class PreemptiveOptions(BaseModel):
     max_input_tokens: int | None = Field(default=None, ge=1)  # longer input is not answered preemptively
     max_attempts: int = Field(default=3, ge=1, le=1000)  # preemptive answers per turn (each new input may cost one)
     # The preemptive answer's text to the client as it is made, marked provisional, then confirmed or discarded
-    # (router/provisional.py); clients that did not ask see only the answer.
+    # (router/sessions/provisional.py); clients that did not ask see only the answer.
     stream: bool = False
 
 
@@ -189,7 +189,8 @@ class SpeechConfig(RoleConfig):
 
 
 class DisaggregationConfig(_Strict):
-    """Which whole-prompt requests go through a prefill replica (router/disaggregation.py). Sessions always do."""
+    """Which whole-prompt requests go through a prefill replica (router/openai/disaggregation.py); sessions
+    always do."""
 
     # Shorter prompts are prefilled by decode itself: moving their KV costs more than computing it (NIXL moves
     # whole blocks only, so below a block decode computes the prompt anyway). 0: every request is disaggregated.
@@ -228,7 +229,7 @@ class LimitsConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """Overload admission in the router (router/admission.py): from the replicas' last routing stats, a new
+    """Overload admission in the router (router/admission/gate.py): from the replicas' last routing stats, a new
     session or plain request that cannot be taken now (the pools full, or the adaptive limit reached) waits in
     the router's queue, first come first served, while its expected wait stays under `max_wait_s`; past that it
     is refused (429 with Retry-After; Realtime: an `error` event and close 1013), so that the sessions already
@@ -236,7 +237,7 @@ class AdmissionConfig(_Strict):
 
     enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
     # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
-    # (Little's law over its kind's recent holds: router/admission_queue.py) is longer is refused at once, with
+    # (Little's law over its kind's recent holds: router/admission/queue.py) is longer is refused at once, with
     # that wait as Retry-After; a waiter still waiting after it is refused then. 0: refuse at once, never queue.
     # (A realtime connection waits after its handshake, before `session.created`.)
     max_wait_s: float = Field(default=30.0, ge=0)
@@ -256,7 +257,8 @@ class AdmissionConfig(_Strict):
     # Retry-After grows from `retry_after_s` up to this while refusals outpace the room that frees (and shrinks
     # back when they stop): every retry costs a handshake on the cores the admitted sessions need.
     max_retry_after_s: int = Field(default=30, ge=1)
-    # The adaptive limit on sessions open through each router replica (router/latency_limit.py; plain requests are
+    # The adaptive limit on sessions open through each router replica (router/admission/latency_limit.py; plain
+    # requests are
     # left to the saturation rules above and the engines' queues, as on a plain vLLM server):
     # while the `latency_percentile` of end of input to first token in a window of answers is over the target
     # (`target_first_token_s`, or `latency_tolerance` times the best recent window's P10 if larger: about
@@ -285,7 +287,7 @@ class RouterConfig(_Strict):
     deployment: dict[str, Any] = Field(default_factory=dict)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)  # where prompts prefill
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # overload: what is refused at once
-    # API keys (router/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
+    # API keys (router/keys/auth.py); `RTPD_API_KEYS` in the router replicas' environment adds to them.
     api_keys: list[str] = Field(default_factory=list)
 
 

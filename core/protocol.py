@@ -151,8 +151,8 @@ def streaming_response(body: Any, on_close: Any, headers: dict[str, str] | None 
 
 
 def continuation_refusal(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
-    """Why a continuation (router/resume.py: the prompt's ids plus those generated, as a new completion) could not
-    give exactly the answer the request would have had (None: it can)."""
+    """Why a continuation (router/streams/resume.py: the prompt's ids plus those generated, as a new completion)
+    could not give exactly the answer the request would have had (None: it can)."""
     if (body.get("n") or 1) > 1 or body.get("use_beam_search"):
         return "n > 1"
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):

@@ -10,7 +10,7 @@ context) with the rest of the answer's `max_tokens`, so the answer goes on exact
 would. The serving layer above sees one stream: the end of the first input is hidden from it.
 
 Only requests whose sampling the split cannot change are held (`holdable`); others keep the cap of
-decode/server.py (the stream ends there and a router goes on from its ids, router/resume.py).
+decode/server.py (the stream ends there and a router goes on from its ids, router/streams/resume.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
 FEED_IDLE_S = 5.0  # a feed with no stream ends after this (so that a draining replica can stop)
 STATS_EXPORT_S = 5.0  # how often the engine scheduler's counters (KV load failures) go to Prometheus
-# What the router asked for with a stream's token ids (router/resume.py): "strip" them from the frames (the
+# What the router asked for with a stream's token ids (router/streams/resume.py): "strip" them from the frames (the
 # router added `return_token_ids`, the client did not ask) or "keep" them (the client asked); both send them
 # beside the frames, in the feed's batch.
 IdsMode = Literal["strip", "keep"]
@@ -94,7 +94,7 @@ class DecodeServer:
         router (router/placement.py: the replica an answer is resumed from), `ids` for the frames' token ids.
         `preemptive`: a preemptive answer, parked under `consumer` (prefill/preemptive.py); it stops after
         `park_tokens` (if given) unless its turn is confirmed first (then its router goes on from its ids,
-        router/resume.py); `hold_tokens`: instead, the engine holds it there with its KV and it goes on when
+        router/streams/resume.py); `hold_tokens`: instead, the engine holds it there with its KV and it goes on when
         confirmed, if its sampling allows (decode/hold.py)."""
         hold = Hold(hold_tokens) if hold_tokens is not None else None
         with starting(hold), sse.ids_mode(ids):  # (the serving layer starts its engine request within this call)
@@ -295,7 +295,7 @@ class DecodeServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Streams running here: the request router spreads new requests by it (router/placement.py), and the
-        routers' admission control (router/admission.py) compares them with what the engine runs at once."""
+        routers' admission control (router/admission/gate.py) compares them with what the engine runs at once."""
         return {ACTIVE_STREAMS: self._active_streams(), "stream_capacity": self.engine.max_num_seqs}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

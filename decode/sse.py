@@ -1,8 +1,9 @@
 """Decode's own SSE encoder for chat answers that need nothing but text deltas: each engine step encoded once.
 
 vLLM's `chat_completion_stream_generator` builds three pydantic objects per token, runs the configured tool parser
-on every delta (even for a request without tools) and dumps the chunk to JSON; decode then cut the token ids back
-out of that JSON with a regex, because the router asks for them (router/resume.py) whether or not the client did.
+on every delta (even for a request without tools) and dumps the chunk to JSON; decode then cut the token ids
+back out of that JSON with a regex, because the router asks for them (router/streams/resume.py) whether or not the
+client did.
 For a request with no tools, logprobs, echo, reasoning parser, beam search or `n` > 1 this generator takes its
 place: the per-token frame is a template made once per stream from vLLM's own models (so the keys, their order
 and the JSON are vLLM's), filled with the delta's text; the token ids travel beside the frame (`Frame`), in it only

@@ -2,8 +2,8 @@
 
 A request goes to a prefill replica (one token, KV left for remote decode), then with the returned
 `kv_transfer_params` to a decode replica that pulls the KV over NIXL and streams the answer; a short prompt,
-or one that arrives while prefill is the bottleneck, is prefilled by decode itself (router/disaggregation.py).
-The SSE frames are vLLM's own; this router relays them from its decode replica's feed (router/feeds.py): every
+or one that arrives while prefill is the bottleneck, is prefilled by decode itself (router/openai/disaggregation.py).
+The SSE frames are vLLM's own; this router relays them from its decode replica's feed (router/streams/feeds.py): every
 frame ready at each step, for all of this router's streams on that replica, in one Ray item. `/health` is 503
 until both engines answer.
 """
@@ -40,18 +40,19 @@ from core.protocol import (
     streaming_response,
 )
 from prefill.client import PrefillClient
-from router import realtime, sessions, tool_calls
-from router.admission import Admission, Refusal, Ticket
-from router.auth import APIKeys
-from router.disaggregation import Disaggregation
-from router.feeds import DecodeFailed, DecodeStream, Feeds
-from router.forward import ForwardResponse
-from router.ndjson import streaming_input_chat
-from router.owner import current_tenant, tenant
-from router.quota import TokenBudgets
+from router.admission.gate import Admission, Refusal, Ticket
+from router.keys.auth import APIKeys
+from router.keys.quota import TokenBudgets
+from router.openai import tool_calls, transcriptions
+from router.openai.disaggregation import Disaggregation
+from router.openai.ndjson import streaming_input_chat
+from router.openai.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
+from router.realtime import socket as realtime
 from router.restart import RestartWatch
-from router.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
-from router.voice import transcriptions
+from router.sessions import rest as sessions
+from router.sessions.owner import current_tenant, tenant
+from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
+from router.streams.forward import ForwardResponse
 from speech.client import SpeechClient
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class APIError(Exception):
 
 
 class Authenticate:
-    """API keys (router/auth.py), for every endpoint but /health when any key is set. Plain ASGI rather than
+    """API keys (router/keys/auth.py), for every endpoint but /health when any key is set. Plain ASGI rather than
     Starlette's BaseHTTPMiddleware, which wraps streamed responses and delays the client-disconnect that
     aborts a stream on both engines."""
 
@@ -178,8 +179,8 @@ async def relay(
     tools: str | None = None,
 ) -> AsyncGenerator[str, None]:
     """SSE relay for a stream whose frames the router reads on their way (any other goes through
-    router/forward.py). A failure after the stream started becomes an SSE error event, then `[DONE]`. With `charge`
-    (per-key token budgets), the usage frame is read off the stream (and dropped if the client had not asked
+    router/streams/forward.py). A failure after the stream started becomes an SSE error event, then `[DONE]`. With
+    `charge` (per-key token budgets), the usage frame is read off the stream (and dropped if the client had not asked
     for it). With `tools` (the surface, for a request that has tools), its tool calls are counted."""
     try:
         text: str | None = first
@@ -234,7 +235,7 @@ class Router:
         self.budgets = TokenBudgets(self.config.limits.tokens_per_minute_per_key if self.api_keys.enabled else None)
         self.disaggregation = Disaggregation(self.config)
         self.disaggregation.start()
-        # New work is refused while the pools are full (router/admission.py), from their routing stats.
+        # New work is refused while the pools are full (router/admission/gate.py), from their routing stats.
         self.admission = Admission(
             self.config.router.admission,
             self.config.engine_for("decode").max_num_seqs,
@@ -319,7 +320,7 @@ class Router:
             raise APIError(400, refused["error"]["message"], refused["error"]["param"])
 
     def charge(self, usage: dict[str, Any] | None) -> None:
-        """The caller's key pays what its request used (router/quota.py)."""
+        """The caller's key pays what its request used (router/keys/quota.py)."""
         self.budgets.charge(tenant(), usage)
 
     async def _disaggregated(self, endpoint: Endpoint, request: Request) -> Response:
@@ -410,7 +411,7 @@ class Router:
             opened.cancel()
             ticket.release()
 
-        if not charging and tools is None:  # its bytes go from the feed to the client (router/forward.py)
+        if not charging and tools is None:  # its bytes go from the feed to the client (router/streams/forward.py)
             return ForwardResponse(first, opened, headers, close)
         frames = relay(first, opened, self.charge if charging else None, keep=wants_usage, tools=tools)
         return streaming_response(frames, close, headers)

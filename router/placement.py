@@ -1,7 +1,7 @@
 """Request routing for the two pools: session affinity on prefill, stream-aware placement on decode.
 
 A session id names the replica that created it (`sess_<replica>_<secret>`). A call on a session goes to its
-current owner: the one in the id, or the one a router learnt (`route_to`, router/owner.py keeps what replicas
+current owner: the one in the id, or the one a router learnt (`route_to`, router/sessions/owner.py keeps what replicas
 answered), or, when that replica is gone, the replica the session's id hashes to among the live ones
 (rendezvous hashing, core/placement.py), which then adopts the session from its journal
 (prefill/failover.py). Requests without a session id take Ray Serve's power-of-two
@@ -15,7 +15,7 @@ resumed from).
 The speech pool's `SpeechRouter` sends a REST session's audio to the one replica that holds its turn's audio.
 
 Each router registers itself in `POOLS` (core/placement.py) by deployment name, so that the ingress can
-read the replicas' last routing stats (their load) for admission control (router/admission.py) without a call
+read the replicas' last routing stats (their load) for admission control (router/admission/gate.py) without a call
 of its own.
 """
 
@@ -82,7 +82,7 @@ class DecodeRouter(_Registered):
 
 class SpeechRouter(_Registered):
     """The speech pool: a call naming a `route_to` replica goes to it (the one a router learnt holds a REST
-    session's audio turn, router/voice/session_audio.py); other REST session audio calls (`session_id`) to the
+    session's audio turn, router/sessions/audio.py); other REST session audio calls (`session_id`) to the
     replica the id hashes to among the live ones (speech/sessions.py holds the turn's audio there);
     transcriptions of audio the caller holds (the realtime socket's) take power-of-two choices."""
 

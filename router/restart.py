@@ -6,7 +6,7 @@ the user's `__del__`, then the controller kills the actor. A `__del__` hook ther
 WebSocket has been cut by the kill (clients see 1006). The drain's first step sets the replica's `_shutting_down`
 flag; Serve has no public hook for it, so `RestartWatch` polls that flag (private: read defensively; on a Ray
 without it, nothing is closed early and nothing fails). The realtime connections then close themselves with 1012
-(router/realtime.py), the drain finds nothing ongoing, and the replica stops well before its deadline.
+(router/realtime/socket.py), the drain finds nothing ongoing, and the replica stops well before its deadline.
 """
 
 from __future__ import annotations

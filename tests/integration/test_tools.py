@@ -22,7 +22,7 @@ from ray import serve
 
 from core.protocol import parse_sse
 from local_models.tools_fit import PARIS, TOOLS, WEATHER_RESULT
-from router.tool_calls import merge_deltas
+from router.openai.tool_calls import merge_deltas
 from tests.integration.conftest import TOOLS_APP as APP
 from tests.integration.test_metrics import scrape
 from tests.integration.test_streaming_input import SESSIONS, TEXT

@@ -1,4 +1,5 @@
-"""Router admission control (router/admission.py) on fake routing stats: new sessions and plain requests wait in the
+"""Router admission control (router/admission/gate.py) on fake routing stats: new sessions and plain requests wait in
+the
 router's queue, then are refused (429 with Retry-After) past the expected-wait bound, when every replica is full or
 when this router's adaptive limit, driven by first-token latency and the prefill queues, is reached; unknown state
 admits; admitted sessions' calls are never refused."""
@@ -17,8 +18,7 @@ from core.config import AdmissionConfig, AppConfig
 from core.protocol import error_body, error_headers, error_status
 from prefill.client import PrefillClient
 from prefill.errors import overloaded
-from router import sessions
-from router.admission import (
+from router.admission.gate import (
     Admission,
     Refusal,
     Ticket,
@@ -26,7 +26,8 @@ from router.admission import (
     prefill_busy,
     session_room,
 )
-from router.latency_limit import LatencyLimit, quantile
+from router.admission.latency_limit import LatencyLimit, quantile
+from router.sessions import rest as sessions
 
 CONFIG = AdmissionConfig(max_session_fill=0.9, max_queue_per_replica=8, min_kv_free_fraction=0.1, retry_after_s=3)
 
@@ -371,7 +372,7 @@ def test_the_config_has_the_limits_fields() -> None:
 def test_answers_feed_the_limit_from_their_last_chunk_or_else_from_their_request() -> None:
     import time
 
-    from router.answers import AnswerReader
+    from router.sessions.answers import AnswerReader
 
     seen: list[float] = []
     reader = AnswerReader(SimpleNamespace(admission=SimpleNamespace(observe_first_token=seen.append)), "s")
@@ -426,7 +427,7 @@ async def test_a_client_that_leaves_while_its_session_is_made_leaves_nothing_cou
         assert prefill.calls == ["create_session", "session_delete"]
 
 
-# The queue (router/admission_queue.py): past the limit new work waits, first come first served, within max_wait_s.
+# The queue (router/admission/queue.py): past the limit new work waits, first come first served, within max_wait_s.
 
 
 async def settle() -> None:

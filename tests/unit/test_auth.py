@@ -1,4 +1,4 @@
-"""API keys (router/auth.py) through the router's own middleware and realtime handshake, with a fake ingress."""
+"""API keys (router/keys/auth.py) through the router's own middleware and realtime handshake, with a fake ingress."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from starlette.websockets import WebSocketDisconnect
 
 from core.config import AppConfig
 from prefill.client import PrefillClient
-from router import realtime
 from router.app import Authenticate
-from router.auth import API_KEYS_ENV, APIKeys
-from router.owner import current_tenant
-from router.quota import TokenBudgets
+from router.keys.auth import API_KEYS_ENV, APIKeys
+from router.keys.quota import TokenBudgets
+from router.realtime import socket as realtime
+from router.sessions.owner import current_tenant
 
 
 class FakePrefill:

@@ -1,4 +1,4 @@
-"""Conditional disaggregation (router/disaggregation.py): which whole prompts go through a prefill replica."""
+"""Conditional disaggregation (router/openai/disaggregation.py): which whole prompts go through a prefill replica."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from core.config import AppConfig
 from local_models.llm import DEFAULT_DIR
-from router.disaggregation import Disaggregation
+from router.openai.disaggregation import Disaggregation
 
 LONG_TEXT = " ".join(f"word{i} and some more text" for i in range(200))  # well over 256 tokens
 

@@ -11,7 +11,7 @@ import pytest
 
 from core.protocol import PREEMPTIVE_CAP
 from decode.feed import Outbox
-from router.feeds import DecodeFailed, DecodeStream, Feeds
+from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
 
 
 def test_outbox_hands_over_everything_ready_in_one_item() -> None:
@@ -325,7 +325,7 @@ def test_an_adopted_stream_moves_with_what_it_made_and_what_it_makes_next() -> N
 
 
 def test_a_tentatively_adopted_stream_keeps_its_cap_until_confirmed_and_is_stopped_by_its_id() -> None:
-    """A router whose reader waits for the turn adopts a preemptive answer tentatively (router/provisional.py):
+    """A router whose reader waits for the turn adopts a preemptive answer tentatively (router/sessions/provisional.py):
     its frames go to that router, but it still stops at its cap and keeps its rank until the owner confirms the
     turn; a discarded one is stopped by its owner, by stream id, wherever its frames go, with what it made."""
     from decode.server import ParkedStream

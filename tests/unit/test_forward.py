@@ -1,4 +1,4 @@
-"""router/forward.py: the feed reader writes a stream's frames to its client itself; a paused client gets its
+"""router/streams/forward.py: the feed reader writes a stream's frames to its client itself; a paused client gets its
 backlog in order and joined; one that stops reading is ended past the bound while other streams go on."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from router import feeds as feeds_module
-from router.feeds import DecodeStream, Feeds
-from router.forward import ForwardResponse
+from router.streams import feeds as feeds_module
+from router.streams.feeds import DecodeStream, Feeds
+from router.streams.forward import ForwardResponse
 from tests.unit.test_feeds import FakeDecode
 
 

@@ -1,6 +1,6 @@
 """The prefill role's client (prefill/client.py) on a fake Serve handle: each method calls the replica's method of
 the same name with the same keywords, `route_to` only when given, each method's handle made once; and the router's
-owner calls (router/owner.py) through it: the caller's key on every call, one `call_id` for every try of a call
+owner calls (router/sessions/owner.py) through it: the caller's key on every call, one `call_id` for every try of a call
 that changes the session, retries steered to the session's new owner."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from ray.exceptions import RayActorError
 
 from core.protocol import error_body
 from prefill.client import PrefillClient
-from prefill.session_api import SessionAPI
-from router import owner
+from prefill.server import PrefillServer
+from router.sessions import owner
 
 # The calls that change a session: each carries a `call_id`, so that a retry after its owner died is applied once.
 MUTATING = {"session_chunk", "session_message", "session_buffer", "session_update", "session_finish", "session_respond"}
@@ -85,10 +85,12 @@ def test_the_client_has_every_method_routers_and_peers_call() -> None:
 def test_each_keyword_is_one_the_replica_takes(name: str) -> None:
     """The client's keywords are the replica method's own (and the ones taken off for routing): a keyword renamed
     on either side shows here, not as a TypeError on a replica."""
-    server = set(inspect.signature(getattr(SessionAPI, name)).parameters) - {"self"}
+    server = set(inspect.signature(getattr(PrefillServer.func_or_class, name)).parameters) - {"self"}
     assert set(sample_kwargs(name)) - ROUTING <= server
     required = {
-        p.name for p in inspect.signature(getattr(SessionAPI, name)).parameters.values() if p.default is p.empty
+        p.name
+        for p in inspect.signature(getattr(PrefillServer.func_or_class, name)).parameters.values()
+        if p.default is p.empty
     } - {"self"}
     assert required <= set(sample_kwargs(name))
 
@@ -137,7 +139,7 @@ async def test_each_methods_handle_is_made_once_and_calls_go_by_value() -> None:
     assert handle.made == ["check_health", "session_info"]
 
 
-# --- the router's owner calls (router/owner.py) through the client ------------------------------------------------
+# --- the router's owner calls (router/sessions/owner.py) through the client -----------------------------------
 @pytest.fixture
 def ingress(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(owner, "HANDOVER_RETRY_S", 0.0)

@@ -9,7 +9,7 @@ import pytest
 from core.config import AppConfig
 from core.protocol import choice_text, error_body, error_status, parse_sse, sse, validate_openai_body
 from prefill.server import decode_params, prefill_body
-from router.sessions import session_spec
+from router.sessions.rest import session_spec
 
 
 def test_error_body_is_openai_shaped():

@@ -1,4 +1,5 @@
-"""The realtime WebSocket (router/realtime.py) survives any client event: with a fake ingress and prefill replica,
+"""The realtime WebSocket (router/realtime/socket.py) survives any client event: with a fake ingress and prefill
+replica,
 every malformed, mistyped, binary or oversized frame answers an `error` event naming the field and the client's
 `event_id`, applies nothing, and the session keeps working."""
 
@@ -20,8 +21,8 @@ from starlette.testclient import WebSocketTestSession
 from core.config import AppConfig
 from core.protocol import error_body
 from prefill.client import PrefillClient
-from router import realtime
-from router.auth import APIKeys
+from router.keys.auth import APIKeys
+from router.realtime import socket as realtime
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -327,7 +328,7 @@ def test_a_failing_handler_answers_server_error_without_logging_the_text(caplog:
     prefill.fail["session_message"] = RuntimeError("the replica died")
     secret = "my very secret prompt"
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": secret}]}
-    with caplog.at_level(logging.ERROR, logger="router.realtime"), connect(prefill) as ws:
+    with caplog.at_level(logging.ERROR, logger="router.realtime.socket"), connect(prefill) as ws:
         ws.send_json({"type": "conversation.item.create", "item": item, "event_id": "evt_x"})
         error = ws.receive_json()
         assert error["type"] == "error"
@@ -335,7 +336,7 @@ def test_a_failing_handler_answers_server_error_without_logging_the_text(caplog:
         assert secret not in json.dumps(error)
         ws.send_json({"type": "conversation.item.create", "item": item})
         assert ws.receive_json()["type"] == "conversation.item.created"
-    logged = [r for r in caplog.records if r.name == "router.realtime"]
+    logged = [r for r in caplog.records if r.name == "router.realtime.socket"]
     assert logged and all(secret not in r.getMessage() and secret not in (r.exc_text or "") for r in logged)
 
 

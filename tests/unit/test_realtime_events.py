@@ -1,4 +1,4 @@
-"""The realtime client events' models (router/realtime_events.py): the GA and beta shapes, what is ignored,
+"""The realtime client events' models (router/realtime/events.py): the GA and beta shapes, what is ignored,
 and the `InvalidEvent` each wrong shape raises."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.realtime_events import (
+from router.realtime.events import (
     EVENTS,
     BufferAppend,
     BufferReplace,
@@ -155,7 +155,7 @@ def test_an_event_without_a_string_type_still_names_its_event_id() -> None:
 
 
 def test_unpaired_surrogates_and_the_event_id_of_a_frame_too_large() -> None:
-    from router.realtime_events import leading_event_id
+    from router.realtime.events import leading_event_id
 
     with pytest.raises(InvalidEvent) as refused:
         decode('{"type": "input_text_buffer.append", "delta": "\\ud800"}')

@@ -1,4 +1,4 @@
-"""An expired realtime session ends its connection (router/realtime.py): an `error` event, then close code 4408,
+"""An expired realtime session ends its connection (router/realtime/socket.py): an `error` event, then close code 4408,
 whether the owner prefill replica closed the session or the connection itself sat idle or outlived
 `limits.max_session_s`; never while a response streams."""
 
@@ -10,7 +10,7 @@ import pytest
 from starlette.websockets import WebSocketDisconnect
 
 from core.protocol import error_body
-from router.realtime import SESSION_EXPIRED
+from router.realtime.socket import SESSION_EXPIRED
 from tests.unit.test_realtime import USER_ITEM, FakePrefill, connect, still_works, until
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,6 +1,6 @@
-"""Realtime `response.create` releases a held preemptive answer (router/realtime.py, router/realtime_response.py,
-router/provisional.py `release_input`): its first delta goes out before the owner has the call, when the owner's
-reply to the connection's last call named the input that answer was made from; the owner's reply confirms it.
+"""Realtime `response.create` releases a held preemptive answer (router/realtime/socket.py, router/realtime/response.py,
+router/sessions/provisional.py `release_input`): its first delta goes out before the owner has the call, when the
+owner's reply to the connection's last call named the input that answer was made from; the owner's reply confirms it.
 A real connection, `AnswerReader`, `Held` and `Feeds`; the owner, the decode handle and the socket are scripted."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from core.config import AppConfig
-from router.owner import session_buffer
-from router.realtime import RealtimeConnection
-from router.realtime_events import ResponseCreate
-from router.realtime_response import InputSeen
+from router.realtime.events import ResponseCreate
+from router.realtime.response import InputSeen
+from router.realtime.socket import RealtimeConnection
+from router.sessions.owner import session_buffer
 from tests.unit.test_released_answers import ADOPT, LIVE, REQUEST, SESSION, STREAM, Ingress, Owner
 from tests.unit.test_router_answers import CHAT_ITEMS, reported
 
@@ -160,7 +160,7 @@ async def test_a_refused_response_create_withdraws_the_released_answer() -> None
 
 
 async def spoken_turn_end(connection: RealtimeConnection, socket: Socket) -> asyncio.Future[None]:
-    """A spoken turn ends with server VAD's `create_response` (router/voice/spoken_turn.py `end_turn`)."""
+    """A spoken turn ends with server VAD's `create_response` (router/realtime/spoken_turn.py `end_turn`)."""
     connection.buffer = "What is the weather in Paris?"
 
     async def announced() -> None:

@@ -1,4 +1,4 @@
-"""Realtime connections across a router restart and under overload (router/realtime.py, router/restart.py): a
+"""Realtime connections across a router restart and under overload (router/realtime/socket.py, router/restart.py): a
 stopping replica closes its connections with an `error` naming the session and 1012, keeps their sessions, and a
 client re-attaches with `?session_id=`; a session that is gone gets 4404; an overloaded server 1013."""
 
@@ -18,9 +18,9 @@ from starlette.websockets import WebSocketDisconnect
 from core.config import AppConfig
 from core.protocol import error_body
 from prefill.client import PrefillClient
-from router import realtime
-from router.admission import Refusal
-from router.auth import APIKeys
+from router.admission.gate import Refusal
+from router.keys.auth import APIKeys
+from router.realtime import socket as realtime
 from router.restart import RestartWatch, replica_shutting_down
 from tests.unit.test_realtime import MODEL, FakePrefill, until
 

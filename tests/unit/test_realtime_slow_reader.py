@@ -1,6 +1,6 @@
-"""A slow realtime reader (router/realtime_response.py) gets fewer, larger deltas, never less text, and never holds
-the source: decode's frames queue in the router's `DecodeStream` (router/feeds.py) as fast as they come, and each
-send to the client carries everything queued since the last one."""
+"""A slow realtime reader (router/realtime/response.py) gets fewer, larger deltas, never less text, and never holds
+the source: decode's frames queue in the router's `DecodeStream` (router/streams/feeds.py) as fast as they come, and
+each send to the client carries everything queued since the last one."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import pytest
 from core.config import AppConfig
 from core.protocol import SSE_DONE, sse
 from prefill.client import PrefillClient
-from router import realtime, realtime_response
-from router.answers import AnswerReader
-from router.feeds import DecodeStream, _End
+from router.realtime import response as realtime_response
+from router.realtime import socket as realtime
+from router.sessions.answers import AnswerReader
+from router.streams.feeds import DecodeStream, _End
 from tests.unit.test_realtime import MODEL, FakePrefill
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,5 @@
-"""A held preemptive answer released by its end chunk on this router (router/provisional.py): the reader streams
+"""A held preemptive answer released by its end chunk on this router (router/sessions/provisional.py): the reader
+streams
 it before the owner's reply to its claim, and that reply decides whether the answer stays the owner's answer.
 Real `AnswerReader`, `Held` and `Feeds`; the owner and the decode handle are scripted."""
 
@@ -10,8 +11,8 @@ from typing import Any
 import pytest
 
 from prefill.client import PrefillClient
-from router.answers import AnswerReader
-from router.feeds import Feeds
+from router.sessions.answers import AnswerReader
+from router.streams.feeds import Feeds
 from tests.unit.test_feeds import FakeDecode
 from tests.unit.test_router_answers import CHAT_ITEMS, Remote, reported
 

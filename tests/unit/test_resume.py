@@ -1,4 +1,5 @@
-"""Resuming an answer on another decode replica (router/resume.py, router/feeds.py, decode/feed.py): the token
+"""Resuming an answer on another decode replica (router/streams/resume.py, router/streams/feeds.py, decode/feed.py):
+the token
 ids cut out of decode's frames, the continuation request, its frames in the original stream's shape, and a
 stream whose replica dies mid-answer read on to the end with no token repeated or lost."""
 
@@ -14,8 +15,8 @@ from ray.exceptions import ActorDiedError
 
 from core.protocol import parse_sse
 from decode.feed import Outbox, take_token_ids
-from router import resume
-from router.feeds import DecodeFailed, DecodeStream, Feeds
+from router.streams import resume
+from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
 
 # Frames as vLLM 0.32 writes them with `return_token_ids` (and, below, without: `null`).
 CHAT_ROLE = (

@@ -1,5 +1,5 @@
-"""The router's side of a session answer: parsing decode's SSE and replays (router/outcome.py), and the reader
-(router/answers.py) that claims an answer, streams it from decode and reports how it ended, with a fake owner
+"""The router's side of a session answer: parsing decode's SSE and replays (router/sessions/outcome.py), and the reader
+(router/sessions/answers.py) that claims an answer, streams it from decode and reports how it ended, with a fake owner
 and decode."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from openai.types.chat import ChatCompletionChunk
 from core import tasks
 from core.protocol import error_body
 from prefill.client import PrefillClient
-from router.answers import AnswerReader
-from router.feeds import DecodeFailed
-from router.outcome import Outcome, completion_object, replay_frames
+from router.sessions.answers import AnswerReader
+from router.sessions.outcome import Outcome, completion_object, replay_frames
+from router.streams.feeds import DecodeFailed
 
 CREATED = 1_700_000_000
 MODEL = "local:tiny-llama"
@@ -304,7 +304,7 @@ class FakeOwner:
 
 
 class FakeDecodeStream:
-    """A request's stream from its decode feed (router.feeds.DecodeStream): items, or an exception, which
+    """A request's stream from its decode feed (router.streams.feeds.DecodeStream): items, or an exception, which
     reaches the reader as `DecodeFailed` as the feed reports it."""
 
     def __init__(self, items: list[Any]) -> None:
@@ -328,7 +328,8 @@ class FakeDecodeStream:
 
 
 class FakeDecode:
-    """The router's decode feeds (router.feeds.Feeds): `open` gives a stream, or the answer when it is not one."""
+    """The router's decode feeds (router.streams.feeds.Feeds): `open` gives a stream, or the answer when it is
+    not one."""
 
     def __init__(self, items: list[Any]) -> None:
         self.stream = FakeDecodeStream(items)

@@ -13,9 +13,9 @@ from fastapi import FastAPI, Request
 
 from core.config import AppConfig
 from prefill.client import PrefillClient
-from router import quota
 from router.app import APIError, read_json_object, take_usage
-from router.ndjson import InputError, ndjson_lines, streaming_input_chat
+from router.keys import quota
+from router.openai.ndjson import InputError, ndjson_lines, streaming_input_chat
 
 
 def request(body: bytes, declared: bool = True) -> Request:
@@ -160,7 +160,7 @@ async def test_unpaired_surrogates_are_a_400_and_emoji_are_fine() -> None:
 def test_objects_vllm_reads_unchecked_must_be_objects() -> None:
     from pydantic import ValidationError
 
-    from router.schemas import ChatBody
+    from router.openai.schemas import ChatBody
 
     for field in ("structured_outputs", "response_format", "stream_options", "chat_template_kwargs"):
         with pytest.raises(ValidationError):
@@ -175,7 +175,7 @@ def test_kv_transfer_params_from_a_client_are_a_400(value: dict[str, Any]) -> No
     wherever it names, or answer token ids the chat template did not render."""
     from pydantic import ValidationError
 
-    from router.schemas import ChatBody, CompletionBody, validation_error
+    from router.openai.schemas import ChatBody, CompletionBody, validation_error
 
     for model, body in ((ChatBody, {"messages": []}), (CompletionBody, {"prompt": "x"})):
         assert model.model_validate({**body, "kv_transfer_params": None}).kv_transfer_params is None

@@ -15,8 +15,8 @@ from local_models.tools_fit import TOOLS
 from prefill.journal import replay
 from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill
-from router import tool_calls
-from router.outcome import Outcome, completion_object, replay_frames
+from router.openai import tool_calls
+from router.sessions.outcome import Outcome, completion_object, replay_frames
 from tests.unit.test_realtime import ANSWER, USER_ITEM, FakePrefill, connect, until
 
 CALL_ID = "chatcmpl-tool-abc"

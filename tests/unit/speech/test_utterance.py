@@ -1,6 +1,6 @@
 """A growing utterance's transcription (router/voice/utterance.py), against a fake speech handle: partials as it
 grows, the final transcript reused when it covers the same audio, a replica's death retried, segments past the
-window, and the deltas' agreement (router/voice/realtime_audio.py)."""
+window, and the deltas' agreement (router/realtime/audio.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.voice.spoken_turn import common_prefix, stable_prefix  # (the deltas: router/voice/)
+from router.realtime.spoken_turn import common_prefix, stable_prefix  # (the deltas: router/voice/)
 from speech.utterance import TranscriptionFailed, Utterance
 
 RATE = 16000

@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from core.config import AppConfig, SpeechConfig
 from local_models.whisper import load_sample
 from prefill.client import PrefillClient
-from router import realtime
-from router.auth import APIKeys
-from router.voice.spoken_turn import settled
+from router.keys.auth import APIKeys
+from router.realtime import socket as realtime
+from router.realtime.spoken_turn import settled
 from tests.unit.test_realtime import FakePrefill, until
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""REST sessions' audio chunks (router/voice/session_audio.py), on a fake speech pool and owner: when the session id
+"""REST sessions' audio chunks (router/sessions/audio.py), on a fake speech pool and owner: when the session id
 hashes to a new speech replica (the pool grew) while an older one holds the turn, the chunk still reaches the
 turn's audio, through any router replica; only when no replica holds it is it refused (409)."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from core.protocol import error_body, error_status
-from router.schemas import ChunkBody
-from router.voice import session_audio
+from router.openai.schemas import ChunkBody
+from router.sessions import audio as session_audio
 from speech.client import SpeechClient
 
 

@@ -26,9 +26,9 @@ from core import metrics
 from core.protocol import capacity_exhausted, error_body, error_status
 from core.tasks import detached
 from prefill.client import PrefillClient
-from router.admission import session_seen
+from router.admission.gate import session_seen
 
-# Whose request this is: the caller's API key id (router/auth.py), "" without keys. Every session call carries
+# Whose request this is: the caller's API key id (router/keys/auth.py), "" without keys. Every session call carries
 # it, and a session answers only calls with the id of the key that created it (others get 404).
 current_tenant: ContextVar[str] = ContextVar("rtpd_tenant", default="")
 

@@ -1,7 +1,7 @@
-"""A realtime connection's conversation (Mixin of `RealtimeConnection`, router/realtime.py): items created by the
+"""A realtime connection's conversation (Mixin of `RealtimeConnection`, router/realtime/socket.py): items created by the
 client, the text input buffer (`input_text_buffer.*`, this server's streaming-input events, each forwarded to the
 owner prefill replica as it arrives), and the responses: `response.create` (which may release a preemptive answer
-read early, router/realtime_response.py) and `response.cancel`."""
+read early, router/realtime/response.py) and `response.cancel`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.owner import current_tenant, session_buffer, session_message, session_respond
-from router.realtime_events import (
+from router.realtime.events import (
     BufferAppend,
     BufferClear,
     BufferReplace,
@@ -22,7 +21,8 @@ from router.realtime_events import (
     Sampling,
     new_id,
 )
-from router.realtime_response import EarlyRead, ResponseStream
+from router.realtime.response import EarlyRead, ResponseStream
+from router.sessions.owner import current_tenant, session_buffer, session_message, session_respond
 
 RESPONDING = ("a response is already in progress", "conversation_already_has_active_response")
 
@@ -56,7 +56,7 @@ class Conversation:
 
     def read_early(self, turn: int) -> None:
         """With preemptive answers, the answer of `turn` is read from now on, before `response.create` asks for
-        it (router/realtime_response.py `EarlyRead`)."""
+        it (router/realtime/response.py `EarlyRead`)."""
         if self.closing or (self.close_after_answer and turn > 0) or self.settings.get("preemptive") is None:
             return
         if self.early is not None:
@@ -119,7 +119,7 @@ class Conversation:
             await self.send("conversation.item.done", previous_item_id=previous, item=item)
 
     # Typed text: while a spoken turn is in progress its transcript stays at the end of the input, after the typed
-    # text (router/voice/realtime_audio.py `typed`); every change takes the audio's lock, as transcripts do.
+    # text (router/realtime/audio.py `typed`); every change takes the audio's lock, as transcripts do.
     async def buffer_append(self, event: BufferAppend) -> None:
         async with self.audio.lock:
             await self.audio.typed(len(self.audio.typed_text()), event.delta)
@@ -236,7 +236,7 @@ class Conversation:
             await self.buffer_commit()
         overrides = self._overrides(response)
         # Nothing of its own, and the held preemptive answer made from the input the owner last named: it streams
-        # now, before the owner has this call, whose reply (its claim's) confirms it (router/provisional.py).
+        # now, before the owner has this call, whose reply (its claim's) confirms it (router/sessions/provisional.py).
         early = self.early if not response.given() else None
         released = early if early is not None and early.release(self.input_seen.tag) else None
         if released is not None:

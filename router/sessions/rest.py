@@ -10,7 +10,7 @@
     DELETE /v1/streaming_input/sessions/{id}
 
 The session lives on its owner prefill replica; every input call here is forwarded there by session id. The
-answer streams from decode straight through this router (router/answers.py): `/events` carries exactly the
+answer streams from decode straight through this router (router/sessions/answers.py): `/events` carries exactly the
 frames the same request sent whole would get (`stream_options.include_usage` as given at creation), then,
 after `[DONE]` where OpenAI parsers stop reading, one `event: session.done` with the answer's summary.
 """
@@ -29,10 +29,13 @@ from pydantic import ValidationError
 
 from core.protocol import error_body, error_response, error_status, sse, streaming_response
 from core.tasks import detached
-from router import owner, tool_calls
-from router.admission import Refusal, admit_session, bind_session, release_session
-from router.answers import AnswerReader
-from router.owner import (
+from router.admission.gate import Refusal, admit_session, bind_session, release_session
+from router.openai import tool_calls
+from router.openai.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
+from router.sessions import audio as session_audio
+from router.sessions import owner
+from router.sessions.answers import AnswerReader
+from router.sessions.owner import (
     current_tenant,
     session_cancel,
     session_chunk,
@@ -42,9 +45,7 @@ from router.owner import (
     session_result,
     session_status,
 )
-from router.provisional import Provisional
-from router.schemas import ChunkBody, CreateSessionBody, openapi_body, validation_error
-from router.voice import session_audio
+from router.sessions.provisional import Provisional
 
 QUIET_S = 10.0  # a REST session with no call through this router this long is looked up at its owner
 ANSWER_DONE = frozenset({"completed", "cancelled", "failed"})  # (prefill/answer.py DONE)
@@ -112,12 +113,12 @@ async def add_chunk(session_id: str, request: Request) -> Response:
         chunk = ChunkBody.model_validate(body)
     except ValidationError as e:
         return error_response(validation_error(e))
-    if chunk.modality == "audio":  # transcribed by the speech role into the turn (router/voice/session_audio.py)
+    if chunk.modality == "audio":  # transcribed by the speech role into the turn (router/sessions/audio.py)
         return _reply(await session_audio.audio_chunk(ingress, session_id, chunk), 202)
     if chunk.end_of_input:  # a text end: an audio turn in progress ends with its transcript so far
         detached(session_audio.close(ingress, session_id, forget=False))
     # An empty end chunk may release a preemptive answer a reader here holds, before the owner has the chunk
-    # (router/provisional.py); the owner refusing the chunk revokes it.
+    # (router/sessions/provisional.py); the owner refusing the chunk revokes it.
     held = ingress.feeds.held.get(session_id) if chunk.end_of_input and not chunk.payload else None
     if held is not None and not (chunk.mode == "append" and chunk.role == "user" and held.release(chunk.sequence_id)):
         held = None

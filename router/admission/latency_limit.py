@@ -1,4 +1,4 @@
-"""The router's adaptive limit on admitted work in flight (router/admission.py uses it), driven by the latency from
+"""The router's adaptive limit on admitted work in flight (router/admission/gate.py uses it), driven by the latency from
 end of input to first token: AIMD on a latency percentile, as Netflix's concurrency-limits and Envoy's adaptive
 concurrency do. The target is `target_first_token_s` or `latency_tolerance` times the latency seen with no queue
 (the best recent windows' P10), whichever is larger: the same defaults fit a GPU (tens of ms) and a 2-core CPU."""
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from core.config import AdmissionConfig
 
-logger = logging.getLogger("router.admission")  # (its lines go where admission's go: the router's Serve log)
+logger = logging.getLogger("router.admission.gate")  # (its lines go where admission's go: the router's Serve log)
 LOG_EVERY_S = 10.0  # the limit's state in the router's log at most this often (and at every decrease)
 
 

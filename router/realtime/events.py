@@ -15,8 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from router.schemas import is_unicode
-from router.voice.settings import AudioSettings, Transcription, TurnDetection
+from router.openai.schemas import is_unicode
+from router.realtime.audio_settings import AudioSettings, Transcription, TurnDetection
 
 
 class InvalidEvent(Exception):
@@ -75,7 +75,7 @@ class Sampling(_Model):
     # This server's extension (sessions only): start the answer while the user may still be typing
     # (prefill/preemptive.py), checked in full by the session's owner; `null` on `session.update`: off.
     preemptive: dict[str, Any] | None = None
-    # Audio input (sessions only; router/voice/settings.py): GA `type` and `audio.input`, beta flat fields.
+    # Audio input (sessions only; router/realtime/audio_settings.py): GA `type` and `audio.input`, beta flat fields.
     # `turn_detection: null` turns the VAD off: whether a field was given at all is `model_fields_set`.
     type: Literal["realtime", "transcription"] | None = None
     audio: AudioSettings | None = None

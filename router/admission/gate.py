@@ -1,4 +1,4 @@
-"""Overload admission: past the pools' capacity, new work waits in the router's queue (router/admission_queue.py)
+"""Overload admission: past the pools' capacity, new work waits in the router's queue (router/admission/queue.py)
 while it can be served in time, and is refused beyond, so that admitted work keeps its latency.
 
 The input is what every replica last pushed in its routing stats (once a second; core/placement.py `pool_stats`):
@@ -18,7 +18,7 @@ missing) admits: the replicas keep their own hard limits (prefill answers 429 pa
 
 Capacity in slots is not capacity in latency: a replica with room for 96 sessions may serve them slowly. So each
 router replica also keeps an **adaptive limit** on the sessions it admitted that are still open (`LatencyLimit`,
-router/latency_limit.py), as Netflix's concurrency-limits (AIMD on a latency percentile) and Envoy's adaptive
+router/admission/latency_limit.py), as Netflix's concurrency-limits (AIMD on a latency percentile) and Envoy's adaptive
 concurrency do: it observes the time from end of input to first token of every session answer it streams, and per
 window of samples shrinks the limit multiplicatively while their P90 is over the target (or the prefill engines'
 waiting queues are long: the early signal) and grows it additively while under, never under `min_sessions`.
@@ -42,8 +42,8 @@ from core import metrics
 from core.config import AdmissionConfig
 from core.placement import pool_stats
 from core.protocol import error_body, error_status
-from router.admission_queue import POLL_S, WaitQueue, retry_after
-from router.latency_limit import LatencyLimit
+from router.admission.latency_limit import LatencyLimit
+from router.admission.queue import POLL_S, WaitQueue, retry_after
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def bind_session(
 ) -> None:
     """Keep a REST session's ticket until the session ends (its calls come one HTTP request at a time): deleted or
     answered here, found gone by a call, found ended by its owner when quiet here (deleted or answered through
-    another router replica: router/sessions.py `reconcile_sessions`), or idle past `idle_timeout_s`."""
+    another router replica: router/sessions/rest.py `reconcile_sessions`), or idle past `idle_timeout_s`."""
     if (admission := getattr(ingress, "admission", None)) is not None and hasattr(admission, "bind_session"):
         admission.bind_session(session_id, ticket, idle_timeout_s, tenant)
 
@@ -195,7 +195,7 @@ class Admission:
         self._refused = self._released = 0
         self._counted_at = clock()
         self._sessions: dict[str, HeldSession] = {}  # REST sessions' tickets by id
-        self.queue = WaitQueue(clock)  # new work waiting to be admitted (router/admission_queue.py)
+        self.queue = WaitQueue(clock)  # new work waiting to be admitted (router/admission/queue.py)
         self._poller: asyncio.Task | None = None
         self._replica = _replica_id()
         self._tag = {"replica": self._replica}

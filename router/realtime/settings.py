@@ -1,15 +1,15 @@
-"""A realtime connection's session settings (Mixin of `RealtimeConnection`, router/realtime.py): `session.update`
+"""A realtime connection's session settings (Mixin of `RealtimeConnection`, router/realtime/socket.py): `session.update`
 and what it sets, in OpenAI's names (instructions, sampling, tools, output modalities, preemptive answers, and
-the audio settings of router/voice/settings.py), checked whole before the owner takes them; the session object
+the audio settings of router/realtime/audio_settings.py), checked whole before the owner takes them; the session object
 the client is shown; and their translation into vLLM's sampling parameters."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from router import tool_calls
-from router.owner import session_update
-from router.realtime_events import InvalidEvent, Sampling, SessionUpdate
+from router.openai import tool_calls
+from router.realtime.events import InvalidEvent, Sampling, SessionUpdate
+from router.sessions.owner import session_update
 
 
 class SessionSettings:

@@ -2,11 +2,11 @@
 
 Each conversation item (and each `input_text_buffer.append`) is forwarded to the session's prefill replica
 as it arrives, so the conversation is prefilled while the user is still typing or speaking; `response.create`
-hands the KV to decode and streams the answer back as Realtime events (router/realtime_response.py). GA event
+hands the KV to decode and streams the answer back as Realtime events (router/realtime/response.py). GA event
 names by default; a client that sends `OpenAI-Beta: realtime=v1` gets the beta names (`response.text.delta`,
 `modalities`).
 
-Every client event is validated first (router/realtime_events.py) and applied whole or not at all. Errors are
+Every client event is validated first (router/realtime/events.py) and applied whole or not at all. Errors are
 `error` events (with the client's `event_id`) and leave the connection open, whatever the client sends:
 malformed JSON, wrong types, binary frames, frames over `limits.max_frame_bytes`. Close codes:
 
@@ -17,7 +17,7 @@ malformed JSON, wrong types, binary frames, frames over `limits.max_frame_bytes`
 - 1012 (service restart): this router replica is stopping (redeploy, scale-down; router/restart.py). A response
   streaming finishes first (a few seconds at most); the `error` event before the close (code
   `server_restarting`) names the session, which is kept: reconnect with `?session_id=<id>` to go on;
-- 1013 (try again later): the server is overloaded (router/admission.py) or every prefill replica is at its
+- 1013 (try again later): the server is overloaded (router/admission/gate.py) or every prefill replica is at its
   session capacity; the `error` event (code `server_overloaded`) carries `retry_after` in seconds;
 - 4404 (reason "session not found"): `?session_id=` names no open session of this API key;
 - 4408 (reason "session expired"): the session is over. Its prefill replica closed or forgot it (idle for
@@ -46,11 +46,11 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from core import metrics
 from core.protocol import error_status
 from core.tasks import detached
-from router import tool_calls
-from router.admission import OVERLOADED, Refusal, Ticket, admit_session
-from router.owner import create_session, current_tenant, session_attach, session_delete, session_info
-from router.realtime_conversation import Conversation
-from router.realtime_events import (
+from router.admission.gate import OVERLOADED, Refusal, Ticket, admit_session
+from router.openai import tool_calls
+from router.realtime.audio import AudioInput
+from router.realtime.conversation import Conversation
+from router.realtime.events import (
     ClientEvent,
     InvalidEvent,
     decode,
@@ -59,12 +59,12 @@ from router.realtime_events import (
     new_id,
     parse,
 )
-from router.realtime_response import EarlyRead, InputSeen, ResponseStream
-from router.realtime_settings import SessionSettings
-from router.voice.realtime_audio import AudioInput
+from router.realtime.response import EarlyRead, InputSeen, ResponseStream
+from router.realtime.settings import SessionSettings
+from router.sessions.owner import create_session, current_tenant, session_attach, session_delete, session_info
 
 logger = logging.getLogger(__name__)
-P = ParamSpec("P")  # (a session call's arguments, as router/owner.py types them)
+P = ParamSpec("P")  # (a session call's arguments, as router/sessions/owner.py types them)
 
 api = APIRouter()
 
@@ -90,8 +90,8 @@ def session_gone(error: dict[str, Any]) -> bool:
 
 class RealtimeConnection(SessionSettings, Conversation):
     """One `/v1/realtime` socket and its session: lifecycle and dispatch here; settings in
-    router/realtime_settings.py, the conversation and responses in router/realtime_conversation.py, audio in
-    router/voice/realtime_audio.py."""
+    router/realtime/settings.py, the conversation and responses in router/realtime/conversation.py, audio in
+    router/realtime/audio.py."""
 
     def __init__(self, ws: WebSocket, ingress: Any, model: str, beta: bool, close_after_answer: bool = False) -> None:
         self.ws = ws
@@ -116,7 +116,7 @@ class RealtimeConnection(SessionSettings, Conversation):
         self.items: set[str] = set()  # the conversation's item ids (conversation.item.truncate names one)
         self.answer_item: str | None = None  # the last response's message item (a truncate may cut its text)
         self.last_item_id: str | None = None
-        self.response: ResponseStream | None = None  # the latest response (router/realtime_response.py)
+        self.response: ResponseStream | None = None  # the latest response (router/realtime/response.py)
         self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
         self.input_seen = InputSeen()  # the input the owner last named (`response.create` may release `early`)
         self.closing = False
@@ -154,8 +154,8 @@ class RealtimeConnection(SessionSettings, Conversation):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> dict[str, Any] | None:
-        """One of router/owner.py's session calls, on this connection's session (`call(session_buffer, op=...)`),
-        its reply `checked`."""
+        """One of router/sessions/owner.py's session calls, on this connection's session
+        (`call(session_buffer, op=...)`), its reply `checked`."""
         return await self.checked(method(self.ingress, self.session_id, *args, **kwargs))
 
     async def checked(
@@ -402,7 +402,7 @@ async def realtime(ws: WebSocket) -> None:
         await connection.refuse("the server is restarting: reconnect", "server_restarting", SERVICE_RESTART)
         return
     if resume is None:
-        # A new session may wait to be admitted (router/admission.py), longer than a client's connect timeout
+        # A new session may wait to be admitted (router/admission/gate.py), longer than a client's connect timeout
         # (often 10 s) if the handshake waited too: the handshake completes now, `session.created` once admitted.
         await connection.accept()
     ticket = await admit_session(ingress) if resume is None else Ticket()  # (a re-attach is no new session)

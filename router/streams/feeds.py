@@ -6,7 +6,7 @@ and read by one task for as long as the router lives; the frames of all its requ
 per engine step instead of one item per request per token.
 
 A stream outlives its replica: when the replica dies (its feed fails, or the stream ends with a server error)
-the answer goes on on another replica from the tokens already forwarded (router/resume.py), under the same
+the answer goes on on another replica from the tokens already forwarded (router/streams/resume.py), under the same
 stream id, and the consumer reads on. A `start` that fails because its replica died is sent to another one.
 """
 
@@ -26,7 +26,7 @@ from core import metrics
 from core.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
 from core.tasks import detached
 from decode.client import DecodeClient, TokenIds
-from router import resume
+from router.streams import resume
 
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times
@@ -35,7 +35,7 @@ MAX_BACKLOG_BYTES = 4 * 2**20  # frames waiting for a client whose transport sta
 
 
 class Sink(Protocol):
-    """Where the feed reader writes a stream's frames itself (router/forward.py)."""
+    """Where the feed reader writes a stream's frames itself (router/streams/forward.py)."""
 
     writing: Any  # the response's own task while it writes (then frames queue behind it), or None
 
@@ -73,8 +73,8 @@ class DecodeStream:
         self.rewrite: resume.Rewriter | None = None  # a continuation's frames into this stream's shape
         self.cancelled = False
         self.prefer: str | None = None  # where a continuation goes if it can (the replica whose cache has it)
-        self.tap: Callable[[str], None] | None = None  # sees its frames as they arrive (router/provisional.py)
-        self.sink: Sink | None = None  # its client's writer, once streaming (router/forward.py)
+        self.tap: Callable[[str], None] | None = None  # sees its frames as they arrive (router/sessions/provisional.py)
+        self.sink: Sink | None = None  # its client's writer, once streaming (router/streams/forward.py)
         self.backlog = 0  # bytes queued while its sink was busy (a paused client)
 
     def __aiter__(self) -> DecodeStream:
@@ -158,7 +158,8 @@ class Feeds:
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
-        self.held: dict[str, Any] = {}  # session id -> the reader holding its preemptive answer (router/provisional.py)
+        # Session id -> the reader holding its preemptive answer (router/sessions/provisional.py).
+        self.held: dict[str, Any] = {}
 
     async def open(self, endpoint: Endpoint, body: dict[str, Any]) -> DecodeStream | dict[str, Any]:
         """A stream (for `stream: true`), or the answer itself: `{"response": ...}` or `{"error": ...}`."""
@@ -184,7 +185,8 @@ class Feeds:
         """Take over a preemptive answer's decode stream (prefill/preemptive.py): `adopt` names its replica, the
         consumer it was parked under and its stream id; `body` is the answer's request (what a resume goes on
         from). The stream, or `{"error": ...}` (404: it is gone; the caller asks for an ordinary hand-off).
-        `tentative`: its turn is not confirmed yet (router/provisional.py); `tap` sees its frames as they come."""
+        `tentative`: its turn is not confirmed yet (router/sessions/provisional.py); `tap` sees its frames as they
+        come."""
         if adopt["stream_id"] in self.streams:  # another reader here holds it: this one takes an ordinary hand-off
             return error_body(409, f"the preemptive answer {adopt['stream_id']} is another reader's")
         stream = DecodeStream(self, adopt["stream_id"], endpoint, {**body, "return_token_ids": True})
@@ -222,8 +224,8 @@ class Feeds:
             del self.streams[stream.stream_id]
 
     def confirm(self, stream: DecodeStream) -> None:
-        """A held preemptive answer is the answer (router/provisional.py): decode lifts its cap and ranks it as an
-        ordinary answer (detached: its frames are here already)."""
+        """A held preemptive answer is the answer (router/sessions/provisional.py): decode lifts its cap and ranks
+        it as an ordinary answer (detached: its frames are here already)."""
         detached(self._confirm(stream.stream_id, stream.replica))
 
     async def _confirm(self, stream_id: str, replica: str | None) -> None:

@@ -1,6 +1,6 @@
 """One `/v1/realtime` response: the answer of a turn, read from decode and sent as `response.*` events.
 
-`response.create` (router/realtime.py) starts a `ResponseStream` once the owner prefill replica has handed the
+`response.create` (router/realtime/socket.py) starts a `ResponseStream` once the owner prefill replica has handed the
 turn to decode; it sends `response.created`, the output item and content part, one text delta per read (a slow
 reader gets fewer, larger deltas), then the `done` events and `response.done` with the status and usage.
 `response.cancel` stops the reading: the response still ends with `response.done`, status `cancelled`.
@@ -13,16 +13,16 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from router.answers import AnswerReader
-from router.provisional import Provisional
-from router.realtime_events import new_id
-from router.tool_calls import function_call_item
+from router.openai.tool_calls import function_call_item
+from router.realtime.events import new_id
+from router.sessions.answers import AnswerReader
+from router.sessions.provisional import Provisional
 
 logger = logging.getLogger(__name__)
 
 
 class Connection(Protocol):
-    """What a response needs of its connection (router/realtime.py)."""
+    """What a response needs of its connection (router/realtime/socket.py)."""
 
     ingress: Any
     session_id: str | None
@@ -60,7 +60,7 @@ class InputSeen:
 
 class EarlyRead:
     """The next turn's answer, read before `response.create` when the session answers preemptively: its reader
-    waits for the turn from now on and holds the preemptive answer's frames (router/provisional.py), so that
+    waits for the turn from now on and holds the preemptive answer's frames (router/sessions/provisional.py), so that
     the response's first delta needs no call to decode; with `preemptive.stream`, the text of each preemptive
     answer goes out as `rtpd.response.provisional.delta` events, then `rtpd.response.provisional.done` (status
     `confirmed` or `discarded`)."""
@@ -90,7 +90,7 @@ class EarlyRead:
     def release(self, tag: str | None) -> bool:
         """`response.create` with nothing of its own: whether the held preemptive answer was made from the input
         `tag` names (the owner's reply to the connection's last call), so that it is the answer from now on and
-        its first delta needs no call to the owner (router/provisional.py `release_input`)."""
+        its first delta needs no call to the owner (router/sessions/provisional.py `release_input`)."""
         return self.usable() and self.reader.held is not None and self.reader.held.release_input(tag)
 
     def revoke(self, error: dict[str, Any]) -> None:

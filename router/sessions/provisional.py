@@ -18,7 +18,7 @@ named the input the held answer was made from; `session_respond` refused revokes
 
 Provisional text (the session's `preemptive.stream`): while held, the stream's text goes to `sink` as it arrives,
 marked with its attempt, then whether it was confirmed or discarded; the surface turns these into events of its
-own (router/sessions.py: named SSE events; router/realtime.py: `rtpd.response.provisional.*`). Only text is
+own (router/sessions/rest.py: named SSE events; router/realtime/socket.py: `rtpd.response.provisional.*`). Only text is
 provisional: a tool call reaches the client only in the confirmed answer.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from core.protocol import choice_text, parse_sse
-from router.feeds import DecodeStream, Feeds
+from router.streams.feeds import DecodeStream, Feeds
 
 # (kind, fields): ("delta", {"attempt", "delta"}) while held, then ("done", {"attempt", "status"}), status
 # "confirmed" (it is the answer: the answer's frames follow) or "discarded".

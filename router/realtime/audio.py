@@ -3,7 +3,7 @@
 Audio is resampled to 16 kHz as it arrives (router/voice/audio.py) and, with `turn_detection`, goes through the
 connection's VAD (router/voice/vad.py). From speech start the turn's audio is an `Utterance`
 (speech/utterance.py), transcribed again as it grows; its transcripts revise the session's input text
-(router/voice/spoken_turn.py), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio
+(router/realtime/spoken_turn.py), so the LLM has prefilled the turn when it ends. At a pause in the speech the audio
 is transcribed at once; a session with preemptive answers starts its answer then, and when the VAD's silence
 window confirms the end of the turn (`speech_stopped`, `committed`), the answer is already made.
 
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core import metrics
-from router.owner import session_truncate, session_update
-from router.realtime_events import (
+from router.realtime.audio_settings import OPENAI_TRANSCRIBE_MODELS, TurnDetection, VoiceSettings
+from router.realtime.events import (
     AudioAppend,
     AudioClear,
     AudioCommit,
@@ -37,20 +37,20 @@ from router.realtime_events import (
     Sampling,
     new_id,
 )
+from router.realtime.spoken_turn import SpokenTurn
+from router.sessions.owner import session_truncate, session_update
 from router.voice.audio import MODEL_RATE, AudioError, AudioFormat, Resampler, b64decode, parse_format
-from router.voice.settings import OPENAI_TRANSCRIBE_MODELS, TurnDetection, VoiceSettings
-from router.voice.spoken_turn import SpokenTurn
 from router.voice.vad import PAUSE_MS, SpeechDetector, VadEvent
 from speech.client import Utterance
 
 if TYPE_CHECKING:
-    from router.voice.connection import VoiceConnection
+    from router.realtime.connection import VoiceConnection
 
 logger = logging.getLogger(__name__)
 
 
 class AudioInput(SpokenTurn):
-    """The audio side of one realtime connection (router/voice/connection.py: what it needs of it)."""
+    """The audio side of one realtime connection (router/realtime/connection.py: what it needs of it)."""
 
     def __init__(self, connection: VoiceConnection) -> None:
         self.conn = connection

@@ -1,4 +1,4 @@
-"""A streamed answer's SSE bytes, written to its client by the feed reader itself (router/feeds.py).
+"""A streamed answer's SSE bytes, written to its client by the feed reader itself (router/streams/feeds.py).
 
 The feed reader takes one item per decode step with every stream's frames. Relaying each frame through a queue,
 a task wake of the request's own task, a relay generator and Starlette's StreamingResponse (which also starts a
@@ -7,12 +7,12 @@ the reader hands a stream's frames to its `Sink`, which starts the ASGI `send` a
 suspending unless the client's transport is paused (uvicorn's flow control). Only then is the rest of that send
 finished in a task, and the stream's later frames wait in the sink's backlog, to leave joined in one write once
 the client reads again. The request's own task (the `ForwardResponse`) writes what the reader does not: frames
-that came while it writes, a resumed stream's frames (router/resume.py), its end, and a mid-stream failure's
+that came while it writes, a resumed stream's frames (router/streams/resume.py), its end, and a mid-stream failure's
 error frame.
 
 A client that stops reading is not buffered without bound: past `MAX_BACKLOG_BYTES` queued for it
-(router/feeds.py), its stream is stopped on decode and its response ends, while every other stream goes on. (This
-needs the client's flow control to reach the router: behind HAProxy, the default, it does; behind Serve's own
+(router/streams/feeds.py), its stream is stopped on decode and its response ends, while every other stream goes on.
+(This needs the client's flow control to reach the router: behind HAProxy, the default, it does; behind Serve's own
 proxy `send` never waits, and Serve buffers as before.) A write that fails ends that stream alone, with the error.
 A client that leaves is seen by Serve, which cancels the request's task (the `finally` stops the stream).
 """
@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from core import metrics
 from core.protocol import SSE_DONE, sse
-from router.feeds import DecodeFailed, DecodeStream
+from router.streams.feeds import DecodeFailed, DecodeStream
 
 logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]

@@ -5,7 +5,7 @@ router that claims the answer (prefill/handoff.py). That router calls decode its
 take the same path as a chat completion's (decode → router → client), each SSE frame parsed once here (for
 the conversation's text and usage, and for Realtime events), then reports the outcome to the owner. A second
 reader of an answer already claimed waits for its end and gets it whole, in the same OpenAI frames
-(router/outcome.py).
+(router/sessions/outcome.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 from core import metrics
 from core.protocol import SSE_DONE, error_body, error_status, sse
 from core.tasks import detached
-from router import owner, tool_calls
-from router.feeds import DecodeFailed, DecodeStream
-from router.outcome import Outcome, completion_object, replay_frames
-from router.provisional import Held, Provisional
+from router.openai import tool_calls
+from router.sessions import owner
+from router.sessions.outcome import Outcome, completion_object, replay_frames
+from router.sessions.provisional import Held, Provisional
+from router.streams.feeds import DecodeFailed, DecodeStream
 
 logger = logging.getLogger(__name__)
 _END = object()
@@ -44,15 +45,16 @@ class AnswerReader:
         provisional: asyncio.Queue[Provisional] | None = None,
     ) -> None:
         self.ingress, self.session_id, self.turn = ingress, session_id, turn
-        self.provisional = provisional  # a preemptive answer's text before the turn ends (router/provisional.py)
-        self.surface = surface  # where its tool calls are counted (router/tool_calls.py)
+        # A preemptive answer's text before the turn ends (router/sessions/provisional.py).
+        self.provisional = provisional
+        self.surface = surface  # where its tool calls are counted (router/openai/tool_calls.py)
         self.claim: dict[str, Any] = {}
         self.outcome = Outcome()
         self.summary: dict[str, Any] | None = None  # a replay: the answer as the owner knows it
         self._stream: DecodeStream | None = None
         self._first: Any = None
         self._reported: asyncio.Task[Any] | None = None
-        self._confirmed: asyncio.Task[bool] | None = None  # a released answer's claim (router/provisional.py)
+        self._confirmed: asyncio.Task[bool] | None = None  # a released answer's claim (router/sessions/provisional.py)
         self._withdrawn: dict[str, Any] | None = None  # why a released answer is not the owner's (then an error)
         self._streamed = False  # whether any of the answer reached the client
         self._created_at = time.monotonic()  # (Realtime: at response.create, its end of input)
@@ -221,8 +223,8 @@ class AnswerReader:
     async def _confirm_early(
         self, call: asyncio.Future[Any], held: Held, stream: DecodeStream, deadline: float
     ) -> bool:
-        """A released answer (router/provisional.py) streams while its claim goes on: the owner's reply must name
-        its stream. Anything else (the owner refused the end chunk, or ended the turn otherwise) stops it."""
+        """A released answer (router/sessions/provisional.py) streams while its claim goes on: the owner's reply
+        must name its stream. Anything else (the owner refused the end chunk, or ended the turn otherwise) stops it."""
         stream_id = held.live["stream_id"]
         error: dict[str, Any] | None = None
         while error is None:
@@ -276,7 +278,7 @@ class AnswerReader:
                     forward, end = forward[:at], forward[at:]
                 self._streamed = self._streamed or bool(deltas) or bool(self.outcome.tool_calls)
                 if (replica := getattr(self._stream, "replica", None)) != self._registered:
-                    self._registered = replica  # resumed on another decode replica (router/resume.py)
+                    self._registered = replica  # resumed on another decode replica (router/streams/resume.py)
                     detached(self._register(self._stream))
                 if forward or deltas:
                     yield forward, deltas
@@ -368,7 +370,7 @@ class AnswerReader:
         if status == "completed":
             tool_calls.count(self.surface, len(self.outcome.tool_calls))
         if status != "released" and (charge := getattr(self.ingress, "charge", None)) is not None:
-            charge(self.outcome.usage)  # the caller's key pays for the answer (router/quota.py)
+            charge(self.outcome.usage)  # the caller's key pays for the answer (router/keys/quota.py)
         self._reported = detached(self._deliver_claimed(self.outcome.as_dict()))
         return self._reported
 

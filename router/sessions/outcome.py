@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from core.protocol import SSE_DONE, choice_text, sse
-from router import tool_calls
+from router.openai import tool_calls
 
 
 @dataclass

@@ -20,8 +20,8 @@ from typing import Any
 from core import metrics
 from core.placement import pool_replicas
 from core.protocol import error_body, error_status
-from router import owner
-from router.schemas import ChunkBody
+from router.openai.schemas import ChunkBody
+from router.sessions import owner
 from router.voice.audio import AudioError, b64decode
 from speech.client import SpeechClient
 

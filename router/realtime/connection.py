@@ -1,5 +1,5 @@
-"""What a realtime connection's audio input (router/voice/realtime_audio.py, router/voice/spoken_turn.py) needs of
-its connection (router/realtime.py `RealtimeConnection`): this Protocol, not the connection's class, so that the
+"""What a realtime connection's audio input (router/realtime/audio.py, router/realtime/spoken_turn.py) needs of
+its connection (router/realtime/socket.py `RealtimeConnection`): this Protocol, not the connection's class, so that the
 voice folder does not import the socket it serves."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, Protocol
 
-from router.realtime_events import ResponseCreate
-from router.realtime_response import ResponseStream
+from router.realtime.events import ResponseCreate
+from router.realtime.response import ResponseStream
 
 P = ParamSpec("P")
 
@@ -39,7 +39,7 @@ class VoiceConnection(Protocol):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> dict[str, Any] | None:
-        """A call on the session's owner, one of router/owner.py's (None: refused, and the client told)."""
+        """A call on the session's owner, one of router/sessions/owner.py's (None: refused, and the client told)."""
         ...
 
     async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None: ...

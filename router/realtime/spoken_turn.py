@@ -1,4 +1,4 @@
-"""A spoken turn's transcript in the session's input (Mixin of `AudioInput`, router/voice/realtime_audio.py).
+"""A spoken turn's transcript in the session's input (Mixin of `AudioInput`, router/realtime/audio.py).
 
 Each new transcript of the turn so far (speech/utterance.py) is sent as deltas where two successive transcripts
 agree, and revises the session's input text through the update mode (`session_buffer` append, or replace from the
@@ -14,11 +14,11 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from router.owner import session_buffer, session_preempt
+from router.sessions.owner import session_buffer, session_preempt
 from speech.client import MODEL_RATE, TranscriptionFailed, Utterance
 
 if TYPE_CHECKING:
-    from router.voice.connection import VoiceConnection
+    from router.realtime.connection import VoiceConnection
 
 SETTLED_WORDS = 2  # words at a partial transcript's end kept out of the LLM's input until the pause
 

@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 
 from core import metrics
 from core.protocol import error_body, error_response, error_status
-from router.voice.settings import OPENAI_TRANSCRIBE_MODELS
+from router.realtime.audio_settings import OPENAI_TRANSCRIBE_MODELS
 
 api = APIRouter()
 TEXT_FORMATS = {"text", "srt", "vtt"}

@@ -21,13 +21,13 @@ from pydantic import ValidationError
 
 from core.protocol import error_body, error_response, streaming_response
 from core.tasks import detached
-from router import tool_calls
-from router.admission import Refusal, admit_session
-from router.answers import AnswerReader
-from router.owner import create_session, session_chunk, session_delete, session_finish
-from router.schemas import ChunkBody, CreateSessionBody, is_unicode, validation_error
-from router.sessions import session_spec
-from router.voice import session_audio
+from router.admission.gate import Refusal, admit_session
+from router.openai import tool_calls
+from router.openai.schemas import ChunkBody, CreateSessionBody, is_unicode, validation_error
+from router.sessions import audio as session_audio
+from router.sessions.answers import AnswerReader
+from router.sessions.owner import create_session, session_chunk, session_delete, session_finish
+from router.sessions.rest import session_spec
 
 NDJSON_IDLE_S = 30.0  # a request body silent for this long is over (408), and its session with it
 
