@@ -19,7 +19,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from core.protocol import Endpoint
+    from prefill.streaming import StreamingPrefill
 
 Status = Literal["preparing", "ready", "streaming", "completed", "cancelled", "failed"]
 DONE: frozenset[str] = frozenset({"completed", "cancelled", "failed"})
@@ -94,3 +98,16 @@ class Answer:
         answer.error, answer.response = summary.get("error"), summary.get("response") or {}
         answer.tool_calls = summary.get("tool_calls") or None
         return answer
+
+
+class Prefill(Protocol):
+    """The replica's prefill of a whole prompt (prefill/server.py `PrefillServer.prefill`), which makes an answer's
+    hand-off: `{"kv_transfer_params", "prompt_tokens"}` or `{"error": ...}`."""
+
+    async def __call__(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        session: StreamingPrefill | None = None,
+        preemptive: bool = False,
+    ) -> dict[str, Any]: ...

@@ -1,13 +1,12 @@
 """The prefill role's client: what routers (and prefill's peers) call on prefill replicas, with typed arguments.
 
-The methods are prefill/server.py's (`prefill`, `check_health`), prefill/session_api.py's and prefill/handoff.py's
-(a streaming-input session's calls), and prefill/failover.py's `adopt_sessions`. Calls go by value over gRPC
-(`_by_reference=False`, serve_app/serve_env.py); each method's Serve handle is made once (a handle's attribute
-builds a new handle on every access). A session call goes to the session's owner (router/placement.py): the one
-its id names, or `route_to`, the replica a router learnt holds it now (router/owner.py). Every session call
-carries `tenant`, the caller's key id; one that changes the session carries a `call_id`, so that a retry after its
-owner died is not applied twice (router/owner.py reuses it across retries).
-"""
+The methods are prefill/server.py's `PrefillServer`'s: `prefill`, `check_health`, a streaming-input session's calls
+(done by prefill/session_api.py and prefill/handoff.py) and `adopt_sessions` (prefill/failover.py). Calls go by
+value over gRPC (`_by_reference=False`, serve_app/serve_env.py); each method's Serve handle is made once (a handle's
+attribute builds a new handle on every access). A session call goes to the session's owner (router/placement.py):
+the one its id names, or `route_to`, the replica a router learnt holds it now (router/sessions/owner.py). Every
+session call carries `tenant`, the caller's key id; one that changes the session carries a `call_id`, so that a
+retry after its owner died is not applied twice (router/sessions/owner.py reuses it across retries)."""
 
 from __future__ import annotations
 

@@ -22,17 +22,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray import serve
 
 from core import metrics
+from core.config import AppConfig
 from core.placement import owner_of
+from prefill.answer import Answer
 from prefill.client import PrefillClient
 from prefill.conversation import SessionError
 from prefill.journal import Journal, replay
 from prefill.session import Session, SessionState
+from prefill.session_table import SessionTable
+from prefill.store import SessionStore
 
 logger = logging.getLogger(__name__)
 ARRIVAL_WAIT_S = 5.0  # how long a call waits for a session being handed over to this replica
@@ -41,34 +45,55 @@ DRAIN_BATCH = 32  # sessions per adoption call
 
 
 class SessionMoved(SessionError):
-    """The session is held by another (live) replica: the router retries there (router/owner.py)."""
+    """The session is held by another (live) replica: the router retries there (router/sessions/owner.py)."""
 
     def __init__(self, session_id: str, owner: str) -> None:
         super().__init__(503, f"session {session_id} is held by another replica; retry there", "session_id")
         self.owner = owner
 
 
-class Failover:
-    """Mixin of `PrefillServer` (prefill/server.py)."""
+class AnswerHandOff(Protocol):
+    """What an adopted session needs of the hand-offs (prefill/handoff.py `HandOffs`): its answer made again."""
 
-    sessions: dict[str, Session]
-    replica: str
-    app_name: str
-    deployment: str
-    config: Any
-    store: Any = None  # prefill/store.py (None: sessions are not journaled, as in unit tests)
-    _streaming: Any
-    _hand_off: Any
-    _prefill_stable: Any
-    _preempt_close: Any
+    async def hand_off(self, session: Session, answer: Answer) -> None: ...
+
+
+class PreemptiveClose(Protocol):
+    """What a draining replica needs of the preemptive answers (prefill/preemptive.py `Preemptive`)."""
+
+    def close(self, session: Session) -> None: ...
+
+
+class Failover:
+    """Sessions moving between replicas: located and adopted here, or handed over by this replica's drain."""
+
+    def __init__(
+        self,
+        table: SessionTable,
+        handoffs: AnswerHandOff,
+        preemptive: PreemptiveClose,
+        store: SessionStore | None,
+        replica: str,
+        app_name: str,
+        deployment: str,
+        config: AppConfig,
+    ) -> None:
+        self.table = table
+        self.sessions = table.sessions
+        self.handoffs = handoffs
+        self.preemptive = preemptive
+        self.store = store  # prefill/store.py (None: sessions are not journaled, as in unit tests)
+        self.replica, self.app_name, self.deployment = replica, app_name, deployment
+        self.config = config
+        self._locating: dict[str, asyncio.Lock] = {}  # one adoption per session at a time
 
     # --- a call for a session held elsewhere -------------------------------------------------------
-    async def _locate(self, session_id: str) -> None:
+    async def locate(self, session_id: str) -> None:
         """Make the session held here if its owner is gone (SessionMoved if it lives elsewhere; nothing if
         there is no such session: the call then answers 404)."""
         if self.store is None or owner_of(session_id) is None:
             return
-        locks: dict[str, asyncio.Lock] = self.__dict__.setdefault("_locating", {})
+        locks = self._locating
         lock = locks.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:  # one adoption per session, however many of its calls arrive at once
@@ -88,7 +113,7 @@ class Failover:
                     await asyncio.sleep(0.05)
                     continue
                 await self._adopt_journal(session_id)
-            elif await self._alive(owner):
+            elif await self.alive(owner):
                 logger.info("session %s is held by replica %s: the router goes there", session_id, owner)
                 raise SessionMoved(session_id, owner)
             else:
@@ -99,7 +124,7 @@ class Failover:
                 await self._adopt_journal(session_id)
             return
 
-    async def _alive(self, replica: str) -> bool:
+    async def alive(self, replica: str) -> bool:
         """Whether `replica` of this deployment still runs (a dead replica's actor name is released)."""
         name = f"SERVE_REPLICA::{self.app_name}#{self.deployment}#{replica}"
         try:
@@ -112,22 +137,22 @@ class Failover:
         records = await self.store.records(session_id)
         if not records:
             return
-        self._adopt(records)
+        self.adopt(records)
         await self.store.set_owner(session_id, self.replica)
         metrics.inc(metrics.SESSIONS_ADOPTED, 1, "sessions taken over from another replica", why="owner_died")
         logger.info("session %s adopted from its journal (%d records)", session_id, len(records))
 
-    def _adopt(self, records: list[dict[str, Any]]) -> Session:
+    def adopt(self, records: list[dict[str, Any]]) -> Session:
         """The session rebuilt from its journal, held here, its work resumed."""
         session_id = records[0]["id"]
-        session = replay(records, self._streaming(session_id))
+        session = replay(records, self.table.streaming(session_id))
         session.journal = Journal(self.store, session_id, next_n=len(records))
         self.sessions[session_id] = session
         answer = session.answers[-1] if session.answers else None
         if answer is not None and answer.status in ("preparing", "ready"):
             # Its hand-off was made on the old owner, whose KV is gone: make it again here.
             answer.status = "preparing"
-            answer.task = asyncio.create_task(self._hand_off(session, answer))
+            answer.task = asyncio.create_task(self.handoffs.hand_off(session, answer))
         elif answer is not None and answer.status == "streaming":  # its router reports the end here
             answer.claimed_at = answer.alive_at = time.monotonic()
         else:
@@ -137,16 +162,14 @@ class Failover:
     async def _prefill_again(self, session: Session) -> None:
         async with session.lock:  # calls on the session wait for its KV rather than race it
             try:
-                await self._prefill_stable(session)
+                await self.table.prefill_stable(session)
             except Exception:
                 logger.exception("session %s: prefilling its input again failed", session.id)
 
     # --- draining -----------------------------------------------------------------------------------
-    async def adopt_sessions(
-        self, *, owner: str, journals: list[list[dict[str, Any]]], session_id: str = "", route_to: str = ""
-    ) -> dict[str, Any]:
+    async def adopt_sessions(self, owner: str, journals: list[list[dict[str, Any]]]) -> dict[str, Any]:
         """Take over a draining replica's sessions (their journals). Returns at once: the re-prefill runs in
-        the background, and calls on a session wait for it. (`session_id`, `route_to`: for the request router.)"""
+        the background, and calls on a session wait for it."""
         adopted = []
         for records in journals:
             sid = records[0]["id"]
@@ -156,7 +179,7 @@ class Failover:
                 for n, record in enumerate(records):
                     await self.store.append(sid, n, record)
             await self.store.set_owner(sid, self.replica)
-            self._adopt(records)
+            self.adopt(records)
             adopted.append(sid)
         metrics.inc(metrics.SESSIONS_ADOPTED, len(adopted), "sessions taken over from another replica", why="drain")
         logger.info("adopted %d sessions from draining replica %s", len(adopted), owner)
@@ -174,7 +197,7 @@ class Failover:
             await asyncio.sleep(0.1)
         for session in self.sessions.values():  # its adopter makes its preemptive answers from now on
             if session.preempt is not None:
-                self._preempt_close(session)
+                self.preemptive.close(session)
         open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED and s.journal is not None]
         if not open_sessions or self.store is None:
             return

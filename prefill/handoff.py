@@ -18,13 +18,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from core import metrics
-from prefill.answer import DONE, Answer
+from core.config import AppConfig
+from core.scheduler_config import SchedulerSettings
+from prefill.answer import DONE, Answer, Prefill
 from prefill.conversation import SessionError
-from prefill.errors import overloaded, session_api
+from prefill.errors import overloaded
+from prefill.preempt_state import Preemption
 from prefill.session import Session, SessionState
+from prefill.session_table import SessionTable
 
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 5.0  # the longest a reader's call waits here for an answer to exist or end; it then asks again
@@ -32,39 +36,48 @@ MAX_WAITERS = 8  # readers waiting on one session at once (each holds one of the
 READER_LEASE_S = 30.0  # a streamed answer whose reader gave no sign of life for this long is given up on
 
 
-class HandOff:
-    """Mixin of `PrefillServer` (prefill/server.py): the answer half of a session's life."""
+class AnswerPreemption(Protocol):
+    """What an answer needs of the session's preemptive answers (prefill/preemptive.py `Preemptive`)."""
 
-    sessions: dict[str, Session]
-    prefill: Any
-    settings: Any
-    config: Any
-    _get: Any
-    _prefill_stable: Any
-    _check_max_tokens: Any
-    _preempt_take: Any
-    _preempt_release: Any
-    _preempt_provisional: Any
+    async def take(self, session: Session, final: dict[str, Any]) -> Preemption | None: ...
+
+    def release(self, adopt: dict[str, Any]) -> None: ...
+
+    def provisional(self, session: Session) -> dict[str, Any] | None: ...
+
+
+class HandOffs:
+    """The answer half of a session's life on its owner: the hand-off made, claimed, reported, waited for."""
+
+    def __init__(self, table: SessionTable, preemptive: AnswerPreemption, prefill: Prefill, config: AppConfig) -> None:
+        self.table = table
+        self.preemptive = preemptive
+        self.prefill = prefill  # the replica's prefill, which makes the hand-off
+        self.config = config
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self.config.prefill.scheduler
 
     # --- starting ----------------------------------------------------------------------------------
-    def _check_overrides(self, overrides: dict[str, Any]) -> None:
+    def check_overrides(self, overrides: dict[str, Any]) -> None:
         if (overrides.get("n") or 1) != 1:
             raise SessionError(400, "n must be 1", "n")
-        self._check_max_tokens(overrides)
+        self.table.check_max_tokens(overrides)
 
-    async def _start_answer(self, session: Session, overrides: dict[str, Any]) -> Answer:
-        self._check_overrides(overrides)
+    async def start_answer(self, session: Session, overrides: dict[str, Any]) -> Answer:
+        self.check_overrides(overrides)
         session.commit_buffer()
         answer = Answer(turn=len(session.answers), overrides=dict(overrides))
         session.answers.append(answer)
         session.state = SessionState.ANSWERING
         recorded = session.record("answer", overrides=answer.overrides)
-        answer.task = asyncio.create_task(self._hand_off(session, answer))
+        answer.task = asyncio.create_task(self.hand_off(session, answer))
         await _notify(session)
         await recorded
         return answer
 
-    async def _hand_off(self, session: Session, answer: Answer) -> None:
+    async def hand_off(self, session: Session, answer: Answer) -> None:
         """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
         answer.status, answer.preparing_at, answer.adopt = "preparing", time.monotonic(), None
         try:
@@ -72,7 +85,7 @@ class HandOff:
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
             answer.include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
             # A preemptive answer made from exactly this input is the answer (prefill/preemptive.py).
-            live = await self._preempt_take(session, request) if session.preempt is not None else None
+            live = await self.preemptive.take(session, request) if session.preempt is not None else None
             if live is not None:
                 session.streaming.stop_input()
                 answer.input_done_at = time.monotonic()
@@ -122,21 +135,20 @@ class HandOff:
         if (
             session.ephemeral or session.close_after_answer
         ):  # its one turn is over: its KV goes now, and is not prefilled again
-            await self._close(session, "its answer ended")
+            await self.table.close(session, "its answer ended")
             return
         # The session is open again before any await: a caller cancelled from here on (a cancel whose client
         # left) must not leave it answering.
         session.state = SessionState.OPEN
         session.touch()
         try:
-            await self._prefill_stable(session)
+            await self.table.prefill_stable(session)
         except Exception:
             logger.exception("session %s: re-prefill after the answer failed", session.id)
         await recorded
 
     # --- the router's side -------------------------------------------------------------------------
-    @session_api
-    async def session_claim(
+    async def claim(
         self,
         *,
         session_id: str,
@@ -152,17 +164,17 @@ class HandOff:
         `holding` (a streaming reader, waiting for the turn to end): the preemptive answer whose frames it holds
         ("" for none); while there is no answer the reply says which one there is now (`provisional`), and
         comes as soon as that changes."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
 
         def provisional_changed() -> bool:
-            live = self._preempt_provisional(session)
+            live = self.preemptive.provisional(session)
             return holding is not None and (live["stream_id"] if live else "") != holding
 
         answer = await self._wait_answer(session, turn, provisional_changed)
         if answer is None:  # no answer yet: the router asks again (its client's wait is its own)
             if holding is None:
                 return {"pending": True}
-            return {"pending": True, "provisional": self._preempt_provisional(session)}
+            return {"pending": True, "provisional": self.preemptive.provisional(session)}
         if reclaim and answer.status == "streaming" and answer.adopt is not None:
             # Its reader could not adopt the preemptive answer's stream (gone): it takes an ordinary hand-off.
             answer.status, answer.claimed_at, fresh = "ready", None, True
@@ -173,11 +185,11 @@ class HandOff:
             stale = time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
             if fresh or stale or (answer.adopt is not None and not adopts):
                 if answer.adopt is not None:  # a preemptive answer nobody adopts: its decode stream goes
-                    self._preempt_release(answer.adopt)
+                    self.preemptive.release(answer.adopt)
                 # NIXL may have freed it: hand the KV off again (as the answer's task, so that a cancel or a
                 # close reaches it; shielded, so that this claim's caller leaving does not stop it).
                 answer.status = "preparing"
-                answer.task = asyncio.create_task(self._hand_off(session, answer))
+                answer.task = asyncio.create_task(self.hand_off(session, answer))
                 await asyncio.shield(answer.task)
         reply: dict[str, Any] = {"turn": answer.turn, "endpoint": session.endpoint}
         reply["include_usage"] = answer.include_usage
@@ -196,11 +208,10 @@ class HandOff:
             reply["last_chunk_time"] = time.time() - (time.monotonic() - session.last_chunk_at)
         return {**reply, "request": answer.request}
 
-    @session_api
-    async def session_answer_done(self, *, session_id: str, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
+    async def answer_done(self, *, session_id: str, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
         """The claiming router's report of how the answer ended (idempotent; also cancels an unclaimed one).
         `released`: its reader left before any output, and the answer waits for the next one."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         if not 0 <= turn < len(session.answers):
             raise SessionError(404, f"session {session_id} has no answer {turn}", "turn")
         answer = session.answers[turn]
@@ -233,31 +244,28 @@ class HandOff:
         await _notify(session)
         return answer.summary()
 
-    @session_api
-    async def session_streaming(self, *, session_id: str, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
+    async def streaming_from(self, *, session_id: str, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
         """The reader of answer `turn` says where it streams it from, so that a cancel through any router can
         stop it there. `{"stop": decode}` when a cancel came first."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         answer = session.answers[turn] if 0 <= turn < len(session.answers) else None
         if answer is None or answer.status != "streaming":
             return {}
         answer.decode, answer.alive_at = decode, time.monotonic()
         return {"stop": decode} if answer.cancel_requested else {}
 
-    @session_api
-    async def session_alive(self, *, session_id: str, turn: int) -> dict[str, Any]:
+    async def reader_alive(self, *, session_id: str, turn: int) -> dict[str, Any]:
         """The reader of answer `turn` is still streaming it (sent every READER_ALIVE_S while it streams)."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         if 0 <= turn < len(session.answers) and session.answers[turn].status == "streaming":
             session.answers[turn].alive_at = time.monotonic()
         return {}
 
-    @session_api
-    async def session_cancel(self, *, session_id: str) -> dict[str, Any]:
+    async def cancel(self, *, session_id: str) -> dict[str, Any]:
         """Stop the answer in progress: one not yet streamed ends cancelled now; for one being streamed,
         `stop` says where (the router that got the cancel stops it on its decode replica; its reader then
         reports it cancelled, with the text it had)."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         answer = session.answers[-1] if session.answers else None
         if answer is None or answer.done:
             raise SessionError(409, f"session {session_id} has no answer in progress")
@@ -266,7 +274,7 @@ class HandOff:
             await asyncio.gather(answer.task, return_exceptions=True)
         if answer.status in ("ready", "preparing"):  # not claimed (or cancelled before its task ever ran)
             if answer.adopt is not None and answer.status == "ready":
-                self._preempt_release(answer.adopt)  # a preemptive answer's decode stream, parked: it goes
+                self.preemptive.release(answer.adopt)  # a preemptive answer's decode stream, parked: it goes
             answer.finish("cancelled")  # NIXL frees a hand-off nobody reads after the lease
             await self._answer_ended(session, answer)
             await _notify(session)
@@ -275,10 +283,9 @@ class HandOff:
         answer.cancel_requested = True
         return {**session.describe(), "answer": answer.summary(), "stop": answer.decode}
 
-    @session_api
-    async def session_result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:
+    async def result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:
         """The session and its answer (`wait`: once the answer is over)."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         answer = await self._wait_answer(session, turn) if wait else (session.answers or [None])[-1]
         if answer is None and wait:
             return {"pending": True}
@@ -311,7 +318,7 @@ class HandOff:
             return None
         return session.answers[-1 if turn is None else turn]
 
-    async def _waiting(self, session: Session, predicate: Any) -> None:
+    async def _waiting(self, session: Session, predicate: Callable[[], bool]) -> None:
         """Wait at most WAIT_POLL_S for `predicate`; at most MAX_WAITERS readers wait on one session (429)."""
         if predicate():
             return
@@ -324,7 +331,7 @@ class HandOff:
         finally:
             session.waiters -= 1
 
-    def _expire_answer(self, session: Session, now: float) -> str | None:
+    def expire_answer(self, session: Session, now: float) -> str | None:
         """Why the answer in progress is given up on (its reader vanished), or None."""
         answer = session.answers[-1] if session.answers else None
         if answer is None or answer.done:
@@ -339,7 +346,7 @@ class HandOff:
             return "the answer's reader stopped streaming it"
         return None
 
-    async def _give_up_answer(self, session: Session, why: str) -> None:
+    async def give_up_answer(self, session: Session, why: str) -> None:
         answer = session.answers[-1]
         answer.finish("failed", {"message": why, "type": "TimeoutError", "code": 408})
         await self._answer_ended(session, answer)
@@ -359,7 +366,7 @@ async def _notify(session: Session) -> None:
         session.changed.notify_all()
 
 
-async def _wait_for(session: Session, predicate: Any, timeout: float) -> None:
+async def _wait_for(session: Session, predicate: Callable[[], bool], timeout: float) -> None:
     """Wait, bounded, until `predicate()` holds; `TimeoutError` past `timeout`."""
     async with session.changed:
         await asyncio.wait_for(session.changed.wait_for(predicate), timeout)

@@ -11,8 +11,8 @@ same methods the calls used (no engine involved: the new owner prefills the rebu
     claimed  a router streams answer `turn`   released its reader left before any text
     ended    answer `turn` is over (its summary: text, usage, status)
 
-Records carry the id of the client call that made them (`call`, router/owner.py), so that a call retried after its
-owner died is recognised as already applied rather than applied twice.
+Records carry the id of the client call that made them (`call`, router/sessions/owner.py), so that a call retried
+after its owner died is recognised as already applied rather than applied twice.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from core import metrics
 from core.config import PreemptiveOptions
 from prefill.answer import Answer
-from prefill.preemptive import PreemptState
+from prefill.preempt_state import PreemptState
 from prefill.session import Session, SessionLimits, SessionState, StartPolicy
 from prefill.store import SessionStore
 from prefill.streaming import StreamingPrefill

@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from core import metrics
-from core.config import PreemptiveOptions
+from core.config import AppConfig
 from core.protocol import continuation_refusal
+from core.scheduler_config import SchedulerSettings
 from core.tasks import detached
 from decode.client import DecodeClient
+from prefill.answer import Prefill
+from prefill.preempt_state import Preemption, PreemptState, fingerprint, input_tag
+from prefill.session import Session
+
+if TYPE_CHECKING:
+    from engine.llm import Engine
 
 logger = logging.getLogger(__name__)
 PREEMPTIVE_PRIORITY = 1  # on decode (priority scheduling): behind every ordinary answer (0)
@@ -44,75 +48,37 @@ CATCH_UP_S = 1.0
 GIVEN_UP_WAIT_S = 2.0
 
 
-@dataclass
-class Preemption:
-    """One preemptive answer: its hand-off and its parked decode stream."""
-
-    turn: int
-    attempt: int
-    fingerprint: str  # the ordinary request it answers (the session's whole input then)
-    parked: str  # the decode consumer it streams to (nobody reads it until a router adopts it)
-    stream_id: str
-    request: dict[str, Any] = field(default_factory=dict)  # the decode request, once the hand-off is made
-    replica: str | None = None  # the decode replica, once started
-    task: asyncio.Task[None] | None = None  # the hand-off and decode start in progress
-    started_at: float = field(default_factory=time.monotonic)
-    state: PreemptState | None = None  # its session's (where discarded tokens are counted)
-    start_call: asyncio.Future[Any] | None = None  # decode's `start`, once called
-    ids: str = "strip"  # whether the client asked for token ids (decode's `ids` mode for its frames)
-
-
-@dataclass
-class PreemptState:
-    options: PreemptiveOptions
-    attempts: int = 0  # this turn's
-    timer: asyncio.TimerHandle | None = None
-    fingerprint: str = ""  # the request the session's input made when it last changed
-    live: Preemption | None = None
-    delivered: int = 0  # preemptive answers that became the answer
-    discarded: int = 0  # preemptive answers given up (new input came, or the turn ended changed)
-    discarded_tokens: int = 0  # tokens those had made on decode
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            **self.options.model_dump(),
-            "attempts": self.attempts,
-            "delivered": self.delivered,
-            "discarded": self.discarded,
-            "discarded_tokens": self.discarded_tokens,
-            "live": self.live is not None,
-            "input": input_tag(self.fingerprint),  # (a realtime connection releases a held answer made from it)
-        }
-
-
-async def _notify(session: Any) -> None:
+async def _notify(session: Session) -> None:
     async with session.changed:
         session.changed.notify_all()
 
 
-def fingerprint(request: dict[str, Any]) -> str:
-    return json.dumps(request, sort_keys=True, separators=(",", ":"))
-
-
-def input_tag(fingerprint: str) -> str:
-    """A short name for a fingerprint: a router compares the input its last call left with the input a held
-    preemptive answer was made from (router/provisional.py `release_input`)."""
-    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest() if fingerprint else ""
-
-
 class Preemptive:
-    """Mixin of `PrefillServer`: a session's preemptive answers, started, cancelled and handed to its answer."""
+    """A replica's preemptive answers: started while a session's input idles or pauses, given up on new input,
+    and handed to the session's answer when the turn ends unchanged (`take`)."""
 
-    sessions: dict[str, Any]
-    settings: Any
-    engine: Any
-    decode: DecodeClient | None  # (None: no decode pool given, as in some unit tests)
-    replica: str
-    prefill: Any
-    _scheduler_stats: dict[str, Any]
+    def __init__(
+        self,
+        sessions: Mapping[str, Session],
+        engine: Engine,
+        config: AppConfig,
+        scheduler_stats: Callable[[], Mapping[str, Any]],
+        prefill: Prefill,
+        decode: DecodeClient | None,
+    ) -> None:
+        self.sessions = sessions  # the replica's (read only: the preemptive work in flight is capped across them)
+        self.engine = engine
+        self.config = config
+        self.scheduler_stats = scheduler_stats  # the engine scheduler's last figures (their queue defers answers)
+        self.prefill = prefill  # the replica's prefill, which makes the hand-off
+        self.decode = decode  # (None: no decode pool given, as in some unit tests)
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self.config.prefill.scheduler
 
     # --- input changes -----------------------------------------------------------------------------
-    def _preempt_rearm(self, session: Any) -> None:
+    def rearm(self, session: Session) -> None:
         """The session's input changed: a preemptive answer made from the old input is given up, and the idle
         timer starts again."""
         state: PreemptState | None = getattr(session, "preempt", None)
@@ -126,35 +92,35 @@ class Preemptive:
             state.timer.cancel()
             state.timer = None
         if state.live is not None:
-            self._preempt_discard(session, "new input")
+            self._discard(session, "new input")
         if session.input_ended or session.answering or state.options.after_idle_ms is None:
             return
         loop = asyncio.get_running_loop()
-        state.timer = loop.call_later(state.options.after_idle_ms / 1000, self._preempt_due, session)
+        state.timer = loop.call_later(state.options.after_idle_ms / 1000, self._due, session)
 
-    def _preempt_now(self, session: Any) -> bool:
-        """The input may be whole now (a pause in a spoken turn: router/voice/realtime_audio.py): its preemptive
+    def start_now(self, session: Session) -> bool:
+        """The input may be whole now (a pause in a spoken turn: router/realtime/audio.py): its preemptive
         answer starts without waiting for the input to idle. Asked for at pauses only, so not held to
         `max_attempts` (the turn's last pause is the one that counts). Whether one is live or starting."""
         state: PreemptState | None = getattr(session, "preempt", None)
         if state is None:
             return False
-        self._preempt_rearm(session)  # (the input it was made from, if it changed: given up)
+        self.rearm(session)  # (the input it was made from, if it changed: given up)
         if state.live is not None:
             return True  # made from this input
         if state.timer is not None:
             state.timer.cancel()
-        self._preempt_due(session, asked=True)
+        self._due(session, asked=True)
         return state.live is not None
 
-    def _preempt_due(self, session: Any, waited_s: float = 0.0, asked: bool = False) -> None:
+    def _due(self, session: Session, waited_s: float = 0.0, asked: bool = False) -> None:
         state: PreemptState = session.preempt
         state.timer = None
-        if (why := self._preempt_refusal(session, asked)) is not None:
+        if (why := self._refusal(session, asked)) is not None:
             if why in PASSING:  # load passes, the pause may not: look again later (never queued in the engine)
                 idle_s = (state.options.after_idle_ms or 0) / 1000
                 delay = min(RETRY_MAX_S, max(waited_s * 2, idle_s, 0.05))
-                state.timer = asyncio.get_running_loop().call_later(delay, self._preempt_due, session, delay, asked)
+                state.timer = asyncio.get_running_loop().call_later(delay, self._due, session, delay, asked)
                 logger.debug("session %s: preemptive answer deferred %.2f s (%s)", session.id, delay, why)
                 return
             logger.debug("session %s: no preemptive answer (%s)", session.id, why)
@@ -171,11 +137,11 @@ class Preemptive:
             state=state,
         )
         state.live = live
-        live.task = asyncio.create_task(self._preempt_start(session, live))
+        live.task = asyncio.create_task(self._start(session, live))
         metrics.inc(metrics.PREEMPTIVE, 1, "preemptive answers, by outcome", outcome="started")
 
-    def _preempt_refusal(self, session: Any, asked: bool = False) -> str | None:
-        """Why no preemptive answer starts now (None: it may). `asked`: at a pause (`_preempt_now`)."""
+    def _refusal(self, session: Session, asked: bool = False) -> str | None:
+        """Why no preemptive answer starts now (None: it may). `asked`: at a pause (`start_now`)."""
         state: PreemptState = session.preempt
         if session.input_ended or session.answering or session.state.value == "closed":
             return "the turn is over"
@@ -191,7 +157,7 @@ class Preemptive:
         in_flight = sum(s.preempt.live is not None for s in self.sessions.values() if getattr(s, "preempt", None))
         if in_flight >= self.settings.max_preemptive_in_flight:
             return AT_CAP
-        if self._scheduler_stats.get("queue_waiting", 0) > 0 and not asked:
+        if self.scheduler_stats().get("queue_waiting", 0) > 0 and not asked:
             # Under load, an answer the input's idling started waits for the load to pass, never queued. A spoken
             # pause's (`asked`) is due within the VAD's window, and the figures may be a second old (at four voices
             # the other voices' input was often queued then, and 16% of pauses had no answer): it goes, at the
@@ -199,7 +165,7 @@ class Preemptive:
             return BUSY
         return None
 
-    async def _preempt_start(self, session: Any, live: Preemption) -> None:
+    async def _start(self, session: Session, live: Preemption) -> None:
         """Hand the input off (below all other work) and start decode on it, parked."""
         state: PreemptState = session.preempt
         try:
@@ -220,7 +186,9 @@ class Preemptive:
                 raise RuntimeError(handoff["error"].get("message"))
             body = {**request, "kv_transfer_params": handoff["kv_transfer_params"], "priority": PREEMPTIVE_PRIORITY}
             ids = live.ids = "keep" if body.get("return_token_ids") else "strip"  # (as the adopting router reads it)
-            body["return_token_ids"] = True  # (the router resumes it past the cap from its ids: router/resume.py)
+            body["return_token_ids"] = (
+                True  # (the router resumes it past the cap from its ids: router/streams/resume.py)
+            )
             live.request = body
             # Decode holds it at `max_tokens`, its KV kept, until its turn is confirmed (decode/hold.py); where its
             # sampling does not allow that, it stops there and a router goes on from its ids, and an answer a
@@ -268,9 +236,9 @@ class Preemptive:
         except Exception as e:  # (the lease frees the KV in the end)
             logger.warning("releasing a preemptive hand-off on decode failed: %s", e)
 
-    def _preempt_discard(self, session: Any, why: str) -> None:
+    def _discard(self, session: Session, why: str) -> None:
         """Give the live preemptive answer up: its decode request stops; a hand-off still being made is released
-        once made, or aborted (`_preempt_start`)."""
+        once made, or aborted (`_start`)."""
         state: PreemptState = session.preempt
         live, state.live = state.live, None
         if live is None:
@@ -280,12 +248,12 @@ class Preemptive:
         logger.debug("session %s: preemptive answer %d discarded (%s)", session.id, live.attempt, why)
         if live.task is not None and not live.task.done():
             live.task.cancel()
-        asyncio.create_task(self._preempt_stop(live))
+        asyncio.create_task(self._stop(live))
         asyncio.create_task(_notify(session))  # (a reader holding its frames lets them go)
 
-    def _preempt_provisional(self, session: Any) -> dict[str, Any] | None:
+    def provisional(self, session: Session) -> dict[str, Any] | None:
         """The live preemptive answer of the session's next turn, once decode makes it: what a reader waiting for
-        the turn to end adopts tentatively (router/answers.py), so that its frames are at hand when it is
+        the turn to end adopts tentatively (router/sessions/answers.py), so that its frames are at hand when it is
         confirmed. None: there is none."""
         state: PreemptState | None = getattr(session, "preempt", None)
         live = state.live if state is not None else None
@@ -301,19 +269,20 @@ class Preemptive:
             "include_usage": bool((session.request.get("stream_options") or {}).get("include_usage")),
             "stream": state.options.stream,  # (whether its text goes to the client, marked provisional)
             # An empty end chunk with this sequence id ends the turn with this input: the router that has it
-            # may release the answer before this replica does (router/provisional.py). None: chunks are missing.
+            # may release the answer before this replica does (router/sessions/provisional.py). None: chunks are
+            # missing.
             "end_sequence_id": None if session.pending else session.next_seq,
             # A realtime `response.create` that changes nothing releases it likewise when the input its connection
             # last heard of (each call's reply: `summary`'s `input`) is this one.
             "input": input_tag(live.fingerprint),
         }
 
-    def _preempt_release(self, adopt: dict[str, Any]) -> None:
+    def release(self, adopt: dict[str, Any]) -> None:
         """A preemptive answer that became an answer but was not adopted (its reader wants it whole, or it was
         stale): its parked decode stream is stopped."""
         asyncio.create_task(self._stop_parked(adopt["parked"], adopt["stream_id"], adopt["replica"]))
 
-    async def _preempt_stop(self, live: Preemption) -> None:
+    async def _stop(self, live: Preemption) -> None:
         if live.task is not None:
             await asyncio.gather(live.task, return_exceptions=True)
         if live.replica is None and live.start_call is not None:  # a decode start in flight when it was given up
@@ -331,17 +300,17 @@ class Preemptive:
                 state.discarded_tokens += tokens
             metrics.inc(metrics.PREEMPTIVE_DISCARDED_TOKENS, tokens, "tokens preemptive answers made and discarded")
 
-    def _preempt_close(self, session: Any) -> None:
+    def close(self, session: Session) -> None:
         """The session closed: its timer and any preemptive answer go."""
         state: PreemptState = session.preempt
         if state.timer is not None:
             state.timer.cancel()
             state.timer = None
         if state.live is not None:
-            self._preempt_discard(session, "the session closed")
+            self._discard(session, "the session closed")
 
     # --- the turn ends -----------------------------------------------------------------------------
-    async def _preempt_take(self, session: Any, final: dict[str, Any]) -> Preemption | None:
+    async def take(self, session: Session, final: dict[str, Any]) -> Preemption | None:
         """At end of input: the live preemptive answer if it was made from exactly the answer's request `final`
         (it becomes the answer), else None (it is given up, and the ordinary hand-off runs)."""
         state: PreemptState | None = getattr(session, "preempt", None)
@@ -355,12 +324,12 @@ class Preemptive:
         if live is None:
             return None
         if live.fingerprint != fingerprint(final):
-            self._preempt_discard(session, "the turn ended with other input")
+            self._discard(session, "the turn ended with other input")
             return None
         if not live.request:
             # Its hand-off is still being prefilled, ranked below all other work: the ordinary hand-off, ranked as
             # complete work, goes on from what it computed (the prefix cache keeps its full blocks).
-            self._preempt_discard(session, "its hand-off was not made yet")
+            self._discard(session, "its hand-off was not made yet")
             return None
         if live.task is not None:  # (its decode start is in flight)
             await asyncio.gather(live.task, return_exceptions=True)

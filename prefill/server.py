@@ -1,9 +1,15 @@
 """Prefill replica: computes prompts' KV and leaves it for a decode replica to pull over NIXL.
 
 Two kinds of work: a whole prompt (`prefill`: the router then calls decode), and streaming-input sessions that
-live here between chunks, their KV resident (prefill/session_api.py), and hand off to decode at end of input
-(prefill/handoff.py). This module is the deployment: the engine, whole prompts, the scheduler's settings and
-figures; sessions changing owner (a dead replica's, or a draining one's) are prefill/failover.py's.
+live here between chunks, their KV resident, and hand off to decode at end of input. This module is the
+deployment: the engine, whole prompts, the scheduler's settings and figures, Serve's hooks, and every method
+Serve callers use. The sessions' work is done by its parts, each given what it uses (`_wire`):
+- `SessionTable` (prefill/session_table.py): the sessions held here, looked up, streamed to the engine, closed;
+- `SessionCalls` (prefill/session_api.py): the session calls, from `create_session` to `session_info`;
+- `HandOffs` (prefill/handoff.py): an answer's hand-off to decode, its claim by a router, its outcome;
+- `Preemptive` (prefill/preemptive.py): answers started while the user may still be talking;
+- `Failover` (prefill/failover.py): sessions changing owner (a dead replica's, or a draining one's);
+- `Sweeper` (prefill/sweep.py): what outlived its limits, closed or given up, every half second.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import asyncio
 import copy
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 from ray import serve
 
@@ -23,12 +29,17 @@ from core.protocol import Endpoint, error_payload, validate_openai_body
 from core.scheduler_config import SchedulerSettings
 from decode.client import DecodeClient
 from engine.llm import Engine
-from prefill.errors import overloaded
+from prefill.errors import overloaded, serialized, session_api
+from prefill.failover import Failover
+from prefill.handoff import HandOffs
+from prefill.preemptive import Preemptive
 from prefill.scheduler.profile import start_scheduler
-from prefill.session import Session, SessionState
-from prefill.session_api import SessionAPI
+from prefill.session import Session
+from prefill.session_api import SessionCalls
+from prefill.session_table import SessionTable
 from prefill.store import make_store
 from prefill.streaming import StreamingPrefill
+from prefill.sweep import Sweeper
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +89,11 @@ def decode_params(endpoint: Endpoint, body: dict[str, Any], result: Any) -> dict
 
 
 @serve.deployment(name="prefill", max_ongoing_requests=1024, health_check_period_s=10)
-class PrefillServer(SessionAPI):
+class PrefillServer:
+    """The prefill deployment: owns the engine, the config, the clients and the parts below, and keeps every
+    method Serve callers use; each session call is its part's, entered through `session_api` (errors as OpenAI
+    error JSON, the session located first) and, for calls that change a session, `serialized` (its lock)."""
+
     async def __init__(self, app_config: dict[str, Any], decode: Any = None) -> None:
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
@@ -90,10 +105,33 @@ class PrefillServer(SessionAPI):
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.app_name, self.deployment = context.app_name, context.deployment
-        self.sessions: dict[str, Session] = {}
         self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
-        self._sweeper = asyncio.create_task(self._sweep())
+        self._wire()
+        self._sweeper = asyncio.create_task(self.sweeper.run())
+
+    def _wire(self) -> None:
+        """The parts, each given what it uses (from the fields the constructor set)."""
+        self.sessions: dict[str, Session] = {}
+        self.preemptive = Preemptive(
+            self.sessions, self.engine, self.config, lambda: self._scheduler_stats, self.prefill, self.decode
+        )
+        self.table = SessionTable(self.sessions, self.engine, self.config, self.preemptive)
+        self.handoffs = HandOffs(self.table, self.preemptive, self.prefill, self.config)
+        self.session_calls = SessionCalls(
+            self.table, self.handoffs, self.preemptive, self.engine, self.config, self.replica, self.store
+        )
+        self.failover = Failover(
+            self.table,
+            self.handoffs,
+            self.preemptive,
+            self.store,
+            self.replica,
+            self.app_name,
+            self.deployment,
+            self.config,
+        )
+        self.sweeper = Sweeper(self.table, self.handoffs, self._export_scheduler_stats)
 
     @property
     def settings(self) -> SchedulerSettings:
@@ -164,10 +202,10 @@ class PrefillServer(SessionAPI):
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Tells the routers' admission
-        control (router/admission.py) how full it is. KV figures are the engine's last step's (its stat logger)."""
+        control (router/admission/gate.py) how full it is. KV figures are the engine's last step's (its stat logger)."""
         total = int(self.engine.client.vllm_config.cache_config.num_gpu_blocks or 1) - 1  # minus the null block
         return {
-            "open_sessions": sum(s.state != SessionState.CLOSED for s in self.sessions.values()),
+            "open_sessions": self.table.open_count(),
             "session_capacity": self.settings.session_capacity(self.engine.max_num_seqs),
             "kv_blocks_free": round(total * (1.0 - self.engine.totals.kv_cache_usage)),
             "kv_blocks_total": total,
@@ -176,7 +214,7 @@ class PrefillServer(SessionAPI):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Open sessions hold KV between chunks: load for the autoscaler (core/autoscaling.py)."""
-        return {OPEN_SESSIONS: float(sum(s.state != SessionState.CLOSED for s in self.sessions.values()))}
+        return {OPEN_SESSIONS: float(self.table.open_count())}
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -184,9 +222,13 @@ class PrefillServer(SessionAPI):
     async def stats(self, request_id_prefix: str | None = None, route_to: str | None = None) -> dict[str, Any]:
         """(`route_to`: a replica id, to ask that replica; router/placement.py)"""
         stats = await self.engine.compute_stats(request_id_prefix)
-        open_sessions = [s for s in self.sessions.values() if s.state != SessionState.CLOSED]
-        hold = self.rewrite_depth.hold_fraction()
-        return {**stats, "sessions_open": len(open_sessions), "replica": self.replica, "rewrite_hold_fraction": hold}
+        hold = self.table.rewrite_depth.hold_fraction()
+        return {
+            **stats,
+            "sessions_open": self.table.open_count(),
+            "replica": self.replica,
+            "rewrite_hold_fraction": hold,
+        }
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -194,6 +236,159 @@ class PrefillServer(SessionAPI):
     async def pid(self, route_to: str | None = None) -> int:
         """This replica's process (fault tests kill it)."""
         return os.getpid()
+
+    # --- sessions (prefill/session_api.py), their answers (prefill/handoff.py), failover (prefill/failover.py) ----
+    async def _locate(self, session_id: str) -> None:
+        await self.failover.locate(session_id)
+
+    async def _close(self, session: Session, reason: str) -> None:
+        await self.table.close(session, reason)
+
+    @session_api
+    async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return await self.session_calls.create(spec)
+
+    @session_api
+    @serialized
+    async def session_chunk(
+        self,
+        *,
+        session_id: str,
+        sequence_id: int,
+        payload: str,
+        end_of_input: bool = False,
+        mode: str = "append",
+        offset: int | None = None,
+        role: str = "user",
+        tool_call_id: str | None = None,
+        audio_start: bool = False,
+    ) -> dict[str, Any]:
+        return await self.session_calls.chunk(
+            session_id=session_id,
+            sequence_id=sequence_id,
+            payload=payload,
+            end_of_input=end_of_input,
+            mode=mode,
+            offset=offset,
+            role=role,
+            tool_call_id=tool_call_id,
+            audio_start=audio_start,
+        )
+
+    @session_api
+    @serialized
+    async def session_message(
+        self,
+        *,
+        session_id: str,
+        role: str,
+        content: str,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        return await self.session_calls.message(
+            session_id=session_id, role=role, content=content, tool_call_id=tool_call_id, tool_calls=tool_calls
+        )
+
+    @session_api
+    @serialized
+    async def session_truncate(self, *, session_id: str, chars: int) -> dict[str, Any]:
+        return await self.session_calls.truncate(session_id=session_id, chars=chars)
+
+    @session_api
+    @serialized
+    async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+        return await self.session_calls.buffer(session_id=session_id, op=op, text=text, offset=offset)
+
+    @session_api
+    @serialized
+    async def session_preempt(self, *, session_id: str) -> dict[str, Any]:
+        return await self.session_calls.preempt(session_id=session_id)
+
+    @session_api
+    @serialized
+    async def session_update(
+        self,
+        *,
+        session_id: str,
+        instructions: str | None = None,
+        params: dict[str, Any] | None = None,
+        preemptive: dict[str, Any] | Literal[False] | None = None,
+    ) -> dict[str, Any]:
+        return await self.session_calls.update(
+            session_id=session_id, instructions=instructions, params=params, preemptive=preemptive
+        )
+
+    @session_api
+    @serialized
+    async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self.session_calls.finish(session_id=session_id, overrides=overrides)
+
+    @session_api
+    @serialized
+    async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self.session_calls.respond(session_id=session_id, overrides=overrides)
+
+    @session_api
+    @serialized
+    async def session_delete(self, *, session_id: str) -> dict[str, Any]:
+        return await self.session_calls.delete(session_id=session_id)
+
+    @session_api
+    async def session_attach(self, *, session_id: str, connection: str | None = None) -> dict[str, Any]:
+        return await self.session_calls.attach(session_id=session_id, connection=connection)
+
+    @session_api
+    async def session_status(self, *, session_id: str) -> dict[str, Any]:
+        return await self.session_calls.status(session_id=session_id)
+
+    @session_api
+    async def session_info(self, *, session_id: str) -> dict[str, Any]:
+        return await self.session_calls.info(session_id=session_id)
+
+    @session_api
+    async def session_claim(
+        self,
+        *,
+        session_id: str,
+        turn: int | None = None,
+        fresh: bool = False,
+        adopts: bool = True,
+        reclaim: bool = False,
+        holding: str | None = None,
+    ) -> dict[str, Any]:
+        return await self.handoffs.claim(
+            session_id=session_id, turn=turn, fresh=fresh, adopts=adopts, reclaim=reclaim, holding=holding
+        )
+
+    @session_api
+    async def session_answer_done(self, *, session_id: str, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
+        return await self.handoffs.answer_done(session_id=session_id, turn=turn, outcome=outcome)
+
+    @session_api
+    async def session_streaming(self, *, session_id: str, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
+        return await self.handoffs.streaming_from(session_id=session_id, turn=turn, decode=decode)
+
+    @session_api
+    async def session_alive(self, *, session_id: str, turn: int) -> dict[str, Any]:
+        return await self.handoffs.reader_alive(session_id=session_id, turn=turn)
+
+    @session_api
+    async def session_cancel(self, *, session_id: str) -> dict[str, Any]:
+        return await self.handoffs.cancel(session_id=session_id)
+
+    @session_api
+    async def session_result(self, *, session_id: str, turn: int | None = None, wait: bool = True) -> dict[str, Any]:
+        return await self.handoffs.result(session_id=session_id, turn=turn, wait=wait)
+
+    async def adopt_sessions(
+        self, *, owner: str, journals: list[list[dict[str, Any]]], session_id: str = "", route_to: str = ""
+    ) -> dict[str, Any]:
+        """A draining peer's sessions (`session_id`, `route_to`: read by the request router only)."""
+        return await self.failover.adopt_sessions(owner, journals)
+
+    async def drain(self) -> None:
+        await self.failover.drain()
 
     async def __del__(self) -> None:
         # Serve awaits an async destructor during graceful shutdown (scale-down, redeploy).

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefill.answer import Answer
 from prefill.conversation import Conversation, SessionError
-from prefill.preemptive import PreemptState
+from prefill.preempt_state import PreemptState
 from prefill.streaming import StreamingPrefill
 
 MAX_REMEMBERED_CALLS = 64
@@ -115,7 +115,7 @@ class Session(Conversation):
         self.close_reason: str | None = None
         self.closed_at: float | None = None
         self.created_at = time.monotonic()
-        # Calls on a session are applied one at a time, in arrival order (prefill/session_api.py `serialized`):
+        # Calls on a session are applied one at a time, in arrival order (prefill/errors.py `serialized`):
         # Ray Serve runs a replica's async methods concurrently, and a chunk's apply + prefill spans awaits.
         self.lock = asyncio.Lock()
         # Input committed while an answer is generated joins the conversation after that answer.
@@ -127,7 +127,7 @@ class Session(Conversation):
         self.audio: dict[str, Any] | None = None  # REST audio chunks' format (`{"rate", "language"}`), as created
         self.preempt: PreemptState | None = None  # its preemptive answers (prefill/preemptive.py), if it asked
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
-        self.tenant = ""  # the id of the API key that created it (router/auth.py); "" without keys
+        self.tenant = ""  # the id of the API key that created it (router/keys/auth.py); "" without keys
         # The router replica (its Ray actor's name) holding the client's connection (realtime, NDJSON): the client
         # is gone when it dies unless it re-attaches elsewhere (`orphaned`), and nobody else would close it.
         self.connection: str | None = None

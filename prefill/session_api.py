@@ -3,41 +3,35 @@
 Each session's input is streamed to the engine as it arrives (prefill/streaming.py), so that its KV is resident
 when the input ends; its answer is handed off to decode (prefill/handoff.py). A session's methods take
 `session_id` as a keyword: the session-affinity request router (router/placement.py) sends them to the replica
-named in the id, whichever router replica they come through.
+named in the id, whichever router replica they come through. The deployment (prefill/server.py) turns their
+errors into OpenAI error JSON and holds a session's lock around each call that changes it (prefill/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import ValidationError
 
 from core import metrics
-from core.config import PreemptiveOptions
+from core.config import AppConfig, PreemptiveOptions
 from core.placement import new_session_id
-from core.protocol import Endpoint, over_max_tokens, validate_openai_body
-from prefill.errors import caller, overloaded, serialized, session_api
-from prefill.failover import Failover
-from prefill.handoff import HandOff
+from core.protocol import Endpoint, validate_openai_body
+from core.scheduler_config import SchedulerSettings
+from prefill.errors import overloaded
+from prefill.handoff import HandOffs
 from prefill.journal import Journal, create_record
-from prefill.preemptive import Preemptive, PreemptState
-from prefill.rewrite_depth import RewriteDepth
-from prefill.session import (
-    Session,
-    SessionError,
-    SessionLimits,
-    SessionState,
-    StartPolicy,
-)
-from prefill.streaming import StreamingPrefill
+from prefill.preempt_state import PreemptState
+from prefill.session import Session, SessionError, SessionLimits, SessionState, StartPolicy
+from prefill.session_table import SessionTable
+from prefill.store import SessionStore
+
+if TYPE_CHECKING:
+    from engine.llm import Engine
 
 logger = logging.getLogger(__name__)
-CLOSED_SESSION_RETENTION_S = 60.0
-RESIDENCY_WINDOW_S = 30.0  # a session with input this recent counts as streaming (residency control)
 
 
 def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
@@ -111,34 +105,48 @@ def _count_input(chunks: int, nbytes: int) -> None:
     metrics.inc(metrics.SESSION_INPUT_BYTES, nbytes, "session input bytes")
 
 
-class SessionAPI(HandOff, Failover, Preemptive):
-    """Mixin of `PrefillServer`: the session calls a router makes on a session's owner replica. Each change is
-    journaled (prefill/journal.py) before the call returns, so that the session outlives this replica."""
+class SessionPreemption(Protocol):
+    """What the session calls need of the preemptive answers (prefill/preemptive.py `Preemptive`)."""
 
-    engine: Any
-    replica: str
-    _export_scheduler_stats: Any
+    def rearm(self, session: Session) -> None: ...
 
-    @functools.cached_property
-    def rewrite_depth(self) -> RewriteDepth:
-        """How deep this replica's sessions rewrite (prefill/rewrite_depth.py): their senders hold the rest."""
-        return RewriteDepth()
+    def start_now(self, session: Session) -> bool: ...
 
-    def _streaming(self, session_id: str) -> StreamingPrefill:
-        settings = self.settings
-        return StreamingPrefill(
-            self.engine,
-            session_id,
-            settings.admission_timeout_s,
-            max_chunk_tokens=settings.partial_chunk_tokens,
-            depth=self.rewrite_depth,
-        )
+    def close(self, session: Session) -> None: ...
 
-    @session_api
-    async def create_session(self, spec: dict[str, Any]) -> dict[str, Any]:
+
+class SessionCalls:
+    """The session calls a router makes on a session's owner replica (the deployment's `create_session` and
+    `session_*` methods delegate here). Each change is journaled (prefill/journal.py) before the call returns,
+    so that the session outlives this replica."""
+
+    def __init__(
+        self,
+        table: SessionTable,
+        handoffs: HandOffs,
+        preemptive: SessionPreemption,
+        engine: Engine,
+        config: AppConfig,
+        replica: str,
+        store: SessionStore | None,
+    ) -> None:
+        self.table = table
+        self.sessions = table.sessions
+        self.handoffs = handoffs
+        self.preemptive = preemptive
+        self.engine = engine
+        self.config = config
+        self.replica = replica
+        self.store = store  # where journals outlive this replica (None: not journaled, as in unit tests)
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self.config.prefill.scheduler
+
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
         request = _text_input(dict(spec.get("request") or {}))
         endpoint: Endpoint = "chat" if "messages" in request else "completion"
-        self._check_max_tokens(request)
+        self.table.check_max_tokens(request)
         _check_request(endpoint, request)
         if (request.get("n") or 1) != 1:
             raise SessionError(400, "streaming-input sessions produce one choice: n must be 1", "n")
@@ -155,7 +163,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
             return overloaded(self.settings.retry_after_s, f"this API key has {mine} sessions open, its limit")
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
-        session = Session(session_id, endpoint, request, policy, limits, self._streaming(session_id))
+        session = Session(session_id, endpoint, request, policy, limits, self.table.streaming(session_id))
         session.instructions = spec.get("instructions")
         session.ephemeral = bool(spec.get("ephemeral"))
         session.close_after_answer = bool(spec.get("close_after_answer"))
@@ -171,9 +179,9 @@ class SessionAPI(HandOff, Failover, Preemptive):
                 await asyncio.gather(
                     self.store.set_owner(session_id, self.replica), session.record("create", **create_record(session))
                 )
-            await self._prefill_stable(session)
+            await self.table.prefill_stable(session)
         except BaseException:  # nothing half-made stays behind
-            await self._close(session, "its creation failed")
+            await self.table.close(session, "its creation failed")
             self.sessions.pop(session_id, None)
             raise
         return session.describe()
@@ -191,14 +199,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
         except ValueError as e:
             raise SessionError(400, f"limits.{e.args[0]}", f"limits.{e.args[1]}") from None
 
-    def _check_max_tokens(self, request: dict[str, Any]) -> None:
-        """`max_tokens` within the server's limit (the model's context length unless set lower)."""
-        if (over := over_max_tokens(request, self.config.limits.max_tokens or self.engine.max_model_len)) is not None:
-            raise SessionError(400, over[1], over[0])
-
-    @session_api
-    @serialized
-    async def session_chunk(
+    async def chunk(
         self,
         *,
         session_id: str,
@@ -211,7 +212,7 @@ class SessionAPI(HandOff, Failover, Preemptive):
         tool_call_id: str | None = None,
         audio_start: bool = False,
     ) -> dict[str, Any]:
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         result = session.add_chunk(sequence_id, payload, end_of_input, mode, offset, role, tool_call_id, audio_start)
         recorded = None
         if not result["duplicate"]:
@@ -225,17 +226,15 @@ class SessionAPI(HandOff, Failover, Preemptive):
             # At end of input the hand-off prefills whatever was not streamed yet; starting the answer with no
             # await after the input ended means a reader never sees the input ended and no answer for it.
             if session.input_ended:
-                await self._start_answer(session, {})
+                await self.handoffs.start_answer(session, {})
             else:
-                await self._prefill_stable(session)
-                self._preempt_rearm(session)
+                await self.table.prefill_stable(session)
+                self.preemptive.rearm(session)
         if recorded is not None:
             await recorded
         return {**session.describe(), **result, "started": session.state != SessionState.OPEN}
 
-    @session_api
-    @serialized
-    async def session_message(
+    async def message(
         self,
         *,
         session_id: str,
@@ -244,38 +243,34 @@ class SessionAPI(HandOff, Failover, Preemptive):
         tool_call_id: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         if role not in ("user", "system", "assistant", "developer", "tool"):
             raise SessionError(400, f"role {role!r} is not a conversation role", "role")
         session.add_message(role, content, tool_call_id, tool_calls)
         extra = {k: v for k, v in {"tool_call_id": tool_call_id, "tool_calls": tool_calls}.items() if v}
         await session.record("message", role=role, content=content, **extra)
         _count_input(1, len(content.encode()))
-        await self._prefill_stable(session)
-        self._preempt_rearm(session)
+        await self.table.prefill_stable(session)
+        self.preemptive.rearm(session)
         return session.describe()
 
-    @session_api
-    @serialized
-    async def session_truncate(self, *, session_id: str, chars: int) -> dict[str, Any]:
+    async def truncate(self, *, session_id: str, chars: int) -> dict[str, Any]:
         """Realtime `conversation.item.truncate` with `text_end`: the last answer keeps what the user heard; the
         resident KV is cut back to the longest common prefix with the conversation as it now reads."""
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         session.touch()
         if session.answering:
             raise SessionError(409, "the answer is still being generated: cut it once it has ended", "item_id")
         if session.truncate_answer(chars):
             await session.record("truncate", chars=chars)
-            await self._prefill_stable(session)
-            self._preempt_rearm(session)
+            await self.table.prefill_stable(session)
+            self.preemptive.rearm(session)
         return session.describe()
 
-    @session_api
-    @serialized
-    async def session_buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+    async def buffer(self, *, session_id: str, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
         """Realtime `input_text_buffer.*`: append to, replace from `offset`, commit or clear the in-progress
         user text."""
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         session.touch()
         if op == "append":
             session.append_text(text)
@@ -290,22 +285,18 @@ class SessionAPI(HandOff, Failover, Preemptive):
         else:
             raise SessionError(400, f"unknown buffer operation {op!r}")
         await session.record("buffer", kind=op, text=text, offset=offset)
-        await self._prefill_stable(session)
-        self._preempt_rearm(session)
+        await self.table.prefill_stable(session)
+        self.preemptive.rearm(session)
         return session.describe()
 
-    @session_api
-    @serialized
-    async def session_preempt(self, *, session_id: str) -> dict[str, Any]:
+    async def preempt(self, *, session_id: str) -> dict[str, Any]:
         """The input may be whole now (a spoken turn paused): a session with `preemptive` options starts its
-        preemptive answer at once instead of after `after_idle_ms` (prefill/preemptive.py `_preempt_now`)."""
-        session = self._get(session_id)
+        preemptive answer at once instead of after `after_idle_ms` (prefill/preemptive.py `start_now`)."""
+        session = self.table.get(session_id)
         session.touch()
-        return {**session.describe(), "preempting": self._preempt_now(session)}
+        return {**session.describe(), "preempting": self.preemptive.start_now(session)}
 
-    @session_api
-    @serialized
-    async def session_update(
+    async def update(
         self,
         *,
         session_id: str,
@@ -314,8 +305,8 @@ class SessionAPI(HandOff, Failover, Preemptive):
         preemptive: dict[str, Any] | Literal[False] | None = None,
     ) -> dict[str, Any]:
         """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off)."""
-        session = self._get(session_id)
-        self._check_max_tokens(params or {})
+        session = self.table.get(session_id)
+        self.table.check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
         options = (
             _validated(PreemptiveOptions, "preemptive", {"preemptive": preemptive or {}})
@@ -327,77 +318,68 @@ class SessionAPI(HandOff, Failover, Preemptive):
         session.request.update(params or {})
         if options is not None or preemptive is False:
             if session.preempt is not None:
-                self._preempt_close(session)
+                self.preemptive.close(session)
             session.preempt = PreemptState(options) if options is not None else None
         extra = {} if preemptive is None else {"preemptive": options.model_dump() if options else False}
         await session.record("update", instructions=instructions, params=params, **extra)
-        await self._prefill_stable(session)
-        self._preempt_rearm(session)
+        await self.table.prefill_stable(session)
+        self.preemptive.rearm(session)
         return session.describe()
 
-    @session_api
-    @serialized
-    async def session_finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def finish(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """End of input: hand the KV off for the answer. Idempotent."""
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         if session.pending:
             raise SessionError(409, f"chunks {sorted(session.pending)} wait for missing sequence id {session.next_seq}")
-        self._check_overrides(overrides or {})
+        self.handoffs.check_overrides(overrides or {})
         last = session.answers[-1] if session.answers else None
         # Idempotent, except that an answer that failed without output (e.g. refused with 429) is tried again.
         if not (session.input_ended and last is not None and not (last.status == "failed" and not last.text)):
             session.input_ended = True
-            await self._start_answer(session, overrides or {})
+            await self.handoffs.start_answer(session, overrides or {})
         return {**session.describe(), "answer": session.answers[-1].summary()}
 
-    @session_api
-    @serialized
-    async def session_respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def respond(self, *, session_id: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Realtime `response.create`: answer the conversation so far (input may go on afterwards)."""
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         if session.answering:
             raise SessionError(409, "a response is already in progress", "response")
-        self._check_overrides(overrides or {})
+        self.handoffs.check_overrides(overrides or {})
         changes = {k: v for k, v in (overrides or {}).items() if k != "instructions"}
         _check_request(session.endpoint, {**session.full_request(), **changes})
         session.input_ended = True
-        await self._start_answer(session, overrides or {})
+        await self.handoffs.start_answer(session, overrides or {})
         return {**session.describe(), "answer": session.answers[-1].summary()}
 
-    @session_api
-    @serialized
-    async def session_delete(self, *, session_id: str) -> dict[str, Any]:
-        session = self._get(session_id, allow_closed=True)
-        await self._close(session, "deleted")
+    async def delete(self, *, session_id: str) -> dict[str, Any]:
+        session = self.table.get(session_id, allow_closed=True)
+        await self.table.close(session, "deleted")
         self.sessions.pop(session_id, None)
         return {"session_id": session_id, "deleted": True}
 
-    @session_api
-    async def session_attach(self, *, session_id: str, connection: str | None = None) -> dict[str, Any]:
+    async def attach(self, *, session_id: str, connection: str | None = None) -> dict[str, Any]:
         """A client re-attached to the session through the router replica `connection` (its connection's holder
         now: the session no longer dies with the old one)."""
-        session = self._get(session_id)
+        session = self.table.get(session_id)
         session.connection, session.orphaned_at = connection, None
         if session.journal is not None:
             await session.journal.write("attach", connection=connection)
         return session.describe()
 
-    @session_api
-    async def session_status(self, *, session_id: str) -> dict[str, Any]:
+    async def status(self, *, session_id: str) -> dict[str, Any]:
         """Whether a session still holds room a router admitted it to: its state and its last answer's status
         (cheap: a router asks it of the REST sessions it admitted that went quiet there)."""
-        session = self._get(session_id, allow_closed=True)
+        session = self.table.get(session_id, allow_closed=True)
         last = session.answers[-1].status if session.answers else None
         return {"session_id": session_id, "state": session.state.value, "answer_status": last}
 
-    @session_api
-    async def session_info(self, *, session_id: str) -> dict[str, Any]:
-        session = self._get(session_id, allow_closed=True)
+    async def info(self, *, session_id: str) -> dict[str, Any]:
+        session = self.table.get(session_id, allow_closed=True)
         stats = await self.engine.compute_stats(session_id)
         return {
             **session.describe(),
             "close_reason": session.close_reason,
-            # What a client re-attaching to the session needs (router/realtime.py `attach`).
+            # What a client re-attaching to the session needs (router/realtime/socket.py `attach`).
             "instructions": session.instructions,
             "buffer": session.buffer,
             "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens", "tools", "tool_choice")},
@@ -413,156 +395,3 @@ class SessionAPI(HandOff, Failover, Preemptive):
                 "replica": {"replica": self.replica, **stats.get("scheduler", {})},
             },
         }
-
-    # --- internals ---------------------------------------------------------------------------------
-    def _get(self, session_id: str, allow_closed: bool = False) -> Session:
-        session = self.sessions.get(session_id)
-        if session is not None and session.tenant != caller.get():
-            session = None  # another key's session does not exist for this caller
-        if session is None:
-            raise SessionError(404, f"session {session_id} not found", "session_id")
-        if not allow_closed:
-            session.check_open()
-        return session
-
-    async def _prefill_stable(self, session: Session) -> None:
-        """Stream the input's stable tokens to the engine, if the start policy allows it yet."""
-        if session.answering or session.state == SessionState.CLOSED:
-            return  # the conversation grows again once the answer is in; a closed session never again
-        tokens = session.stable_tokens(self.engine.tokenizer)
-        if len(tokens) >= self.engine.max_model_len:
-            await self._close(session, "input exceeds the model's context length")
-            raise SessionError(400, f"session input exceeds the context length of {self.engine.max_model_len} tokens")
-        if session.streaming.active or (session.may_start(len(tokens)) and self._room_to_stream(session, tokens)):
-            await session.streaming.sync(tokens)
-            if tokens:
-                session.state = SessionState.PREFILLING
-
-    def _room_to_stream(self, session: Session, tokens: list[int]) -> bool:
-        """Residency control: whether a session not streaming yet may start, its KV and that of every session
-        streaming now within `streaming_kv_fraction` of the KV cache (one session alone always may). Otherwise
-        its input waits, as `on_end_only`'s does; a later chunk asks again."""
-        cache = getattr(getattr(getattr(self.engine, "client", None), "vllm_config", None), "cache_config", None)
-        if cache is None or not cache.num_gpu_blocks or not tokens or self.settings.policy == "vllm":
-            return True  # (the `vllm` policy is the paper's streaming baseline: every session streams)
-        block = cache.block_size
-        # Sessions streaming now: input within the last RESIDENCY_WINDOW_S. One idle for longer is the
-        # scheduler's to evict, not a reason to keep others from streaming (clients that left, say).
-        now = time.monotonic()
-        streaming = [
-            s
-            for s in self.sessions.values()
-            if s is not session and s.streaming.active and now - s.last_active < RESIDENCY_WINDOW_S
-        ]
-        held = sum(-(-len(s.streaming.target) // block) for s in streaming)
-        if (
-            not streaming
-            or held + -(-len(tokens) // block) <= self.settings.streaming_kv_fraction * cache.num_gpu_blocks
-        ):
-            return True
-        if not session.buffered:
-            session.buffered = True
-            metrics.inc(metrics.SESSIONS_BUFFERED, 1, "sessions whose input waited for KV room to stream")
-        return False
-
-    async def _promote_buffered(self) -> None:
-        """Residency control's other half: a session whose input waited for room starts streaming once room frees
-        (another session ended or went quiet), without waiting for its next chunk, which may be its last. Oldest
-        first; the first that still does not fit waits for the next tick, and so do those behind it."""
-        waiting = sorted(
-            (
-                s
-                for s in self.sessions.values()
-                if s.buffered and s.state == SessionState.OPEN and not s.streaming.active and not s.lock.locked()
-            ),
-            key=lambda s: s.created_at,
-        )
-        for session in waiting:
-            try:
-                async with session.lock:
-                    if session.state != SessionState.OPEN or session.streaming.active:
-                        continue
-                    await self._prefill_stable(session)
-                    if not session.streaming.active:
-                        return  # no room yet (or nothing to stream): it keeps its place
-                metrics.inc(metrics.SESSIONS_PROMOTED, 1, "buffered sessions that streamed once room freed")
-            except Exception:
-                logger.exception("promoting session %s failed", session.id)
-
-    async def _close(self, session: Session, reason: str) -> None:
-        if session.state == SessionState.CLOSED:
-            return
-        session.state = SessionState.CLOSED
-        session.close_reason = reason
-        logger.info("session %s closed: %s", session.id, reason)
-        session.closed_at = time.monotonic()
-        if session.answering and (task := session.answers[-1].task) is not None and not task.done():
-            task.cancel()  # a hand-off in progress; an answer a router streams ends on its own
-        if session.preempt is not None:
-            self._preempt_close(session)
-            if session.answers and (last := session.answers[-1]).adopt is not None and last.status == "ready":
-                self._preempt_release(last.adopt)  # adopted by its answer, never claimed: its decode stream goes
-        await session.streaming.close()
-        if session.journal is not None:  # nothing left to take over
-            await session.journal.forget()
-        async with session.changed:
-            session.changed.notify_all()
-
-    def _connections_alive(self) -> dict[str, bool]:
-        """Whether each router replica holding an open session's connection is alive (a Ray actor lookup)."""
-        names = {s.connection for s in self.sessions.values() if s.connection and s.state != SessionState.CLOSED}
-        return {name: _actor_alive(name) for name in names}
-
-    async def _sweep(self) -> None:
-        """Expire idle sessions, sessions whose chunk gap never filled and answers whose reader vanished;
-        forget closed sessions; export the scheduler's figures."""
-        ticks = 0
-        while True:
-            await asyncio.sleep(0.5)
-            ticks += 1
-            if ticks % 2 == 0:
-                await self._export_scheduler_stats()
-            now = time.monotonic()
-            for state in SessionState:
-                count = sum(s.state == state for s in self.sessions.values())
-                metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
-            await self._promote_buffered()
-            alive = self._connections_alive() if ticks % 10 == 0 else None  # (every 5 s: a GCS lookup each)
-            for session in list(self.sessions.values()):
-                if session.lock.locked():
-                    continue  # a call is applying input to it: next tick
-                try:
-                    if session.state == SessionState.CLOSED:
-                        if now - (session.closed_at or now) > CLOSED_SESSION_RETENTION_S:
-                            self.sessions.pop(session.id, None)
-                    elif (gap := session.expired_gap(now)) is not None:
-                        await self._close(session, f"chunk {gap} never arrived")
-                    elif (why := self._expire_answer(session, now)) is not None:
-                        await self._give_up_answer(session, why)
-                    elif not session.answering and now - session.last_active > session.limits.idle_timeout_s:
-                        await self._close(session, "expired")
-                    elif alive is not None and session.orphaned(now, alive.get(session.connection or "", True)):
-                        await self._close(session, "its client's connection ended with its router replica")
-                    elif not session.answering and now - session.created_at > session.limits.max_session_s:
-                        await self._close(session, "expired: the session's time limit passed")
-                except asyncio.CancelledError:
-                    # Only the sweeper's own cancellation (shutdown) ends it: one session's close cancelled from
-                    # inside must not stop every later expiry on this replica.
-                    if (task := asyncio.current_task()) is not None and task.cancelling():
-                        raise
-                    logger.exception("sweeping session %s was cancelled", session.id)
-                except Exception:
-                    logger.exception("sweeping session %s failed", session.id)
-
-
-def _actor_alive(name: str) -> bool:
-    """Whether the named Ray actor (a Serve replica: its full id is its actor's name) is alive."""
-    import ray
-
-    try:
-        ray.get_actor(name, namespace="serve")
-    except ValueError:  # (no such live actor)
-        return False
-    except Exception:  # the GCS unreachable a moment: assume alive, ask again next time
-        return True
-    return True

@@ -145,7 +145,7 @@ async def _owner_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[st
         await asyncio.sleep(HANDOVER_RETRY_S)
 
 
-# --- the session calls (prefill/session_api.py, prefill/handoff.py) ------------------------------------------------
+# --- the session calls (prefill/server.py methods, done by prefill/session_api.py and prefill/handoff.py) ---------
 # Each carries the caller's key; those that change the session (chunk, message, buffer, update, finish, respond) a
 # `call_id` too, made once for all their tries.
 async def session_chunk(

@@ -1,5 +1,5 @@
 """Sessions outliving their replica (prefill/failover.py, prefill/journal.py, prefill/store.py), on real
-`SessionAPI`s sharing one session store; only the engines are faked (tests/unit/test_handoff.py's `Server`)."""
+`PrefillServer`s sharing one session store; only the engines are faked (tests/unit/test_handoff.py's `Server`)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ class Replica(Server):
     """A prefill replica of a pool whose replicas share `store`; `dead` lists the replicas that died."""
 
     def __init__(self, tok: Any, name: str, store: MemorySessionStore, dead: set[str]) -> None:
-        super().__init__(tok)
-        self.replica, self.store, self.dead = name, store, dead
+        super().__init__(tok, replica=name, store=store)
+        self.dead = dead
         store.shared = True  # (one store object stands for the pool's shared one)
+        self.failover.alive = self.alive  # type: ignore[method-assign]  (no Ray: the pool says who died)
 
-    async def _alive(self, replica: str) -> bool:
+    async def alive(self, replica: str) -> bool:
         return replica not in self.dead
 
     async def open_journaled(self, request: dict[str, Any] | None = None) -> Session:

@@ -1,7 +1,8 @@
 """The answer protocol on a prefill replica's session API (prefill/handoff.py), without an engine.
 
-A real `SessionAPI` with real sessions; only the engine is faked: its tokenizer (the local model's, when
-`python -m local_models.llm` has made it), its limits, and `prefill`, the hand-off, which is scripted.
+A real `PrefillServer` with its real parts and sessions; only the engine is faked: its tokenizer (the local
+model's, when `python -m local_models.llm` has made it), its limits, and `prefill`, the hand-off, which is
+scripted.
 Sessions start on `on_end_only`, so no input is streamed to the engine before the hand-off.
 """
 
@@ -18,12 +19,14 @@ import pytest
 from core.config import AppConfig
 from core.placement import new_session_id
 from core.scheduler_config import SchedulerSettings
+from decode.client import DecodeClient
 from local_models.llm import DEFAULT_DIR
 from prefill import handoff
 from prefill.answer import Answer
 from prefill.errors import overloaded
+from prefill.server import PrefillServer
 from prefill.session import Session, SessionLimits, SessionState, StartPolicy
-from prefill.session_api import SessionAPI
+from prefill.store import SessionStore
 
 REPLICA = "replica1"
 KV = {
@@ -66,19 +69,31 @@ class FakeEngine:
         self.max_model_len = 4096
 
 
-class Server(SessionAPI):
-    """A prefill replica's session API whose hand-offs (`prefill`) are scripted."""
+class Server(PrefillServer.func_or_class):  # type: ignore[name-defined,misc]
+    """A prefill replica (the deployment and its parts, as it wires them) whose hand-offs (`prefill`) are
+    scripted: no engine is started, and nothing runs in the background (the sweep is the test's to run)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        replica: str = REPLICA,
+        store: SessionStore | None = None,
+        decode: DecodeClient | None = None,
+    ) -> None:
         self.engine = FakeEngine(tokenizer)
-        self.settings = SchedulerSettings(admission_timeout_s=2.0)
         self.config = AppConfig()
-        self.replica = REPLICA
-        self.sessions: dict[str, Session] = {}
-        self.adopted_owners: set[str] = set()
+        self.config.prefill.scheduler = SchedulerSettings(admission_timeout_s=2.0)
+        self.decode = decode
+        self.replica, self.app_name, self.deployment = replica, "app", "prefill"
+        self.store = store
+        self._scheduler_stats: dict[str, Any] = {}
+        self._wire()
         self.results: list[dict[str, Any] | BaseException] = []  # one per hand-off; then successes
         self.calls: list[dict[str, Any]] = []  # the hand-off requests, as `prefill` got them
         self.gate: asyncio.Event | None = None  # while set to an unset event, hand-offs wait for it
+
+    def __del__(self) -> None:  # (the deployment's drains the replica's sessions: there is no replica here)
+        pass
 
     async def prefill(self, endpoint: str, body: dict[str, Any], streaming: Any) -> dict[str, Any]:
         self.calls.append({**body, "endpoint": endpoint})
@@ -98,7 +113,9 @@ class Server(SessionAPI):
         request = request if request is not None else {"model": "local:tiny-llama", "messages": []}
         endpoint = "chat" if "messages" in request else "completion"
         policy = StartPolicy(type="on_end_only")
-        session = Session(session_id, endpoint, request, policy, SessionLimits(**limits), self._streaming(session_id))
+        session = Session(
+            session_id, endpoint, request, policy, SessionLimits(**limits), self.table.streaming(session_id)
+        )
         self.sessions[session_id] = session
         return session
 
@@ -404,7 +421,7 @@ async def test_closing_the_session_cancels_a_hand_off_in_progress(server: Server
     session = server.open_session()
     await server.end_input(session, "Hello")
     await wait_until(lambda: len(server.calls) == 1)
-    await server._close(session, "deleted")
+    await server.table.close(session, "deleted")
     answer = session.answers[0]
     assert answer.task is not None
     await asyncio.wait_for(asyncio.shield(answer.task), 2)
@@ -416,20 +433,20 @@ async def test_closing_the_session_cancels_a_hand_off_in_progress(server: Server
 # --- expiry --------------------------------------------------------------------------------------------
 async def test_an_unclaimed_ready_answer_expires_after_the_idle_timeout(server: Server) -> None:
     session = server.open_session(idle_timeout_s=5, answer_timeout_s=50)
-    assert server._expire_answer(session, time.monotonic()) is None  # no answer
+    assert server.handoffs.expire_answer(session, time.monotonic()) is None  # no answer
     await server.ready(session)
     now = time.monotonic()
-    assert server._expire_answer(session, now + 4) is None
-    why = server._expire_answer(session, now + 6)
+    assert server.handoffs.expire_answer(session, now + 4) is None
+    why = server.handoffs.expire_answer(session, now + 6)
     assert why == "no reader claimed the answer"
 
     assert why is not None
-    await server._give_up_answer(session, why)
+    await server.handoffs.give_up_answer(session, why)
 
     answer = session.answers[0]
     assert answer.status == "failed" and answer.error is not None and answer.error["code"] == 408
     assert session.state == SessionState.OPEN and not session.answering
-    assert server._expire_answer(session, now + 1000) is None  # over: nothing more to give up on
+    assert server.handoffs.expire_answer(session, now + 1000) is None  # over: nothing more to give up on
     claim = await server.session_claim(session_id=session.id)
     assert claim["answer"]["status"] == "failed"
 
@@ -439,12 +456,12 @@ async def test_a_streaming_answer_expires_after_the_answer_timeout(server: Serve
     await server.ready(session)
     await server.session_claim(session_id=session.id)
     now = time.monotonic()
-    assert server._expire_answer(session, now + 10) is None  # past the idle timeout, but being read
-    why = server._expire_answer(session, now + 51)
+    assert server.handoffs.expire_answer(session, now + 10) is None  # past the idle timeout, but being read
+    why = server.handoffs.expire_answer(session, now + 51)
     assert why == "the answer's reader never reported its end"
 
     assert why is not None
-    await server._give_up_answer(session, why)
+    await server.handoffs.give_up_answer(session, why)
     assert session.answers[0].status == "failed" and session.state == SessionState.OPEN
     # The router's report, arriving after the owner gave up, changes nothing.
     late = await server.session_answer_done(session_id=session.id, turn=0, outcome=completed("late"))
@@ -504,7 +521,7 @@ async def test_the_sweep_outlives_a_close_that_raises_cancelled(tokenizer: Any) 
     failure: the sweep goes on expiring the others, and still stops when it is itself cancelled."""
     server = Server(tokenizer)
     first, second = server.open_session(idle_timeout_s=0.1), server.open_session(idle_timeout_s=0.1)
-    close = server._close
+    close = server.table.close
 
     async def flaky_close(session: Session, reason: str) -> None:
         if session is first:
@@ -514,9 +531,9 @@ async def test_the_sweep_outlives_a_close_that_raises_cancelled(tokenizer: Any) 
     async def no_stats() -> None:
         return None
 
-    server._close = flaky_close  # type: ignore[method-assign]
-    server._export_scheduler_stats = no_stats  # type: ignore[method-assign]
-    sweep = asyncio.create_task(server._sweep())
+    server.table.close = flaky_close  # type: ignore[method-assign]
+    server.sweeper.export_stats = no_stats
+    sweep = asyncio.create_task(server.sweeper.run())
     await asyncio.sleep(1.3)
     assert not sweep.done()
     assert second.state == SessionState.CLOSED and first.state != SessionState.CLOSED

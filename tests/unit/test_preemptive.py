@@ -44,10 +44,9 @@ class FakeDecode:
 
 class PreemptiveServer(Server):
     def __init__(self, tokenizer: Any) -> None:  # noqa: F811
-        super().__init__(tokenizer)
-        self.decode_pool = FakeDecode()  # (the calls the server's decode client makes)
-        self.decode = DecodeClient(self.decode_pool)
-        self._scheduler_stats: dict[str, Any] = {}
+        decode_pool = FakeDecode()  # (the calls the server's decode client makes)
+        super().__init__(tokenizer, decode=DecodeClient(decode_pool))
+        self.decode_pool = decode_pool
         self.cancelled: list[str] = []  # hand-offs cancelled while made (their engine requests aborted)
 
     async def prefill(
@@ -61,7 +60,7 @@ class PreemptiveServer(Server):
 
     def open_preemptive(self, **options: Any) -> Session:
         from core.config import PreemptiveOptions
-        from prefill.preemptive import PreemptState
+        from prefill.preempt_state import PreemptState
 
         session = self.open_session()
         session.preempt = PreemptState(PreemptiveOptions(after_idle_ms=IDLE_MS, **options))
@@ -139,7 +138,7 @@ async def test_a_preemptive_answer_waits_out_a_busy_engine_and_stops_at_max_atte
         await server.chunk(session, text)
         await idle()
     assert [c["request_id"].rsplit("-", 1)[1] for c in server.calls] == ["p1", "p2"]  # max_attempts
-    await server._close(session, "test")
+    await server.table.close(session, "test")
     await asyncio.sleep(0.01)
     assert len(server.decode_pool.stopped) == 2  # both given up: the last when the session closed
 
@@ -284,8 +283,8 @@ async def test_a_pause_starts_its_answer_while_the_engine_has_work_queued_up_to_
     other.preempt.options.after_idle_ms = None
     await server.session_buffer(session_id=other.id, op="append", text="And a block?")
     assert (await server.session_preempt(session_id=other.id))["preempting"] is False
-    await server._close(other, "test")
-    await server._close(session, "test")
+    await server.table.close(other, "test")
+    await server.table.close(session, "test")
 
 
 async def test_a_pause_on_a_session_without_preemptive_answers_starts_nothing(server: PreemptiveServer) -> None:

@@ -26,7 +26,7 @@ REQUEST = {
     "request_id": STREAM,
     "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]},
 }
-LIVE = {  # what the owner says of the live preemptive answer (prefill/preemptive.py `_preempt_provisional`)
+LIVE = {  # what the owner says of the live preemptive answer (prefill/preemptive.py `Preemptive.provisional`)
     "replica": "d1",
     "parked": f"preempt:{SESSION}:0:1",
     "stream_id": STREAM,

@@ -1,4 +1,4 @@
-"""Residency control (prefill/session_api.py `_room_to_stream`): a session streams its input to the engine only
+"""Residency control (prefill/session_table.py `room_to_stream`): a session streams its input to the engine only
 while the KV of every streaming session fits `streaming_kv_fraction` of the cache; one that does not fit buffers
 its input (as `on_end_only` does) and starts streaming once room frees (at its next chunk, or when the replica's
 sweep finds room, whichever comes first). Real sessions and session API; the engine is faked at its client (what
@@ -81,7 +81,7 @@ async def test_one_session_alone_always_streams(tokenizer) -> None:  # noqa: F81
 async def test_the_vllm_baseline_streams_every_session(tokenizer) -> None:  # noqa: F811
     """The `vllm` policy is the paper's streaming-vLLM baseline: nothing added, so no residency control."""
     server = Server(tokenizer)
-    server.settings = server.settings.model_copy(update={"policy": "vllm"})
+    server.config.prefill.scheduler = server.settings.model_copy(update={"policy": "vllm"})
     server.engine.client = client = Client(blocks=12)
     big, small = server.open_session(), server.open_session()
     for s in (big, small):
@@ -108,11 +108,11 @@ async def test_a_buffered_session_streams_once_room_frees_without_another_chunk(
     await server.session_chunk(session_id=newer.id, sequence_id=0, payload=words(20))
     await asyncio.sleep(0.01)
     assert older.buffered and newer.buffered and not older.streaming.active
-    await server._promote_buffered()  # no room yet: the oldest does not fit, and the newer waits behind it
+    await server.table.promote_buffered()  # no room yet: the oldest does not fit, and the newer waits behind it
     assert [r.rsplit("-stream", 1)[0] for r in client.started] == [big.id]
 
     await server.session_delete(session_id=big.id)
-    await server._promote_buffered()
+    await server.table.promote_buffered()
     await asyncio.sleep(0.01)
     started = [r.rsplit("-stream", 1)[0] for r in client.started]
     assert started[1] == older.id and older.streaming.target == older.stable_tokens(tokenizer)

@@ -210,7 +210,7 @@ def test_preemptive_options_turned_off_replay_as_off():
     """`session_update(preemptive=False)` is journaled as False: the session's next owner has none either."""
     from core.config import PreemptiveOptions
     from prefill.journal import _apply
-    from prefill.preemptive import PreemptState
+    from prefill.preempt_state import PreemptState
 
     s = session()
     _apply(s, {"op": "update", "instructions": None, "params": None, "preemptive": {"after_idle_ms": None}})

@@ -1,4 +1,4 @@
-"""Defects a hostile read of the session code found (issue #9), each shown on a real `SessionAPI` with real
+"""Defects a hostile read of the session code found (issue #9), each shown on a real `PrefillServer` with real
 sessions; only the engine is faked (tests/unit/test_handoff.py's `Server`)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def streaming_session(server: Server, request: dict[str, Any] | None = None) -> 
     """A session that streams its input to the engine on every chunk (`on_first_chunk`)."""
     session_id = new_session_id(server.replica)
     request = request or {"model": "local:tiny-llama", "messages": []}
-    session = Session(session_id, "chat", request, StartPolicy(), SessionLimits(), server._streaming(session_id))
+    session = Session(session_id, "chat", request, StartPolicy(), SessionLimits(), server.table.streaming(session_id))
     server.sessions[session_id] = session
     return session
 
@@ -266,18 +266,18 @@ async def test_a_streamed_answer_whose_reader_stopped_is_given_up_on(server: Ser
     await server.session_claim(session_id=session.id, turn=0)
     now = session.answers[0].alive_at
     assert now is not None
-    assert server._expire_answer(session, now + READER_LEASE_S - 1) is None
+    assert server.handoffs.expire_answer(session, now + READER_LEASE_S - 1) is None
     await server.session_alive(session_id=session.id, turn=0)  # a long answer, still being read
     alive = session.answers[0].alive_at
     assert alive is not None and alive >= now
-    assert server._expire_answer(session, alive + READER_LEASE_S - 1) is None
-    assert "stopped" in (server._expire_answer(session, alive + READER_LEASE_S + 1) or "")
+    assert server.handoffs.expire_answer(session, alive + READER_LEASE_S - 1) is None
+    assert "stopped" in (server.handoffs.expire_answer(session, alive + READER_LEASE_S + 1) or "")
 
 
 async def test_a_session_created_to_close_after_its_answer_is_not_prefilled_again(server: Server) -> None:
     """`close_after_answer` (REST create): one turn only. When the answer ends the session closes, and its
     conversation is not prefilled again for a next turn (the re-prefill an open session gets)."""
-    from router.sessions import session_spec
+    from router.sessions.rest import session_spec
 
     assert session_spec({"messages": [], "close_after_answer": True})["close_after_answer"] is True
     assert "close_after_answer" not in session_spec({"messages": [], "close_after_answer": True})["request"]
