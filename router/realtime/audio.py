@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class AudioInput(SpokenTurn):
-    """The audio side of one realtime connection (router/realtime/connection.py: what it needs of it)."""
+class AudioInput:
+    """The audio side of one realtime connection (router/realtime/connection.py: what it needs of it); the turn
+    being spoken is its `spoken` (router/realtime/spoken_turn.py)."""
 
     def __init__(self, connection: VoiceConnection) -> None:
         self.conn = connection
@@ -64,15 +65,10 @@ class AudioInput(SpokenTurn):
         self.history: deque[np.ndarray] = deque()  # recent audio while nobody speaks (the prefix padding)
         self.history_start = 0  # its first sample's position on the clock
         self.clock = 0  # 16 kHz samples received
-        self.turn: Utterance | None = None
+        self.spoken = SpokenTurn(connection, self)  # the turn's utterance and its transcript in the session's input
         self.turn_start = 0  # where on the clock the turn's audio starts
-        self.item_id: str | None = None
-        self.offset = 0  # where the turn's transcript starts in the session's input text
-        self.shown = ""  # transcript text sent as deltas
-        self.previous = ""  # the transcript before the latest (for the deltas' agreement)
         self.session_seconds = 0.0
         self.idle_samples = 0  # audio with no speech since the last turn or response (idle_timeout_ms)
-        self.lock = asyncio.Lock()  # the session's input text: transcripts and client events in turn
         self.defaulted = False  # the voice defaults (`speech.preemptive`) were looked at
 
     # --- settings ----------------------------------------------------------------------------------
@@ -121,7 +117,7 @@ class AudioInput(SpokenTurn):
             new.transcription = transcription
         if session.type is not None:
             new.transcription_only = session.type == "transcription"
-        if self.turn is not None and new.format != self.settings.format:
+        if self.spoken.turn is not None and new.format != self.settings.format:
             raise InvalidEvent(
                 "the input audio format cannot change while a turn's audio is buffered",
                 param=f"{where}.audio.input.format",
@@ -148,7 +144,7 @@ class AudioInput(SpokenTurn):
 
     def use_vllm_flow(self, model: str) -> None:
         """vLLM's realtime client: `session.update` with a top-level `model`; the client commits."""
-        self.check_model(model if model != self.conn.settings["model"] else None, "model")
+        self.check_model(model if model != self.conn.settings.values["model"] else None, "model")
         self.vllm_flow = True
         self.settings.turn_detection = None
         self.settings.format = AudioFormat("pcm16", MODEL_RATE)  # vLLM's: PCM16 at 16 kHz
@@ -174,7 +170,8 @@ class AudioInput(SpokenTurn):
             if self.session_seconds + seconds > limits.max_session_audio_s:
                 message = f"the session's audio would exceed {limits.max_session_audio_s:g} s"
                 raise AudioError(f"{message} (speech.max_session_audio_s): it was not taken", "audio_limit_exceeded")
-            if self.turn is not None and self.turn.seconds + seconds > limits.max_turn_audio_s:
+            turn = self.spoken.turn
+            if turn is not None and turn.seconds + seconds > limits.max_turn_audio_s:
                 message = f"the turn's audio would exceed {limits.max_turn_audio_s:g} s (speech.max_turn_audio_s)"
                 hint = "commit or clear the input audio buffer; this audio was not taken"
                 raise AudioError(f"{message}: {hint}", "audio_limit_exceeded")
@@ -196,13 +193,13 @@ class AudioInput(SpokenTurn):
         """A session that speaks answers preemptively (`speech.preemptive`) unless it set `preemptive` itself."""
         self.defaulted = True
         default = self.conn.ingress.config.speech.preemptive
-        conn = self.conn
-        if default is None or "preemptive" in conn.settings or self.transcription_only or conn.close_after_answer:
+        conn, settings = self.conn, self.conn.settings
+        if default is None or "preemptive" in settings.values or self.transcription_only or conn.close_after_answer:
             return
         if (updated := await conn.call(session_update, preemptive=default)) is not None:
-            conn.settings["preemptive"] = default
+            settings.values["preemptive"] = default
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
-                conn.read_early(turns)
+                conn.conversation.read_early(turns)
 
     async def take(self, x: np.ndarray, heard: np.ndarray | None = None) -> None:
         """16 kHz audio, in order: into the turn, or the pre-speech history; through the VAD (`heard`: the same
@@ -210,12 +207,10 @@ class AudioInput(SpokenTurn):
         start = self.clock
         self.clock += len(x)
         detection = self.settings.turn_detection
-        if self.turn is not None:
-            self.turn.extend(x)
+        if self.spoken.turn is not None:
+            self.spoken.turn.extend(x)
         elif detection is None:  # the client commits: all audio is the turn's
-            self.begin(start)
-            assert self.turn is not None
-            self.turn.extend(x)
+            self.begin(start).extend(x)
         if detection is None:
             return
         self.history.append(x)
@@ -231,26 +226,24 @@ class AudioInput(SpokenTurn):
         found = await asyncio.to_thread(detector.feed, heard) if len(heard) > 16 * 512 else detector.feed(heard)
         for vad in found:
             await self.on_vad(vad, detection)
-        if self.turn is None and not self.conn.responding:
+        if self.spoken.turn is None and not self.conn.conversation.responding:
             await self.idle(len(x), detection)
 
     def recent(self, start: int) -> np.ndarray:
         audio = np.concatenate(list(self.history)) if self.history else np.zeros(0, np.float32)
         return audio[max(0, start - self.history_start) :]
 
-    def begin(self, start: int) -> None:
+    def begin(self, start: int) -> Utterance:
+        """A turn starts at `start` on the clock: its utterance, transcribed as it grows (the spoken turn's)."""
         self.turn_start = start
-        self.item_id = new_id("item")
-        self.offset = len(self.conn.buffer)
-        self.shown = self.previous = ""
         speech = self.conn.ingress.config.speech
         window = getattr(self.conn.ingress, "speech_window_s", None)
         turn: Utterance | None = None
 
         async def on_text(text: str, delay: float) -> None:
-            await self.on_text(text, delay, turn)
+            await self.spoken.on_text(text, delay, turn)
 
-        self.turn = turn = Utterance(
+        turn = Utterance(
             self.speech,
             on_text,
             language=self.settings.transcription.language or speech.language,
@@ -258,31 +251,32 @@ class AudioInput(SpokenTurn):
             every_ms=speech.partial_every_ms,
             window_s=window,
         )
+        self.spoken.begin(turn)
+        return turn
 
     async def on_vad(self, vad: VadEvent, detection: TurnDetection) -> None:
         tail = min(PAUSE_MS, detection.vad().silence_duration_ms) * MODEL_RATE // 1000
+        spoken, conversation = self.spoken, self.conn.conversation
         if vad.kind == "started":
             self.idle_samples = 0
-            if self.turn is None:
-                self.begin(vad.sample)
-                assert self.turn is not None
-                self.turn.extend(self.recent(vad.sample))
-            await self.conn.send("input_audio_buffer.speech_started", audio_start_ms=vad.ms, item_id=self.item_id)
-            if detection.interrupt_response and self.conn.responding and not self.transcription_only:
+            if spoken.turn is None:
+                self.begin(vad.sample).extend(self.recent(vad.sample))
+            await self.conn.send("input_audio_buffer.speech_started", audio_start_ms=vad.ms, item_id=spoken.item_id)
+            if detection.interrupt_response and conversation.responding and not self.transcription_only:
                 metrics.inc(metrics.VOICE_BARGE_INS, 1, "responses cancelled by speech")
-                assert self.conn.response is not None
-                await self.conn.response.cancel("turn_detected")
-        elif self.turn is None:
+                assert conversation.response is not None
+                await conversation.response.cancel("turn_detected")
+        elif spoken.turn is None:
             return
         elif vad.kind == "paused":  # transcribe the turn as it is now: it may be its end
             end = vad.sample - self.turn_start
-            self.turn.pauses.append(end)
-            self.turn.hold(end + tail)  # (and no more until speech resumes: the turn's end reuses this one)
+            spoken.turn.pauses.append(end)
+            spoken.turn.hold(end + tail)  # (and no more until speech resumes: the turn's end reuses this one)
         elif vad.kind == "resumed":
-            self.turn.resume()
+            spoken.turn.resume()
         elif vad.kind == "stopped":
             speech_end = vad.sample - detection.vad().silence_duration_ms * MODEL_RATE // 1000
-            await self.conn.send("input_audio_buffer.speech_stopped", audio_end_ms=vad.ms, item_id=self.item_id)
+            await self.conn.send("input_audio_buffer.speech_stopped", audio_end_ms=vad.ms, item_id=spoken.item_id)
             metrics.inc(metrics.VOICE_TURNS, 1, "turns the VAD ended")
             await self.end_turn(speech_end + tail - self.turn_start, respond=detection.create_response)
 
@@ -305,17 +299,18 @@ class AudioInput(SpokenTurn):
             return
         # As OpenAI's: the silent audio becomes an input_audio item (no text: the owner's conversation gets none)
         # and the model is asked to go on.
-        conn = self.conn
-        await conn.send("input_audio_buffer.committed", previous_item_id=conn.last_item_id, item_id=item_id)
-        await conn.announce_item(item_id, "user", [{"type": "input_audio", "transcript": ""}])
+        conn, conversation = self.conn, self.conn.conversation
+        await conn.send("input_audio_buffer.committed", previous_item_id=conversation.last_item_id, item_id=item_id)
+        await conversation.announce_item(item_id, "user", [{"type": "input_audio", "transcript": ""}])
         if detection.create_response:
-            await conn.response_create(ResponseCreate(type="response.create"))
+            await conversation.response_create(ResponseCreate(type="response.create"))
 
     async def commit(self, event: AudioCommit) -> None:
         self._refuse_without_speech()
         if self.vllm_flow and not event.final:
             return  # (vLLM's "start", `final` absent or false: transcription already runs as audio arrives)
-        if self.turn is None or self.turn.length == 0:
+        turn = self.spoken.turn
+        if turn is None or turn.length == 0:
             if self.vllm_flow:
                 await self.conn.send("transcription.done", text="", usage=None)
                 return
@@ -325,18 +320,28 @@ class AudioInput(SpokenTurn):
             self._detector.speaking = False
         if self._resampler is not None:
             flushed = self._resampler.flush()
-            self.turn.extend(flushed)
+            turn.extend(flushed)
             self.clock += len(flushed)  # (the clock counts every sample; the VAD's resampler starts again there)
             self._resampler = self._heard = None
-        await self.end_turn(self.turn.length, respond=False)
+        await self.end_turn(turn.length, respond=False)
+
+    async def end_spoken_turn(self) -> None:
+        """A commit while a spoken turn is in progress ends it: its audio so far, with the text typed meanwhile
+        before its transcript, is the user's item."""
+        if self.spoken.turn is None:
+            return
+        if self._detector is not None:
+            self._detector.speaking = False
+        await self.end_turn(self.spoken.turn.length, respond=False)
+
+    async def end_turn(self, end: int, respond: bool) -> None:
+        """The turn's audio up to `end` is final (router/realtime/spoken_turn.py `end_turn`); the idle timeout
+        counts from here."""
+        self.idle_samples = 0
+        await self.spoken.end_turn(end, respond)
 
     async def clear(self, event: AudioClear) -> None:
-        async with self.lock:  # (no revision of the turn in flight)
-            turn, self.turn = self.turn, None
-        if turn is not None:
-            turn.close()
-            if not self.transcription_only:
-                await self.revise("")  # the turn's text leaves the session's input
+        await self.spoken.clear()  # the turn's text leaves the session's input
         if self._detector is not None:
             self._detector.speaking = False
         self.history.clear()
@@ -347,10 +352,11 @@ class AudioInput(SpokenTurn):
         """Barge-in's other half: the answer as the user heard it. Answers are text here: with `text_end` (this
         server's extension, the characters heard) the last answer's text in the conversation is cut there, so the
         next turn is answered from what the user heard; `audio_end_ms` alone cuts nothing (there is no audio)."""
-        if event.item_id not in self.conn.items:
+        conversation = self.conn.conversation
+        if event.item_id not in conversation.items:
             raise InvalidEvent(f"no conversation item {event.item_id!r}", "item_not_found", "item_id")
         if event.text_end is not None:
-            if event.item_id != self.conn.answer_item or self.conn.responding:
+            if event.item_id != conversation.answer_item or conversation.responding:
                 message = "only the last answer, once it has ended, can be cut (`text_end`)"
                 raise InvalidEvent(message, "invalid_value", "item_id")
             if await self.conn.call(session_truncate, chars=event.text_end) is None:
@@ -359,5 +365,4 @@ class AudioInput(SpokenTurn):
         await self.conn.send("conversation.item.truncated", **fields)
 
     def close(self) -> None:
-        if self.turn is not None:
-            self.turn.close()
+        self.spoken.close()

@@ -1,36 +1,22 @@
-"""What a realtime connection's audio input (router/realtime/audio.py, router/realtime/spoken_turn.py) needs of
-its connection (router/realtime/socket.py `RealtimeConnection`): this Protocol, not the connection's class, so that the
-voice folder does not import the socket it serves."""
+"""What the parts of a realtime connection (router/realtime/socket.py `RealtimeConnection`) need of it and of each
+other, as Protocols: the parts (settings, conversation, audio input, spoken turn) import no sibling's class, and the
+voice files do not import the socket they serve. A part's Protocols used by it alone live beside it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, Protocol
 
 from router.realtime.events import ResponseCreate
-from router.realtime.response import ResponseStream
 
 P = ParamSpec("P")
 
 
-class VoiceConnection(Protocol):
-    ingress: Any  # the router's ingress (router/app.py): its config and clients
-    settings: dict[str, Any]  # the session's settings, as `session.updated` shows them
-    buffer: str  # the input text buffer: the turn's transcript so far
-    items: set[str]  # the conversation's item ids
-    last_item_id: str | None
-    answer_item: str | None  # the last response's message item
-    response: ResponseStream | None  # the latest response
-    close_after_answer: bool
-
-    @property
-    def responding(self) -> bool: ...
+class Calls(Protocol):
+    """The connection's events to its client and calls on its session's owner, which every part makes."""
 
     async def send(self, type_: str, **fields: Any) -> None: ...
-
-    async def error(
-        self, message: str, code: str, param: str | None = None, type_: str = "invalid_request_error"
-    ) -> None: ...
 
     async def call(
         self,
@@ -42,6 +28,48 @@ class VoiceConnection(Protocol):
         """A call on the session's owner, one of router/sessions/owner.py's (None: refused, and the client told)."""
         ...
 
+
+class ClientErrors(Protocol):
+    """The connection's `error` events (with the client event's `event_id`)."""
+
+    async def error(
+        self, message: str, code: str, param: str | None = None, type_: str = "invalid_request_error"
+    ) -> None: ...
+
+
+class SessionValues(Protocol):
+    """The session's settings (router/realtime/settings.py `SessionSettings`)."""
+
+    values: dict[str, Any]  # as `session.updated` shows them
+
+
+class Cancellable(Protocol):
+    """A response as the audio input sees it: barge-in cancels it (router/realtime/response.py `ResponseStream`)."""
+
+    async def cancel(self, reason: str = "client_cancelled") -> None: ...
+
+
+class EarlyReads(Protocol):
+    """The conversation's early reads of the next turn's answer (router/realtime/conversation.py)."""
+
+    def read_early(self, turn: int) -> None: ...
+
+
+class VoiceConversation(EarlyReads, Protocol):
+    """What the audio input and its spoken turn need of the conversation (router/realtime/conversation.py)."""
+
+    buffer: str  # the input text buffer: typed text, then the spoken turn's transcript so far
+    lock: asyncio.Lock  # the input text's: transcripts and client events change it in turn
+    items: set[str]  # the conversation's item ids
+    last_item_id: str | None
+    answer_item: str | None  # the last response's message item
+
+    @property
+    def response(self) -> Cancellable | None: ...  # the latest response
+
+    @property
+    def responding(self) -> bool: ...
+
     async def announce_item(self, item_id: str, role: str, parts: list[dict[str, Any]]) -> None: ...
 
     async def commit_input(self, item_id: str, parts: list[dict[str, Any]], committed: str | None = None) -> bool: ...
@@ -52,4 +80,16 @@ class VoiceConnection(Protocol):
 
     async def response_create(self, event: ResponseCreate) -> None: ...
 
-    def read_early(self, turn: int) -> None: ...
+
+class VoiceConnection(Calls, ClientErrors, Protocol):
+    """What the audio input (router/realtime/audio.py) and its spoken turn (router/realtime/spoken_turn.py) need of
+    their connection."""
+
+    ingress: Any  # the router's ingress (router/app.py): its config and clients
+    close_after_answer: bool
+
+    @property
+    def settings(self) -> SessionValues: ...
+
+    @property
+    def conversation(self) -> VoiceConversation: ...

@@ -1,7 +1,7 @@
 """One `/v1/realtime` response: the answer of a turn, read from decode and sent as `response.*` events.
 
-`response.create` (router/realtime/socket.py) starts a `ResponseStream` once the owner prefill replica has handed the
-turn to decode; it sends `response.created`, the output item and content part, one text delta per read (a slow
+`response.create` (router/realtime/conversation.py) starts a `ResponseStream` once the owner prefill replica has handed
+the turn to decode; it sends `response.created`, the output item and content part, one text delta per read (a slow
 reader gets fewer, larger deltas), then the `done` events and `response.done` with the status and usage.
 `response.cancel` stops the reading: the response still ends with `response.done`, status `cancelled`.
 """
@@ -27,11 +27,16 @@ class Connection(Protocol):
     ingress: Any
     session_id: str | None
     beta: bool
+
+    async def send(self, type_: str, **fields: Any) -> None: ...
+
+
+class ConversationItems(Protocol):
+    """What a response needs of its conversation (router/realtime/conversation.py): the items it adds."""
+
     last_item_id: str | None
     items: set[str]  # the conversation's item ids (a truncate names one)
     answer_item: str | None  # the last response's message item (the answer a truncate may cut)
-
-    async def send(self, type_: str, **fields: Any) -> None: ...
 
 
 class InputSeen:
@@ -117,9 +122,11 @@ class EarlyRead:
 class ResponseStream:
     """The response to one `response.create`, streaming in a task of its own from construction on."""
 
-    def __init__(self, connection: Connection, turn: int, early: EarlyRead | None = None) -> None:
+    def __init__(
+        self, connection: Connection, conversation: ConversationItems, turn: int, early: EarlyRead | None = None
+    ) -> None:
         self.early = early  # its answer's reader, opened before it was asked for
-        self.connection = connection
+        self.connection, self.conversation = connection, conversation
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
         self.cancel_reason = "client_cancelled"  # (speech that interrupts it: `turn_detected`)
@@ -147,10 +154,10 @@ class ResponseStream:
         response_id = new_id("resp")
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress", "output": []}
         await connection.send("response.created", response=response)
-        output = self.output = Output(connection, response_id)
+        output = self.output = Output(connection, self.conversation, response_id)
         summary = await self.read_answer(turn)
         items = await output.close(summary)
-        connection.last_item_id = items[-1]["id"]
+        self.conversation.last_item_id = items[-1]["id"]
         status, details = summary.get("status"), None
         if status == "cancelled":
             details = {"type": "cancelled", "reason": self.cancel_reason}
@@ -220,8 +227,8 @@ class Output:
     tool call, in the order the answer makes them. An item is opened when its first piece arrives and done before
     the next one opens; a response with no output at all still has its (empty) message."""
 
-    def __init__(self, connection: Connection, response_id: str) -> None:
-        self.connection, self.response_id = connection, response_id
+    def __init__(self, connection: Connection, conversation: ConversationItems, response_id: str) -> None:
+        self.connection, self.conversation, self.response_id = connection, conversation, response_id
         self.items: list[dict[str, Any]] = []  # their final form, for `response.done`
         self.text = ""
         self.message: dict[str, Any] | None = None  # the message item, while it is open
@@ -283,8 +290,8 @@ class Output:
         message.update(status="in_progress", content=[])
         self.items.append(message)
         self.message = message
-        self.connection.items.add(item_id)
-        self.connection.answer_item = item_id
+        self.conversation.items.add(item_id)
+        self.conversation.answer_item = item_id
         send = self.connection.send
         await send(
             "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=message
@@ -295,7 +302,7 @@ class Output:
     async def _open_call(self, call: dict[str, Any]) -> None:
         await self._done()
         item = function_call_item(call, new_id("item"), "in_progress")
-        self.connection.items.add(item["id"])
+        self.conversation.items.add(item["id"])
         self.items.append(item)
         self.calls_sent.append(0)
         self.open_call = len(self.calls_sent) - 1

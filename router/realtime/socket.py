@@ -47,7 +47,6 @@ from core import metrics
 from core.protocol import error_status
 from core.tasks import detached
 from router.admission.gate import OVERLOADED, Refusal, Ticket, admit_session
-from router.openai import tool_calls
 from router.realtime.audio import AudioInput
 from router.realtime.conversation import Conversation
 from router.realtime.events import (
@@ -59,7 +58,7 @@ from router.realtime.events import (
     new_id,
     parse,
 )
-from router.realtime.response import EarlyRead, InputSeen, ResponseStream
+from router.realtime.response import InputSeen
 from router.realtime.settings import SessionSettings
 from router.sessions.owner import create_session, current_tenant, session_attach, session_delete, session_info
 
@@ -88,10 +87,10 @@ def session_gone(error: dict[str, Any]) -> bool:
     return (status == 404 and message.endswith("not found")) or (status == 409 and "is closed" in message)
 
 
-class RealtimeConnection(SessionSettings, Conversation):
-    """One `/v1/realtime` socket and its session: lifecycle and dispatch here; settings in
-    router/realtime/settings.py, the conversation and responses in router/realtime/conversation.py, audio in
-    router/realtime/audio.py."""
+class RealtimeConnection:
+    """One `/v1/realtime` socket and its session: lifecycle, dispatch, events and the owner's calls here; the parts
+    it holds handle the client's events: `settings` (router/realtime/settings.py), `conversation` (items, the text
+    input buffer and responses, router/realtime/conversation.py) and `audio` (router/realtime/audio.py)."""
 
     def __init__(self, ws: WebSocket, ingress: Any, model: str, beta: bool, close_after_answer: bool = False) -> None:
         self.ws = ws
@@ -102,23 +101,25 @@ class RealtimeConnection(SessionSettings, Conversation):
         self.beta = beta
         self.limits = ingress.config.limits  # read once: a connection keeps the limits it started with
         self.session_id: str | None = None
-        self.settings: dict[str, Any] = {
-            "model": model,
-            "instructions": "",
-            "max_output_tokens": "inf",
-            "temperature": 0.8,
-            "tools": [],
-            "tool_choice": "auto",
-            self.modalities_key: ["text"],
-        }
-        self.buffer = ""
+        self.settings = SessionSettings(self, model, beta)  # session.update, and the settings the client is shown
+        self.conversation = Conversation(self)  # conversation.item.*, input_text_buffer.*, response.*
         self.audio = AudioInput(self)  # input_audio_buffer.*, the VAD and transcription (router/voice/)
-        self.items: set[str] = set()  # the conversation's item ids (conversation.item.truncate names one)
-        self.answer_item: str | None = None  # the last response's message item (a truncate may cut its text)
-        self.last_item_id: str | None = None
-        self.response: ResponseStream | None = None  # the latest response (router/realtime/response.py)
-        self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
-        self.input_seen = InputSeen()  # the input the owner last named (`response.create` may release `early`)
+        # Each client event type's handler (the event validated first: router/realtime/events.py).
+        self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {
+            "session.update": self.settings.update,
+            "conversation.item.create": self.conversation.item_create,
+            "input_text_buffer.append": self.conversation.buffer_append,
+            "input_text_buffer.replace": self.conversation.buffer_replace,
+            "input_text_buffer.commit": self.conversation.buffer_commit,
+            "input_text_buffer.clear": self.conversation.buffer_clear,
+            "response.create": self.conversation.response_create,
+            "response.cancel": self.conversation.response_cancel,
+            "input_audio_buffer.append": self.audio.append,
+            "input_audio_buffer.commit": self.audio.commit,
+            "input_audio_buffer.clear": self.audio.clear,
+            "conversation.item.truncate": self.audio.truncate,
+        }
+        self.input_seen = InputSeen()  # the input the owner last named (`response.create` may release an early read)
         self.closing = False
         self.event_id: str | None = None  # the client event being handled: its errors carry this id
         self.opened = self.last_event = time.monotonic()
@@ -131,10 +132,6 @@ class RealtimeConnection(SessionSettings, Conversation):
     def restart(self) -> None:
         self._restart_by = time.monotonic() + RESTART_RESPONSE_WAIT_S
         self._restart.set()
-
-    @property
-    def modalities_key(self) -> str:
-        return "modalities" if self.beta else "output_modalities"
 
     # --- plumbing ----------------------------------------------------------------------------------
     async def send(self, type_: str, **fields: Any) -> None:
@@ -190,9 +187,9 @@ class RealtimeConnection(SessionSettings, Conversation):
         metrics.inc(metrics.REALTIME_CLOSES, 1, "realtime connections closed by the server", code=str(close_code))
 
     async def open_session(self) -> bool:
-        model = self.settings["model"]
+        settings = self.settings.values
         spec = {
-            "request": {"model": model, "messages": [], **self.sampling(self.settings)},
+            "request": {"model": settings["model"], "messages": [], **self.settings.sampling(settings)},
             "close_after_answer": self.close_after_answer,
             "connection": getattr(self.ingress, "replica_name", None),  # (closed if this router replica dies)
         }
@@ -217,16 +214,8 @@ class RealtimeConnection(SessionSettings, Conversation):
             return False
         self.session_id = session_id
         # The connection's view of the session as the session holds it (settings, text typed and not committed).
-        sampling = info.get("sampling") or {}
-        self.settings["instructions"] = info.get("instructions") or ""
-        if sampling.get("temperature") is not None:
-            self.settings["temperature"] = sampling["temperature"]
-        self.settings["max_output_tokens"] = sampling.get("max_tokens") or "inf"
-        if sampling.get("tools"):
-            self.settings["tools"], self.settings["tool_choice"] = tool_calls.from_chat(
-                sampling["tools"], sampling.get("tool_choice")
-            )
-        self.buffer = info.get("buffer") or ""
+        self.settings.restore(info)
+        self.conversation.buffer = info.get("buffer") or ""
         # The connection is this router replica's now: the session no longer dies with the one it left.
         await session_attach(
             self.ingress,
@@ -243,14 +232,15 @@ class RealtimeConnection(SessionSettings, Conversation):
             self.restart()  # the replica began stopping during the handshake
         try:
             await self.accept()
-            await self.send("session.created", session=self.session_object())
+            await self.send("session.created", session=self.settings.session_object())
             self.opened = self.last_event = time.monotonic()  # the session's clocks start once the client has it
             while (message := await self.next_message()) is not None:
                 if message["type"] == "websocket.disconnect":
                     return
                 self.last_event = time.monotonic()
                 await self.on_message(message)
-            if self.close_after_answer and self.response is not None and self.response.done:
+            response = self.conversation.response
+            if self.close_after_answer and response is not None and response.done:
                 await self.ws.close(code=1000, reason="the session's one answer ended")
                 return
             await self.error(self.expiry_reason(), "session_expired")
@@ -265,11 +255,11 @@ class RealtimeConnection(SessionSettings, Conversation):
             self.closing = True
             if watch is not None:
                 watch.unregister(self)
-            if self.early is not None:
-                self.early.close()
+            if self.conversation.early is not None:
+                self.conversation.early.close()
             self.audio.close()
-            if self.response is not None:
-                self.response.task.cancel()
+            if self.conversation.response is not None:
+                self.conversation.response.task.cancel()
             # The client is gone: the session's KV goes with it (in a task of its own: this one may be cancelled).
             # Not when this replica stops: the client reconnects to the session through another one.
             if not self.restarting:
@@ -302,7 +292,8 @@ class RealtimeConnection(SessionSettings, Conversation):
         restart = asyncio.ensure_future(self._restart.wait())
         try:
             while True:
-                streaming = self.response.task if self.response is not None and not self.response.done else None
+                response = self.conversation.response
+                streaming = response.task if response is not None and not response.done else None
                 if restart.done() and (streaming is None or time.monotonic() >= self._restart_by):
                     raise Restarting
                 if streaming is None:
@@ -344,7 +335,7 @@ class RealtimeConnection(SessionSettings, Conversation):
             raw = decode(text)
             self.event_id = event_id_of(raw)
             event = parse(raw)
-            await HANDLERS[event.type](self, event)
+            await self.handlers[event.type](event)
         except InvalidEvent as e:
             await self.error(e.message, e.code, e.param)
         except (SessionGone, WebSocketDisconnect):
@@ -354,25 +345,6 @@ class RealtimeConnection(SessionSettings, Conversation):
             await self.error("the server failed to handle the event", "server_error", type_="server_error")
         finally:
             self.event_id = None
-
-    # --- client events -----------------------------------------------------------------------------
-
-
-Handler = Callable[[RealtimeConnection, Any], Awaitable[None]]
-HANDLERS: dict[str, Handler] = {
-    "session.update": RealtimeConnection.session_update,
-    "conversation.item.create": RealtimeConnection.item_create,
-    "input_text_buffer.append": RealtimeConnection.buffer_append,
-    "input_text_buffer.replace": RealtimeConnection.buffer_replace,
-    "input_text_buffer.commit": RealtimeConnection.buffer_commit,
-    "input_text_buffer.clear": RealtimeConnection.buffer_clear,
-    "response.create": RealtimeConnection.response_create,
-    "response.cancel": RealtimeConnection.response_cancel,
-    "input_audio_buffer.append": lambda c, e: c.audio.append(e),
-    "input_audio_buffer.commit": lambda c, e: c.audio.commit(e),
-    "input_audio_buffer.clear": lambda c, e: c.audio.clear(e),
-    "conversation.item.truncate": lambda c, e: c.audio.truncate(e),
-}
 
 
 @api.websocket("/v1/realtime")

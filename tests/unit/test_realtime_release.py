@@ -87,9 +87,9 @@ async def connection_holding(tag: str) -> tuple[RealtimeConnection, Socket, Ingr
     socket = Socket()
     connection = RealtimeConnection(socket, ingress, "m", beta=False)  # type: ignore[arg-type]
     connection.session_id = SESSION
-    connection.settings["preemptive"] = {"after_idle_ms": 150}
+    connection.settings.values["preemptive"] = {"after_idle_ms": 150}
     await connection.call(session_buffer, op="commit")
-    connection.read_early(0)
+    connection.conversation.read_early(0)
     for _ in range(100):
         if SESSION in ingress.feeds.held:
             break
@@ -101,19 +101,19 @@ async def connection_holding(tag: str) -> tuple[RealtimeConnection, Socket, Ingr
 
 async def end(connection: RealtimeConnection, ingress: Ingress) -> None:
     """The response ends; nothing of the connection is left running (the next turn's early read included)."""
-    assert connection.response is not None
+    assert connection.conversation.response is not None
     connection.closing = True
-    await asyncio.wait_for(connection.response.task, 5)
+    await asyncio.wait_for(connection.conversation.response.task, 5)
     await asyncio.sleep(0)
-    if connection.early is not None:
-        connection.early.close()
+    if connection.conversation.early is not None:
+        connection.conversation.early.close()
     await ingress.decode.batches.put(StopAsyncIteration())
     await reported()
 
 
 async def test_response_create_streams_the_held_answer_before_the_owner_replies() -> None:
     connection, socket, ingress = await connection_holding(TAG)
-    creating = asyncio.ensure_future(connection.response_create(ResponseCreate(type="response.create")))
+    creating = asyncio.ensure_future(connection.conversation.response_create(ResponseCreate(type="response.create")))
     for _ in range(100):
         if "response.output_text.delta" in socket.types():
             break
@@ -134,7 +134,7 @@ async def test_response_create_streams_the_held_answer_before_the_owner_replies(
 
 async def test_a_held_answer_of_other_input_waits_for_the_owner() -> None:
     connection, socket, ingress = await connection_holding("fedcba9876543210")
-    creating = asyncio.ensure_future(connection.response_create(ResponseCreate(type="response.create")))
+    creating = asyncio.ensure_future(connection.conversation.response_create(ResponseCreate(type="response.create")))
     await asyncio.sleep(0.05)
     assert "response.created" not in socket.types()  # not released: the ordinary path, after the owner's reply
     ingress.owner.responds.set()
@@ -147,7 +147,7 @@ async def test_a_held_answer_of_other_input_waits_for_the_owner() -> None:
 async def test_a_refused_response_create_withdraws_the_released_answer() -> None:
     connection, socket, ingress = await connection_holding(TAG)
     ingress.owner.refuse = {"message": "session gone", "type": "NotFoundError", "code": 404}
-    creating = asyncio.ensure_future(connection.response_create(ResponseCreate(type="response.create")))
+    creating = asyncio.ensure_future(connection.conversation.response_create(ResponseCreate(type="response.create")))
     await asyncio.sleep(0.02)
     ingress.owner.responds.set()
     await asyncio.wait_for(creating, 5)
@@ -161,13 +161,13 @@ async def test_a_refused_response_create_withdraws_the_released_answer() -> None
 
 async def spoken_turn_end(connection: RealtimeConnection, socket: Socket) -> asyncio.Future[None]:
     """A spoken turn ends with server VAD's `create_response` (router/realtime/spoken_turn.py `end_turn`)."""
-    connection.buffer = "What is the weather in Paris?"
+    connection.conversation.buffer = "What is the weather in Paris?"
 
     async def announced() -> None:
         await connection.send("conversation.item.input_audio_transcription.completed", item_id="item_1")
 
-    part = {"type": "input_audio", "transcript": connection.buffer}
-    return asyncio.ensure_future(connection.commit_and_respond("item_1", [part], announced))
+    part = {"type": "input_audio", "transcript": connection.conversation.buffer}
+    return asyncio.ensure_future(connection.conversation.commit_and_respond("item_1", [part], announced))
 
 
 async def test_a_spoken_turns_end_streams_the_held_answer_before_the_owner_commits() -> None:
@@ -190,7 +190,7 @@ async def test_a_spoken_turns_end_streams_the_held_answer_before_the_owner_commi
     owner.responds.set()
     await asyncio.wait_for(ending, 5)
     await end(connection, ingress)
-    assert owner.calls == ["commit", "respond"] and connection.buffer == ""
+    assert owner.calls == ["commit", "respond"] and connection.conversation.buffer == ""
     assert socket.sent[-1]["response"]["status"] == "completed"
     assert "".join(e["delta"] for e in socket.sent if e["type"] == "response.output_text.delta") == "Hello, world"
     assert [r["outcome"]["status"] for r in owner.reports] == ["completed"]
@@ -205,10 +205,11 @@ async def test_a_refused_commit_withdraws_the_answer_it_released() -> None:
     await asyncio.sleep(0.02)
     owner.commits.set()
     await asyncio.wait_for(ending, 5)
-    assert connection.early is not None and connection.early.turn == 0  # (the turn is read early again)
+    early = connection.conversation.early
+    assert early is not None and early.turn == 0  # (the turn is read early again)
     await end(connection, ingress)
     assert owner.calls == ["commit"]  # (no claim)
-    assert connection.buffer == "What is the weather in Paris?"  # as the owner still has it
+    assert connection.conversation.buffer == "What is the weather in Paris?"  # as the owner still has it
     done = socket.sent[-1]
     assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
     assert not owner.reports
@@ -253,7 +254,7 @@ async def test_a_commit_that_fails_withdraws_the_answer_it_released() -> None:
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(ending, 5)
     await end(connection, ingress)
-    assert connection.buffer == "What is the weather in Paris?"
+    assert connection.conversation.buffer == "What is the weather in Paris?"
     done = socket.sent[-1]
     assert done["type"] == "response.done" and done["response"]["status"] == "failed", done
     assert not owner.reports

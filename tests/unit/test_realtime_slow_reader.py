@@ -79,7 +79,7 @@ async def test_a_slow_reader_gets_coalesced_deltas_and_all_the_text(monkeypatch:
     connection = realtime.RealtimeConnection(socket, ingress, MODEL, beta=False)  # type: ignore[arg-type]
     connection.session_id = "sess-1"
 
-    await realtime_response.ResponseStream(connection, 0).task
+    await realtime_response.ResponseStream(connection, connection.conversation, 0).task
 
     events = {e["type"]: e for _, e in socket.events}
     deltas = [(at, e["delta"]) for at, e in socket.events if e["type"] == "response.output_text.delta"]
