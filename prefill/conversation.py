@@ -1,15 +1,17 @@
 """A session's conversation: its input as chat messages (or a completion's prompt), tool calls and their results
 included, and its rendering as the engine will see it.
 
-Input joins the conversation as whole messages (`commit_buffer`, `add_message`, a tool's result) or stays the
-in-progress text of the current turn (`buffer`, owned by the session: prefill/session.py). `full_request` is the
-ordinary OpenAI request equal to everything received so far; `stable_tokens` the part of its render no later
-input can change, which is what streams to the engine.
+Input joins the conversation as whole messages (`add_message`, a tool's result, the session's in-progress text
+committed: `commit`) or stays the in-progress text of the current turn (`buffer`, owned by the session:
+prefill/session.py, which hands it to the renders). `full_request` is the ordinary OpenAI request equal to everything
+received so far; `stable_tokens` the part of its render no later input can change, which is what streams to the
+engine.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from core.chat_render import template_messages, template_tools
@@ -26,19 +28,19 @@ class SessionError(Exception):
 
 
 class Conversation:
-    """Mixin of `Session`: what it is given and holds (below) is the session's."""
+    """One session's conversation (`Session.conversation`). Of its session it is given only `answering`: whether
+    an answer is being generated now (input committed meanwhile waits for that answer, in `deferred`)."""
 
-    endpoint: Literal["chat", "completion"]
-    request: dict[str, Any]  # the OpenAI request the answer is made from; its messages/prompt grow
-    instructions: str | None
-    buffer: str  # in-progress text: the current user turn (chat) or the prompt's tail (completion)
-    transcript_at: int | None  # where the turn's audio transcript starts in `buffer` (prefill/session.py)
-    deferred: list[dict[str, Any]]  # input committed while an answer is generated (joins after it)
-    answering: bool
-    check_open: Any
-    touch: Any
-    check_chunk: Any
-    _count_payload: Any
+    def __init__(
+        self, endpoint: Literal["chat", "completion"], request: dict[str, Any], answering: Callable[[], bool]
+    ) -> None:
+        self.endpoint = endpoint
+        # The OpenAI request the answer is made from; its messages/prompt grow with the input.
+        self.request = request
+        self.instructions: str | None = None
+        # Input committed while an answer is generated joins the conversation after that answer.
+        self.deferred: list[dict[str, Any]] = []
+        self._answering = answering
 
     def add_message(
         self,
@@ -47,26 +49,20 @@ class Conversation:
         tool_call_id: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
-        """A whole conversation item (realtime `conversation.item.create`); counted against the payload cap.
-        A `tool` message answers an open call (`tool_call_id`); an assistant's `tool_calls` (a client's
-        `function_call` item) join the assistant message they follow, when it made calls too."""
-        self.check_open()
-        self.touch()
-        self.check_chunk(content, "content")
-        if role == "tool":
-            self.check_tool_result(tool_call_id)
-        self._count_payload(content)
-        self.commit_buffer()
+        """A whole conversation item (realtime `conversation.item.create`), checked and counted by the session,
+        which commits its in-progress text first (`Session.add_message`). A `tool` message answers an open call
+        (`tool_call_id`); an assistant's `tool_calls` (a client's `function_call` item) join the assistant message
+        they follow, when it made calls too."""
         if tool_calls:
             last = (self.deferred or self._messages() or [{}])[-1]
             if last.get("role") == "assistant" and last.get("tool_calls") and not content:
                 last["tool_calls"] = [*last["tool_calls"], *tool_calls]
                 return
-            self._commit({"role": "assistant", "content": content, "tool_calls": tool_calls})
+            self.commit({"role": "assistant", "content": content, "tool_calls": tool_calls})
         elif role == "tool":
-            self._commit({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+            self.commit({"role": "tool", "tool_call_id": tool_call_id, "content": content})
         else:
-            self._commit({"role": role, "content": content})
+            self.commit({"role": role, "content": content})
 
     def truncate_answer(self, chars: int) -> bool:
         """The last assistant message keeps its first `chars` characters (realtime `conversation.item.truncate`:
@@ -99,18 +95,10 @@ class Conversation:
                 400, f"tool_call_id {tool_call_id!r} is not an open tool call (open: {waiting})", "tool_call_id"
             )
 
-    def commit_buffer(self) -> None:
-        """The in-progress text becomes part of the input: a user message (chat) or the prompt's tail."""
-        if not self.buffer:
-            return
-        self._commit({"role": "user", "content": self.buffer})
-        self.buffer = ""
-        self.transcript_at = None  # (REST audio: the next turn's transcript starts anew)
-
-    def _commit(self, message: dict[str, Any]) -> None:
+    def commit(self, message: dict[str, Any]) -> None:
         """Input joins the conversation; while an answer is generated it waits for that answer, so that the
         conversation reads in the order it happened (the answer was asked for first)."""
-        if self.answering:
+        if self._answering():
             self.deferred.append(message)
         elif self.endpoint == "chat":
             self._messages().append(message)
@@ -132,40 +120,40 @@ class Conversation:
             self.request["prompt"] = self.request.get("prompt", "") + text
         deferred, self.deferred = self.deferred, []
         for message in deferred:
-            self._commit(message)
+            self.commit(message)
 
     def _messages(self) -> list[dict[str, Any]]:
         return self.request.setdefault("messages", [])
 
-    def full_request(self, instructions: str | None = None) -> dict[str, Any]:
-        """The ordinary OpenAI request equal to everything received so far (the buffer included);
-        `instructions` replace the session's for one response."""
+    def full_request(self, buffer: str, instructions: str | None = None) -> dict[str, Any]:
+        """The ordinary OpenAI request equal to everything received so far, the session's in-progress text
+        (`buffer`) included; `instructions` replace the session's for one response."""
         request = json.loads(json.dumps(self.request))
         if self.endpoint == "chat":
             messages = request.setdefault("messages", [])
-            if self.buffer:
-                messages.append({"role": "user", "content": self.buffer})
+            if buffer:
+                messages.append({"role": "user", "content": buffer})
             if instructions := instructions if instructions is not None else self.instructions:
                 messages.insert(0, {"role": "system", "content": instructions})
         else:
-            request["prompt"] = request.get("prompt", "") + self.buffer
+            request["prompt"] = request.get("prompt", "") + buffer
         return request
 
-    def stable_tokens(self, tokenizer: Any) -> list[int]:
-        """Tokens of the input that no later chunk can change: the render up to the in-progress text's
+    def stable_tokens(self, tokenizer: Any, buffer: str) -> list[int]:
+        """Tokens of the input that no later chunk can change: the render up to the in-progress text's (`buffer`'s)
         last whitespace, minus one token of margin (BPE may merge across the cut)."""
-        cut = max(self.buffer.rfind(" "), self.buffer.rfind("\n"))
-        stable_buffer = self.buffer[: max(cut, 0)]
-        request = self.full_request()
+        cut = max(buffer.rfind(" "), buffer.rfind("\n"))
+        stable_buffer = buffer[: max(cut, 0)]
+        request = self.full_request(buffer)
         if self.endpoint == "chat":
             messages = request["messages"]
             if not messages:
                 return []
-            if self.buffer:  # mark where the stable in-progress text ends; the template suffix follows it
+            if buffer:  # mark where the stable in-progress text ends; the template suffix follows it
                 messages[-1]["content"] = stable_buffer + _MARK
             text = self._render(tokenizer, request, messages)
-            end = text.find(_MARK) if self.buffer else len(text)
-            if self.buffer and end < 0:  # the template rewrote the content: stream committed messages only
+            end = text.find(_MARK) if buffer else len(text)
+            if buffer and end < 0:  # the template rewrote the content: stream committed messages only
                 messages.pop()
                 text = self._render(tokenizer, request, messages)
                 end = len(text)
@@ -173,7 +161,7 @@ class Conversation:
             add_special = False
         else:
             text = request.get("prompt", "")
-            text = text[: len(text) - len(self.buffer) + len(stable_buffer)]
+            text = text[: len(text) - len(buffer) + len(stable_buffer)]
             end = len(text)
             add_special = True
         enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)

@@ -128,7 +128,7 @@ class HandOffs:
         """The answer joins the conversation, and the conversation stays resident for the next turn."""
         if answer.status == "failed":
             metrics.inc(metrics.ERRORS, 1, "errors by kind", kind="session_answer")
-        session.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
+        session.conversation.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
         recorded = session.record("ended", turn=answer.turn, summary=answer.summary())
         if session.state == SessionState.CLOSED:
             return

@@ -85,7 +85,7 @@ def create_record(session: Session) -> dict[str, Any]:
         "id": session.id,
         "endpoint": session.endpoint,
         "request": session.request,
-        "instructions": session.instructions,
+        "instructions": session.conversation.instructions,
         "policy": session.policy.model_dump(),
         "limits": session.limits.model_dump(),
         "tenant": session.tenant,
@@ -109,7 +109,8 @@ def replay(records: list[dict[str, Any]], streaming: StreamingPrefill) -> Sessio
         SessionLimits.model_validate(spec["limits"]),
         streaming,
     )
-    session.instructions, session.tenant, session.ephemeral = spec["instructions"], spec["tenant"], spec["ephemeral"]
+    session.conversation.instructions = spec["instructions"]
+    session.tenant, session.ephemeral = spec["tenant"], spec["ephemeral"]
     session.close_after_answer = spec.get("close_after_answer", False)
     session.audio = spec.get("audio")
     session.connection = spec.get("connection")
@@ -135,7 +136,7 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
             tool_call_id=record.get("tool_call_id"),
         )
     elif op == "truncate":
-        session.truncate_answer(record["chars"])
+        session.conversation.truncate_answer(record["chars"])
     elif op == "message":
         session.add_message(record["role"], record["content"], record.get("tool_call_id"), record.get("tool_calls"))
     elif op == "buffer":
@@ -149,7 +150,7 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
         session.connection = record["connection"]
     elif op == "update":
         if record["instructions"] is not None:
-            session.instructions = record["instructions"] or None
+            session.conversation.instructions = record["instructions"] or None
         session.request.update(record["params"] or {})
         if record.get("preemptive") is False:  # turned off
             session.preempt = None
@@ -170,7 +171,7 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
         answer.usage, answer.response = summary.get("usage"), summary.get("response") or {}
         answer.tool_calls = summary.get("tool_calls") or None
         answer.finish(summary["status"], summary.get("error"))
-        session.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
+        session.conversation.add_answer(answer.text, failed=answer.status == "failed", tool_calls=answer.tool_calls)
         session.state = SessionState.OPEN
     else:
         raise ValueError(f"unknown journal record {op!r}")

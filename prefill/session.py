@@ -15,12 +15,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefill.answer import Answer
-from prefill.conversation import Conversation, SessionError
+from prefill.conversation import Conversation, SessionError  # (SessionError: imported from here too)
 from prefill.preempt_state import PreemptState
 from prefill.streaming import StreamingPrefill
 
@@ -73,6 +73,16 @@ class SessionLimits(BaseModel):
         return lowered
 
 
+class SessionJournal(Protocol):
+    """What is called on a session's journal (prefill/journal.py `Journal`, which imports this module)."""
+
+    def write(self, op: str, **fields: Any) -> Awaitable[None]: ...
+
+    async def flush(self) -> None: ...
+
+    async def forget(self) -> None: ...
+
+
 def _landed() -> asyncio.Future[None]:
     """A write with no journal: already done (a future, not a coroutine, so that leaving it unawaited is fine)."""
     future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -80,7 +90,7 @@ def _landed() -> asyncio.Future[None]:
     return future
 
 
-class Session(Conversation):
+class Session:
     def __init__(
         self,
         session_id: str,
@@ -91,10 +101,8 @@ class Session(Conversation):
         streaming: StreamingPrefill,
     ) -> None:
         self.id = session_id
-        self.endpoint = endpoint
-        # The OpenAI request the answer is made from; its messages/prompt grow with the input.
-        self.request = request
-        self.instructions: str | None = None
+        # Its messages (or prompt), instructions and input deferred past an answer (prefill/conversation.py).
+        self.conversation = Conversation(endpoint, request, lambda: self.answering)
         self.policy = policy
         self.limits = limits
         self.streaming = streaming
@@ -118,8 +126,6 @@ class Session(Conversation):
         # Calls on a session are applied one at a time, in arrival order (prefill/errors.py `serialized`):
         # Ray Serve runs a replica's async methods concurrently, and a chunk's apply + prefill spans awaits.
         self.lock = asyncio.Lock()
-        # Input committed while an answer is generated joins the conversation after that answer.
-        self.deferred: list[dict[str, Any]] = []
         # One request's session (an NDJSON body): it ends with its answer, whatever its router does after.
         self.ephemeral = False  # one request's session (an NDJSON body): its one reader leaving cancels the answer
         self.buffered = False  # its input waited for room to stream (residency control), at least once
@@ -133,9 +139,27 @@ class Session(Conversation):
         self.connection: str | None = None
         self.orphaned_at: float | None = None
         # Where its changes are recorded so that it outlives this replica (prefill/journal.py); None in unit tests.
-        self.journal: Any = None
+        self.journal: SessionJournal | None = None
         # Ids of the last client calls applied (a call retried after a failover is acknowledged, not reapplied).
         self.applied_calls: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def endpoint(self) -> Literal["chat", "completion"]:
+        return self.conversation.endpoint
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The OpenAI request the answer is made from; its messages/prompt grow with the input."""
+        return self.conversation.request
+
+    def full_request(self, instructions: str | None = None) -> dict[str, Any]:
+        """The ordinary OpenAI request equal to everything received so far (the in-progress text included);
+        `instructions` replace the session's for one response."""
+        return self.conversation.full_request(self.buffer, instructions)
+
+    def stable_tokens(self, tokenizer: Any) -> list[int]:
+        """Tokens of the input that no later chunk can change (`Conversation.stable_tokens`)."""
+        return self.conversation.stable_tokens(tokenizer, self.buffer)
 
     def orphaned(self, now: float, connection_alive: bool) -> bool:
         """Whether the session's connection died with its router replica over `ORPHAN_GRACE_S` ago (and no
@@ -204,7 +228,7 @@ class Session(Conversation):
         if role == "tool":
             if mode != "append":
                 raise SessionError(400, "a tool's result is a whole message: mode must be append", "mode")
-            self.check_tool_result(tool_call_id)
+            self.conversation.check_tool_result(tool_call_id)
         if mode == "append" and role == "user" and payload and self.transcript_at is not None:
             raise SessionError(
                 409, "this turn is spoken: end its audio (an audio chunk with end_of_input) before typing", "modality"
@@ -256,7 +280,9 @@ class Session(Conversation):
                 self._replace(chunk["offset"], chunk["payload"])
             elif chunk.get("role") == "tool":
                 self.commit_buffer()
-                self._commit({"role": "tool", "tool_call_id": chunk["tool_call_id"], "content": chunk["payload"]})
+                self.conversation.commit(
+                    {"role": "tool", "tool_call_id": chunk["tool_call_id"], "content": chunk["payload"]}
+                )
             else:
                 self.buffer += chunk["payload"]
             self.chunk_log.append({"sequence_id": self.next_seq, **chunk})
@@ -270,6 +296,32 @@ class Session(Conversation):
     def check_chunk(self, text: str, param: str = "payload") -> None:
         if len(text.encode()) > self.limits.max_chunk_bytes:
             raise SessionError(413, f"one chunk holds at most {self.limits.max_chunk_bytes} bytes", param)
+
+    def add_message(
+        self,
+        role: str,
+        content: str,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """A whole conversation item (realtime `conversation.item.create`), counted against the payload cap; the
+        in-progress text is committed before it (`Conversation.add_message`)."""
+        self.check_open()
+        self.touch()
+        self.check_chunk(content, "content")
+        if role == "tool":
+            self.conversation.check_tool_result(tool_call_id)
+        self._count_payload(content)
+        self.commit_buffer()
+        self.conversation.add_message(role, content, tool_call_id, tool_calls)
+
+    def commit_buffer(self) -> None:
+        """The in-progress text becomes part of the input: a user message (chat) or the prompt's tail."""
+        if not self.buffer:
+            return
+        self.conversation.commit({"role": "user", "content": self.buffer})
+        self.buffer = ""
+        self.transcript_at = None  # (REST audio: the next turn's transcript starts anew)
 
     def append_text(self, text: str) -> None:
         """Text typed within the current turn (realtime `input_text_buffer.append`)."""
@@ -341,7 +393,7 @@ class Session(Conversation):
             "tenant": self.tenant,
             "endpoint": self.endpoint,
             "request": self.request,
-            "instructions": self.instructions,
+            "instructions": self.conversation.instructions,
             "policy": self.policy.model_dump(),
             "limits": self.limits.model_dump(),
             "buffer": self.buffer,
@@ -351,7 +403,7 @@ class Session(Conversation):
             "pending": [[seq, chunk] for seq, (_, chunk) in self.pending.items()],
             "payload_bytes": self.payload_bytes,
             "input_ended": self.input_ended,
-            "deferred": self.deferred,
+            "deferred": self.conversation.deferred,
             "ephemeral": self.ephemeral,
             "close_after_answer": self.close_after_answer,
             "audio": self.audio,
@@ -371,7 +423,7 @@ class Session(Conversation):
             SessionLimits.model_validate(state["limits"]),
             streaming,
         )
-        session.instructions = state["instructions"]
+        session.conversation.instructions = state["instructions"]
         session.tenant = state.get("tenant", "")
         session.buffer = state["buffer"]
         session.transcript_at = state.get("transcript_at")
@@ -380,7 +432,7 @@ class Session(Conversation):
         session.pending = {seq: (time.monotonic(), chunk) for seq, chunk in state["pending"]}
         session.payload_bytes = state["payload_bytes"]
         session.input_ended = state["input_ended"]
-        session.deferred = state.get("deferred", [])
+        session.conversation.deferred = state.get("deferred", [])
         session.ephemeral = state.get("ephemeral", False)
         session.close_after_answer = state.get("close_after_answer", False)
         session.audio = state.get("audio")

@@ -164,7 +164,7 @@ class SessionCalls:
         session_id = new_session_id(self.replica)
         logger.info("session %s created (%s, start policy %s)", session_id, endpoint, policy.type)
         session = Session(session_id, endpoint, request, policy, limits, self.table.streaming(session_id))
-        session.instructions = spec.get("instructions")
+        session.conversation.instructions = spec.get("instructions")
         session.ephemeral = bool(spec.get("ephemeral"))
         session.close_after_answer = bool(spec.get("close_after_answer"))
         if spec.get("preemptive") is not None:
@@ -261,7 +261,7 @@ class SessionCalls:
         session.touch()
         if session.answering:
             raise SessionError(409, "the answer is still being generated: cut it once it has ended", "item_id")
-        if session.truncate_answer(chars):
+        if session.conversation.truncate_answer(chars):
             await session.record("truncate", chars=chars)
             await self.table.prefill_stable(session)
             self.preemptive.rearm(session)
@@ -314,7 +314,7 @@ class SessionCalls:
             else None
         )
         if instructions is not None:
-            session.instructions = instructions or None
+            session.conversation.instructions = instructions or None
         session.request.update(params or {})
         if options is not None or preemptive is False:
             if session.preempt is not None:
@@ -380,7 +380,7 @@ class SessionCalls:
             **session.describe(),
             "close_reason": session.close_reason,
             # What a client re-attaching to the session needs (router/realtime/socket.py `attach`).
-            "instructions": session.instructions,
+            "instructions": session.conversation.instructions,
             "buffer": session.buffer,
             "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens", "tools", "tool_choice")},
             "request_ids": session.streaming.request_ids,

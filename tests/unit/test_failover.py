@@ -97,7 +97,7 @@ async def test_a_multi_turn_conversation_is_replayed_exactly(pool) -> None:
     assert reply["answer"]["text"] == "KV is a cache." and reply["answer"]["status"] == "completed"
     adopted = b.sessions[session.id]
     assert (adopted.full_request(), adopted.next_seq, adopted.payload_bytes, len(adopted.answers)) == before
-    assert adopted.instructions == "Be brief." and adopted.request["temperature"] == 0
+    assert adopted.conversation.instructions == "Be brief." and adopted.request["temperature"] == 0
 
 
 async def test_the_router_holding_a_sessions_connection_is_replayed(pool) -> None:

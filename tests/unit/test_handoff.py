@@ -159,7 +159,7 @@ async def test_claim_returns_the_decode_request_exactly_once(server: Server, inc
     if include_usage:
         request["stream_options"] = {"include_usage": True}
     session = server.open_session(request)
-    session.instructions = "Be brief."
+    session.conversation.instructions = "Be brief."
     reply = await server.end_input(session, "What is a KV cache?")
     assert reply["started"] and reply["state"] == "answering"
 
@@ -230,7 +230,7 @@ async def test_claim_on_an_unknown_session_is_a_404(server: Server) -> None:
 
 async def test_respond_overrides_shape_the_decode_request(server: Server) -> None:
     session = server.open_session()
-    session.instructions = "Be brief."
+    session.conversation.instructions = "Be brief."
     await server.session_message(session_id=session.id, role="user", content="Hi")
     reply = await server.session_respond(
         session_id=session.id, overrides={"max_tokens": 3, "instructions": "Answer in French."}
@@ -240,7 +240,7 @@ async def test_respond_overrides_shape_the_decode_request(server: Server) -> Non
     assert claim["request"]["max_tokens"] == 3
     assert claim["request"]["messages"][0] == {"role": "system", "content": "Answer in French."}
     assert "instructions" not in claim["request"]
-    assert session.instructions == "Be brief."  # for this response only
+    assert session.conversation.instructions == "Be brief."  # for this response only
 
     refused = await server.session_respond(session_id=session.id, overrides={"n": 2})
     assert refused["error"]["code"] == 409  # one response at a time

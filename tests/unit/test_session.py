@@ -186,8 +186,8 @@ def test_truncating_the_last_answer_keeps_what_the_user_heard_and_replays_the_sa
     s = session()
     s.add_message("user", "Tell me a story.")
     s.add_message("assistant", "Once upon a time there was")
-    assert s.truncate_answer(9) and s.full_request()["messages"][-1]["content"] == "Once upon"
-    assert not s.truncate_answer(50)  # (shorter already: nothing to cut)
+    assert s.conversation.truncate_answer(9) and s.full_request()["messages"][-1]["content"] == "Once upon"
+    assert not s.conversation.truncate_answer(50)  # (shorter already: nothing to cut)
     replayed = session()
     replayed.add_message("user", "Tell me a story.")
     replayed.add_message("assistant", "Once upon a time there was")

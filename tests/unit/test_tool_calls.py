@@ -12,6 +12,7 @@ import pytest
 from core.chat_render import template_messages, template_tools
 from core.protocol import parse_sse, sse
 from local_models.tools_fit import TOOLS
+from prefill.conversation import Conversation
 from prefill.journal import replay
 from prefill.session import Session, SessionError, SessionLimits, StartPolicy
 from prefill.streaming import StreamingPrefill
@@ -97,8 +98,8 @@ def test_a_tool_result_chunk_answers_an_open_call_and_nothing_else() -> None:
     s = session()
     s.add_chunk(0, "What is the weather in Paris?", True)
     s.commit_buffer()  # (as the answer's start does)
-    s.add_answer("", tool_calls=CALLS)
-    assert s.open_tool_calls() == [CALL_ID, "call-2"]
+    s.conversation.add_answer("", tool_calls=CALLS)
+    assert s.conversation.open_tool_calls() == [CALL_ID, "call-2"]
     with pytest.raises(SessionError) as e:
         s.add_chunk(1, "{}", False, role="tool", tool_call_id="call-unknown")
     assert e.value.status == 400 and e.value.param == "tool_call_id" and CALL_ID in e.value.message
@@ -113,7 +114,7 @@ def test_a_tool_result_chunk_answers_an_open_call_and_nothing_else() -> None:
     with pytest.raises(SessionError):  # answered already
         s.add_chunk(2, "{}", False, role="tool", tool_call_id=CALL_ID)
     s.add_chunk(2, '{"time": "12:00"}', True, role="tool", tool_call_id="call-2")
-    assert s.open_tool_calls() == []
+    assert s.conversation.open_tool_calls() == []
     roles = [(m["role"], m.get("tool_call_id")) for m in s.full_request()["messages"]]
     assert roles == [("user", None), ("assistant", None), ("tool", CALL_ID), ("tool", "call-2")]
     assert s.full_request()["messages"][1]["tool_calls"] == CALLS
@@ -161,7 +162,7 @@ def test_a_session_renders_calls_as_vllm_does() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(make_local_model())
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": CALLS}]
-    as_strings = Session._render(tokenizer, {"tools": TOOLS}, messages)
+    as_strings = Conversation._render(tokenizer, {"tools": TOOLS}, messages)
     objects = [
         messages[0],
         {
