@@ -10,14 +10,30 @@ value over gRPC (`_by_reference=False`, serve_app/serve_env.py). A `replica` arg
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
 from core.protocol import Endpoint
 from decode.feed import Batch, TokenIds
 
-__all__ = ["Batch", "DecodeClient", "TokenIds"]
+__all__ = ["Batch", "DecodeClient", "Started", "Stopped", "TokenIds"]
+
+
+class Started(TypedDict, total=False):
+    """`start`, `adopt`: the stream's replica (its frames come on the caller's feed), or the whole answer (a request
+    that does not stream), or an error (naming `replica` when that replica's engine failed: another may take it)."""
+
+    replica: str
+    response: dict[str, Any]
+    error: dict[str, Any]
+
+
+class Stopped(TypedDict, total=False):
+    """`stop`: the tokens the stream had made (what a preemptive answer cost), or an error."""
+
+    tokens: int
+    error: dict[str, Any]
 
 
 class DecodeClient:
@@ -48,7 +64,7 @@ class DecodeClient:
         park_tokens: int | None = None,
         hold_tokens: int | None = None,
         preemptive: bool = False,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[Started]:
         """`{"replica": ...}` (its frames come on `consumer`'s feed), `{"response": ...}` or `{"error": ...}`.
         `preemptive` (a prefill replica's preemptive answer, parked under `consumer`): it stops at `park_tokens`,
         or is held at `hold_tokens` until confirmed (decode/server.py `start`)."""
@@ -71,7 +87,7 @@ class DecodeClient:
 
     def adopt(
         self, *, consumer: str, stream_id: str, parked: str, request_id: str, replica: str, tentative: bool
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[Started]:
         """Take over a preemptive answer's stream parked under `parked`: `{"replica": ...}` or a 404 error."""
         return self._method("adopt").remote(
             consumer=consumer,
@@ -86,7 +102,7 @@ class DecodeClient:
         """A held preemptive answer is the answer: its cap is lifted, its rank an ordinary answer's."""
         return self._method("confirm").remote(stream_id=stream_id, request_id=request_id, replica=replica)
 
-    def stop(self, *, consumer: str, stream_id: str, replica: str | None) -> Awaitable[dict[str, Any]]:
+    def stop(self, *, consumer: str, stream_id: str, replica: str | None) -> Awaitable[Stopped]:
         """Abort a stream (the client left): `{"tokens": n}`, what a preemptive answer had made."""
         return self._method("stop").remote(consumer=consumer, stream_id=stream_id, replica=replica)
 

@@ -11,17 +11,146 @@ retry after its owner died is not applied twice (router/sessions/owner.py reuses
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
 from core.protocol import Endpoint
 
-__all__ = ["PrefillClient"]
+__all__ = [
+    "AnswerReply",
+    "AnswerSummary",
+    "ClaimReply",
+    "DeletedReply",
+    "InfoReply",
+    "PrefillClient",
+    "PrefillReply",
+    "Reply",
+    "SessionReply",
+    "StatusReply",
+]
+
+
+# --- what comes back (JSON-shaped: the router forwards much of it as is) ------------------------------------------
+class Reply(TypedDict, total=False):
+    """Every reply may be an error instead: `{"error": <OpenAI error object>}` (core/protocol.py)."""
+
+    error: dict[str, Any]
+
+
+class PrefillReply(Reply, total=False):
+    """`prefill`: where the KV is for decode (with the prompt's ids for a chat) and the prompt's length."""
+
+    kv_transfer_params: dict[str, Any]
+    prompt_tokens: int
+
+
+class AnswerSummary(TypedDict, total=False):
+    """One answer of a session (prefill/answer.py `Answer.summary`)."""
+
+    turn: int
+    status: str  # preparing, ready, streaming, done, failed, cancelled
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    error: dict[str, Any] | None
+    response: dict[str, Any]
+    tool_calls: list[dict[str, Any]] | None
+    timing: dict[str, float]
+
+
+class SessionReply(Reply, total=False):
+    """A session as its owner describes it (prefill/session.py `Session.describe`), with what the call adds."""
+
+    session_id: str
+    state: str
+    endpoint: str
+    next_sequence_id: int
+    pending: list[int]
+    payload_bytes: int
+    input_ended: bool
+    turns: int
+    resident_tokens: int
+    rewrites: int
+    invalidated_tokens: int
+    coalesced: int
+    streaming: bool
+    prefilled: bool
+    buffered: bool
+    preemptive: dict[str, Any]
+    audio: dict[str, Any]
+    expires_in: float
+    duplicate: bool  # session_chunk: a retried chunk, applied before
+    applied: list[int]  # session_chunk: the sequence ids this call applied
+    started: bool  # session_chunk: the input ended and the answer started
+    preempting: bool  # session_preempt: a preemptive answer starts now
+
+
+class AnswerReply(SessionReply, total=False):
+    """`session_finish`, `session_respond`, `session_cancel`, `session_result`: the session and its answer (`pending`
+    instead while `session_result` has none yet); `stop`: the decode stream a cancel stops."""
+
+    answer: AnswerSummary | None
+    stop: dict[str, Any]
+
+
+class ClaimReply(Reply, total=False):
+    """`session_claim`: `pending` (no answer yet; `provisional`: the preemptive answer a reader may hold), the decode
+    request to start (`request`) or to adopt (`adopt`), or the answer's summary when it cannot be streamed."""
+
+    pending: bool
+    provisional: dict[str, Any] | None
+    turn: int
+    endpoint: str
+    include_usage: bool
+    timing: dict[str, float]
+    adopt: dict[str, Any]
+    request: dict[str, Any]
+    answer: AnswerSummary
+    last_chunk_time: float
+
+
+class StatusReply(Reply, total=False):
+    session_id: str
+    state: str
+    answer_status: str | None
+
+
+class DeletedReply(Reply, total=False):
+    session_id: str
+    deleted: bool
+
+
+class InfoReply(SessionReply, total=False):
+    """`session_info`: the session, what a re-attaching client needs, and its work and scheduler figures."""
+
+    close_reason: str | None
+    instructions: str | None
+    buffer: str
+    sampling: dict[str, Any]
+    request_ids: list[str]
+    prompt_tokens_computed: int
+    block_size: int
+    work: dict[str, Any]
+    answers: list[AnswerSummary]
+    scheduler: dict[str, Any]
+
+
+class StreamingReply(Reply, total=False):
+    """`session_streaming`, `session_alive`: `stop` names the decode stream to stop (the answer was cancelled)."""
+
+    stop: dict[str, Any]
+
+
+class AdoptedReply(Reply, total=False):
+    """`adopt_sessions`: the sessions this replica took over."""
+
+    adopted: list[str]
+    by: str
 
 
 class PrefillClient:
-    """Each call returns what its handle returns: an awaitable of the replica's reply (a dict)."""
+    """Each call returns what its handle returns: an awaitable of the replica's reply (the types above)."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._calls = handle.options(_by_reference=False, stream=False)
@@ -34,13 +163,13 @@ class PrefillClient:
             method = self._methods[name] = getattr(self._calls, name)
         return method
 
-    def _session(self, name: str, route_to: str | None, **kwargs: Any) -> Awaitable[dict[str, Any]]:
+    def _session(self, name: str, route_to: str | None, **kwargs: Any) -> Awaitable[Any]:
         # No `route_to` unless given: the request router then takes the replica the session id names.
         route = {"route_to": route_to} if route_to is not None else {}
         return self._method(name).remote(**kwargs, **route)
 
     # --- whole prompts and health -------------------------------------------------------------------
-    def prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+    def prefill(self, endpoint: Endpoint, body: dict[str, Any]) -> Awaitable[PrefillReply]:
         """A one-token prefill leaving the KV for decode: `{"kv_transfer_params": ...}` or `{"error": ...}`."""
         return self._method("prefill").remote(endpoint, body)
 
@@ -48,7 +177,7 @@ class PrefillClient:
         return self._method("check_health").remote()
 
     # --- sessions -----------------------------------------------------------------------------------
-    def create_session(self, spec: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+    def create_session(self, spec: dict[str, Any]) -> Awaitable[SessionReply]:
         """A new session on some replica (`spec["tenant"]` owns it): its description, or an error (429: full)."""
         return self._method("create_session").remote(spec)
 
@@ -67,7 +196,7 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session(
             "session_chunk",
             route_to,
@@ -95,7 +224,7 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session(
             "session_message",
             route_to,
@@ -110,7 +239,7 @@ class PrefillClient:
 
     def session_truncate(
         self, *, session_id: str, chars: int, tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session("session_truncate", route_to, session_id=session_id, chars=chars, tenant=tenant)
 
     def session_buffer(
@@ -123,7 +252,7 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session(
             "session_buffer",
             route_to,
@@ -135,9 +264,7 @@ class PrefillClient:
             call_id=call_id,
         )
 
-    def session_preempt(
-        self, *, session_id: str, tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    def session_preempt(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[SessionReply]:
         return self._session("session_preempt", route_to, session_id=session_id, tenant=tenant)
 
     def session_update(
@@ -150,7 +277,7 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session(
             "session_update",
             route_to,
@@ -170,7 +297,7 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[AnswerReply]:
         return self._session(
             "session_finish", route_to, session_id=session_id, overrides=overrides, tenant=tenant, call_id=call_id
         )
@@ -183,23 +310,23 @@ class PrefillClient:
         tenant: str,
         call_id: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[AnswerReply]:
         return self._session(
             "session_respond", route_to, session_id=session_id, overrides=overrides, tenant=tenant, call_id=call_id
         )
 
-    def session_delete(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+    def session_delete(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[DeletedReply]:
         return self._session("session_delete", route_to, session_id=session_id, tenant=tenant)
 
     def session_attach(
         self, *, session_id: str, connection: str | None = None, tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[SessionReply]:
         return self._session("session_attach", route_to, session_id=session_id, connection=connection, tenant=tenant)
 
-    def session_status(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+    def session_status(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[StatusReply]:
         return self._session("session_status", route_to, session_id=session_id, tenant=tenant)
 
-    def session_info(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+    def session_info(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[InfoReply]:
         return self._session("session_info", route_to, session_id=session_id, tenant=tenant)
 
     # --- answers (prefill/handoff.py) ---------------------------------------------------------------
@@ -214,7 +341,7 @@ class PrefillClient:
         holding: str | None = None,
         tenant: str,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[ClaimReply]:
         return self._session(
             "session_claim",
             route_to,
@@ -229,29 +356,29 @@ class PrefillClient:
 
     def session_answer_done(
         self, *, session_id: str, turn: int, outcome: dict[str, Any], tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[AnswerSummary]:
         return self._session(
             "session_answer_done", route_to, session_id=session_id, turn=turn, outcome=outcome, tenant=tenant
         )
 
     def session_streaming(
         self, *, session_id: str, turn: int, decode: dict[str, Any], tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[StreamingReply]:
         return self._session(
             "session_streaming", route_to, session_id=session_id, turn=turn, decode=decode, tenant=tenant
         )
 
     def session_alive(
         self, *, session_id: str, turn: int, tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[StreamingReply]:
         return self._session("session_alive", route_to, session_id=session_id, turn=turn, tenant=tenant)
 
-    def session_cancel(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[dict[str, Any]]:
+    def session_cancel(self, *, session_id: str, tenant: str, route_to: str | None = None) -> Awaitable[AnswerReply]:
         return self._session("session_cancel", route_to, session_id=session_id, tenant=tenant)
 
     def session_result(
         self, *, session_id: str, turn: int | None = None, wait: bool = True, tenant: str, route_to: str | None = None
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[AnswerReply]:
         return self._session("session_result", route_to, session_id=session_id, turn=turn, wait=wait, tenant=tenant)
 
     # --- peers (prefill/failover.py) ----------------------------------------------------------------
@@ -262,7 +389,7 @@ class PrefillClient:
         journals: list[list[dict[str, Any]]],
         session_id: str | None = None,
         route_to: str | None = None,
-    ) -> Awaitable[dict[str, Any]]:
+    ) -> Awaitable[AdoptedReply]:
         """A draining replica's sessions taken over: `{"adopted": [ids], "by": replica}`. `session_id` and
         `route_to` only steer the call (to its adopter); without them any replica takes it."""
         steer = {"session_id": session_id} if session_id is not None else {}

@@ -201,8 +201,8 @@ class PrefillServer:
         metrics.export_scheduler(stats, previous, self.replica)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Tells the routers' admission
-        control (router/admission/gate.py) how full it is. KV figures are the engine's last step's (its stat logger)."""
+        """Tells the routers' admission control (router/admission/gate.py) how full it is. KV figures are the
+        engine's last step's (its stat logger)."""
         total = int(self.engine.client.vllm_config.cache_config.num_gpu_blocks or 1) - 1  # minus the null block
         return {
             "open_sessions": self.table.open_count(),

@@ -16,16 +16,26 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from ray.exceptions import RayActorError
 
 from core import metrics
 from core.protocol import capacity_exhausted, error_body, error_status
 from core.tasks import detached
-from prefill.client import PrefillClient
+from prefill.client import (
+    AnswerReply,
+    AnswerSummary,
+    ClaimReply,
+    DeletedReply,
+    InfoReply,
+    PrefillClient,
+    SessionReply,
+    StatusReply,
+    StreamingReply,
+)
 from router.admission.gate import session_seen
 
 # Whose request this is: the caller's API key id (router/keys/auth.py), "" without keys. Every session call carries
@@ -46,8 +56,9 @@ FAILOVER_WAIT_S = 30.0
 MAX_KNOWN_OWNERS = 100_000
 # Where sessions are now, as replicas answered (503 with `owner`): calls go straight there next time.
 owners: OrderedDict[str, str] = OrderedDict()
+R = TypeVar("R", bound=Mapping[str, Any])  # a session call's reply type (prefill/client.py)
 # One try of a session call: the prefill client and the replica to send it to (None: the one the id names).
-OwnerCall = Callable[[PrefillClient, str | None], Awaitable[dict[str, Any]]]
+OwnerCall = Callable[[PrefillClient, str | None], Awaitable[R]]
 
 
 def handing_over(result: Any) -> bool:
@@ -74,7 +85,7 @@ def new_call_id() -> str:
 
 async def create_session(
     ingress: Any, spec: dict[str, Any], abandoned: Callable[[], None] | None = None
-) -> dict[str, Any]:
+) -> SessionReply:
     """A new session on some prefill replica, owned by the caller's key (and within its session cap).
 
     The call runs in a task of its own (core/tasks.py): a client that leaves meanwhile (its request cancelled)
@@ -85,7 +96,7 @@ async def create_session(
     wait_s = admission.max_wait_s if admission is not None and admission.enabled else 0.0
     prefill: PrefillClient = ingress.prefill
 
-    async def create() -> dict[str, Any]:
+    async def create() -> SessionReply:
         # Admission read the replicas' stats up to a second old: a replica found full when asked is asked again
         # (room frees as sessions end) within the admission's wait, rather than the client refused at once.
         deadline = time.monotonic() + wait_s
@@ -110,7 +121,7 @@ def _delete_made(ingress: Any, call: asyncio.Task[dict[str, Any]]) -> None:
         detached(session_delete(ingress, made["session_id"]))
 
 
-async def session_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[str, Any]:
+async def session_call(ingress: Any, session_id: str, call: OwnerCall[R]) -> R:
     """A call on the session's owner replica. While the session changes owner (its replica died or drains),
     the call is tried again (the same `call`, so a mutating one keeps its `call_id`) until it lands where the
     session now is (bounded)."""
@@ -119,7 +130,7 @@ async def session_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[s
     return result
 
 
-async def _owner_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[str, Any]:
+async def _owner_call(ingress: Any, session_id: str, call: OwnerCall[R]) -> R:
     prefill: PrefillClient = ingress.prefill
     deadline = time.monotonic() + FAILOVER_WAIT_S
     while True:
@@ -137,7 +148,7 @@ async def _owner_call(ingress: Any, session_id: str, call: OwnerCall) -> dict[st
             return result
         moved = result["error"].get("owner")
         if time.monotonic() > deadline:
-            return not_found(result)
+            return cast(R, not_found(result))  # (an error reply: any reply may be one)
         if moved is not None and moved != route:
             _learn(session_id, moved)  # held by that replica: straight there
             continue
@@ -160,7 +171,7 @@ async def session_chunk(
     role: str = "user",
     tool_call_id: str | None = None,
     audio_start: bool = False,
-) -> dict[str, Any]:
+) -> SessionReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -190,7 +201,7 @@ async def session_message(
     content: str,
     tool_call_id: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+) -> SessionReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -208,7 +219,7 @@ async def session_message(
     )
 
 
-async def session_truncate(ingress: Any, session_id: str, *, chars: int) -> dict[str, Any]:
+async def session_truncate(ingress: Any, session_id: str, *, chars: int) -> SessionReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -217,7 +228,7 @@ async def session_truncate(ingress: Any, session_id: str, *, chars: int) -> dict
     )
 
 
-async def session_buffer(ingress: Any, session_id: str, *, op: str, text: str = "", offset: int = 0) -> dict[str, Any]:
+async def session_buffer(ingress: Any, session_id: str, *, op: str, text: str = "", offset: int = 0) -> SessionReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -228,7 +239,7 @@ async def session_buffer(ingress: Any, session_id: str, *, op: str, text: str = 
     )
 
 
-async def session_preempt(ingress: Any, session_id: str) -> dict[str, Any]:
+async def session_preempt(ingress: Any, session_id: str) -> SessionReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -244,7 +255,7 @@ async def session_update(
     instructions: str | None = None,
     params: dict[str, Any] | None = None,
     preemptive: dict[str, Any] | Literal[False] | None = None,
-) -> dict[str, Any]:
+) -> SessionReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -261,7 +272,7 @@ async def session_update(
     )
 
 
-async def session_finish(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+async def session_finish(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> AnswerReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -272,7 +283,7 @@ async def session_finish(ingress: Any, session_id: str, *, overrides: dict[str, 
     )
 
 
-async def session_respond(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+async def session_respond(ingress: Any, session_id: str, *, overrides: dict[str, Any] | None = None) -> AnswerReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
         ingress,
@@ -283,7 +294,7 @@ async def session_respond(ingress: Any, session_id: str, *, overrides: dict[str,
     )
 
 
-async def session_delete(ingress: Any, session_id: str) -> dict[str, Any]:
+async def session_delete(ingress: Any, session_id: str) -> DeletedReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -292,7 +303,7 @@ async def session_delete(ingress: Any, session_id: str) -> dict[str, Any]:
     )
 
 
-async def session_attach(ingress: Any, session_id: str, *, connection: str | None = None) -> dict[str, Any]:
+async def session_attach(ingress: Any, session_id: str, *, connection: str | None = None) -> SessionReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -303,7 +314,7 @@ async def session_attach(ingress: Any, session_id: str, *, connection: str | Non
     )
 
 
-async def session_status(ingress: Any, session_id: str, tenant: str) -> dict[str, Any]:
+async def session_status(ingress: Any, session_id: str, tenant: str) -> StatusReply:
     """The session's state, asked by the router itself for admission (with the key that opened it): no
     client's call, so not counted as the session's activity here."""
     return await _owner_call(
@@ -313,7 +324,7 @@ async def session_status(ingress: Any, session_id: str, tenant: str) -> dict[str
     )
 
 
-async def session_info(ingress: Any, session_id: str) -> dict[str, Any]:
+async def session_info(ingress: Any, session_id: str) -> InfoReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -331,7 +342,7 @@ async def session_claim(
     adopts: bool = True,
     reclaim: bool = False,
     holding: str | None = None,
-) -> dict[str, Any]:
+) -> ClaimReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -349,7 +360,7 @@ async def session_claim(
     )
 
 
-async def session_answer_done(ingress: Any, session_id: str, *, turn: int, outcome: dict[str, Any]) -> dict[str, Any]:
+async def session_answer_done(ingress: Any, session_id: str, *, turn: int, outcome: dict[str, Any]) -> AnswerSummary:
     who = tenant()
     return await session_call(
         ingress,
@@ -360,7 +371,7 @@ async def session_answer_done(ingress: Any, session_id: str, *, turn: int, outco
     )
 
 
-async def session_streaming(ingress: Any, session_id: str, *, turn: int, decode: dict[str, Any]) -> dict[str, Any]:
+async def session_streaming(ingress: Any, session_id: str, *, turn: int, decode: dict[str, Any]) -> StreamingReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -371,7 +382,7 @@ async def session_streaming(ingress: Any, session_id: str, *, turn: int, decode:
     )
 
 
-async def session_alive(ingress: Any, session_id: str, *, turn: int) -> dict[str, Any]:
+async def session_alive(ingress: Any, session_id: str, *, turn: int) -> StreamingReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -380,7 +391,7 @@ async def session_alive(ingress: Any, session_id: str, *, turn: int) -> dict[str
     )
 
 
-async def session_cancel(ingress: Any, session_id: str) -> dict[str, Any]:
+async def session_cancel(ingress: Any, session_id: str) -> AnswerReply:
     who = tenant()
     return await session_call(
         ingress,
@@ -389,9 +400,7 @@ async def session_cancel(ingress: Any, session_id: str) -> dict[str, Any]:
     )
 
 
-async def session_result(
-    ingress: Any, session_id: str, *, turn: int | None = None, wait: bool = True
-) -> dict[str, Any]:
+async def session_result(ingress: Any, session_id: str, *, turn: int | None = None, wait: bool = True) -> AnswerReply:
     who = tenant()
     return await session_call(
         ingress,

@@ -66,7 +66,8 @@ def broken_rules(root: Path, guide: str) -> list[str]:
         allowed = rules[folder] | {folder}
         for target in sorted(imported):
             if not any(target == a or target.startswith(a + ".") for a in allowed):
-                broken.append(f"{module} imports {target} ({folder}/ may import {', '.join(sorted(rules[folder]))})")
+                may = ", ".join(sorted(rules[folder])) or "nothing of the project"
+                broken.append(f"{module} imports {target} ({folder}/ may import {may})")
     return broken
 
 
@@ -148,4 +149,4 @@ def test_the_checks_catch_a_scratch_import_and_a_circle(tmp_path: Path) -> None:
     assert broken_rules(tmp_path, guide) == []
     assert circles(graph(tmp_path, layers(guide))) == [["core.a", "core.b"]]
     (tmp_path / "core" / "c.py").write_text("def late():\n    from router.app import x\n")
-    assert broken_rules(tmp_path, guide) == ["core.c imports router.app (core/ may import )"]
+    assert broken_rules(tmp_path, guide) == ["core.c imports router.app (core/ may import nothing of the project)"]
