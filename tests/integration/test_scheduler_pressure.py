@@ -165,7 +165,7 @@ async def test_sessions_beyond_kv_capacity_all_answer(server: str, pressure: str
     # is ended there), or by a new request when the session's is gone (the prefix cache gives the prefix back).
     # Nothing to cut where the replaced input never reached the engine: a session residency control kept from
     # streaming (its input waited, whole), or one whose appends waited behind a chunk still queued in the engine
-    # (those versions were coalesced: tests/unit/test_streaming_sender.py).
+    # (those versions were coalesced: tests/unit/prefill/test_streaming_sender.py).
     updates = [r["info"] for k, r in enumerate(results) if k % 3 == 0]
     assert all(u["rewrites"] >= 1 or u["buffered"] or u["coalesced"] >= 1 for u in updates), updates
     assert any(u["rewrites"] >= 1 for u in updates), updates

@@ -48,7 +48,9 @@ def test_yaml_configs_validate(block: Block) -> None:
     elif isinstance(data, dict) and set(data) <= set(AppConfig.model_fields):
         AppConfig.model_validate(data)
     elif isinstance(data, dict) and {"apiVersion", "kind", "metadata"} <= set(data):
-        pass  # a Kubernetes object (k8s/README.md): parsed; the manifests themselves are tests/unit/test_manifests.py's
+        # A Kubernetes object (k8s/README.md): parsed; the manifests themselves are
+        # tests/unit/serve_app/test_manifests.py's.
+        pass
     else:
         pytest.fail(f"{block.name}: neither a Serve config nor a part of the app's args")
 
