@@ -8,7 +8,7 @@ For a request with no tools, logprobs, echo, reasoning parser, beam search or `n
 place: the per-token frame is a template made once per stream from vLLM's own models (so the keys, their order
 and the JSON are vLLM's), filled with the delta's text; the token ids travel beside the frame (`Frame`), in it only
 when the client asked. Every other frame (the role, the finish, usage, errors) is vLLM's own model, once per
-stream. Anything else keeps vLLM's generator. tests/unit/test_decode_sse.py feeds the same engine outputs to both
+stream. Anything else keeps vLLM's generator. tests/unit/decode/test_decode_sse.py feeds the same engine outputs to both
 and compares the bytes.
 
 The frames are those of vLLM's generator with no tool parser, whether or not the config names one: a request that

@@ -9,7 +9,7 @@ also decodes each saved model with vLLM, as the app serves it.
     python -m local_models.fit_check [--paths default avx2 avx512] [--models tiny-llama-tools tiny-whisper] [--vllm]
 
 Prints a line per (model, path) and a JSON summary; exits non-zero if any fit or decode fails. `make test` runs it
-(tests/unit/test_fit_paths.py) for the paths other than the one `make models` built with.
+(tests/unit/local_models/test_fit_paths.py) for the paths other than the one `make models` built with.
 """
 
 from __future__ import annotations

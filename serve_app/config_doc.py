@@ -6,7 +6,7 @@
 Every field of `AppConfig`, at its path in the application's `args` (`prefill.scheduler.policy`), with its type,
 constraints, default and description. A description is the field's `Field(description=...)`, else the comment
 block right above the field plus its trailing comment: the comments the code's readers see are the ones the
-page shows, so the two cannot disagree (tests/unit/test_config_doc.py fails when the page is stale, and when
+page shows, so the two cannot disagree (tests/unit/serve_app/test_config_doc.py fails when the page is stale, and when
 a field has no description).
 """
 
