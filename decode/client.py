@@ -1,10 +1,8 @@
 """The decode role's client: what a router, and a prefill replica starting a preemptive answer, call on decode
 replicas (decode/server.py), with typed arguments.
 
-Each method's Serve handle is made once: `handle.start` builds a new handle (its options copied) on every
-attribute access, which py-spy put at ~10% of the router's CPU under 1-token requests at 32 streams. Calls go by
-value over gRPC (`_by_reference=False`, serve_app/serve_env.py). A `replica` argument pins a call to that replica
-(router/placement.py); `avoid` and `prefer` steer a new stream away from or towards one.
+Calls go by value over gRPC, each method's Serve handle made once (core/handles.py). A `replica` argument pins a
+call to that replica (router/placement.py); `avoid` and `prefer` steer a new stream away from or towards one.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from typing import Any, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
+from core.handles import MethodHandles
 from core.protocol import Endpoint
 from decode.feed import Batch, TokenIds
 
@@ -40,16 +39,7 @@ class DecodeClient:
     """Each call returns what its handle returns (awaitable); `feed` an async iterator of batches."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self._calls = handle.options(_by_reference=False, stream=False)
-        self._streams = handle.options(_by_reference=False, stream=True)
-        self._methods: dict[str, Any] = {}
-
-    def _method(self, name: str, stream: bool = False) -> Any:
-        """The handle of one method, made on first use and kept."""
-        method = self._methods.get(name)
-        if method is None:
-            method = self._methods[name] = getattr(self._streams if stream else self._calls, name)
-        return method
+        self._method = MethodHandles(handle)
 
     def start(
         self,

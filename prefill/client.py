@@ -15,6 +15,7 @@ from typing import Any, Literal, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
+from core.handles import MethodHandles
 from core.protocol import Endpoint
 
 __all__ = [
@@ -153,15 +154,7 @@ class PrefillClient:
     """Each call returns what its handle returns: an awaitable of the replica's reply (the types above)."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self._calls = handle.options(_by_reference=False, stream=False)
-        self._methods: dict[str, Any] = {}
-
-    def _method(self, name: str) -> Any:
-        """The handle of one method, made on first use and kept."""
-        method = self._methods.get(name)
-        if method is None:
-            method = self._methods[name] = getattr(self._calls, name)
-        return method
+        self._method = MethodHandles(handle)
 
     def _session(self, name: str, route_to: str | None, **kwargs: Any) -> Awaitable[Any]:
         # No `route_to` unless given: the request router then takes the replica the session id names.

@@ -12,6 +12,7 @@ from typing import Any, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
+from core.handles import MethodHandles
 from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance, resample_stream
 
 __all__ = [
@@ -66,15 +67,7 @@ class SpeechClient:
     """Each call returns what its handle returns (awaitable); `transcription` an async iterator."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self._calls = handle.options(_by_reference=False, stream=False)
-        self._streams = handle.options(_by_reference=False, stream=True)
-        self._methods: dict[str, Any] = {}
-
-    def _method(self, name: str, stream: bool = False) -> Any:
-        method = self._methods.get(name)
-        if method is None:
-            method = self._methods[name] = getattr(self._streams if stream else self._calls, name)
-        return method
+        self._method = MethodHandles(handle)
 
     def transcribe(self, pcm16: bytes, *, language: str | None, prompt: str) -> Awaitable[Transcript]:
         """The transcript of mono PCM16 at `MODEL_RATE`: `{"text", "usage", "seconds", "replica"}` or an error."""
