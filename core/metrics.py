@@ -97,6 +97,13 @@ VOICE_BARGE_INS = "rtpd_voice_barge_ins_total"
 SPEECH_AUDIO_SECONDS = "rtpd_speech_audio_seconds_total"
 SPEECH_LATENCY = "rtpd_speech_transcription_seconds"
 SPEECH_IN_FLIGHT = "rtpd_speech_in_flight"
+# The speech-out role (tts/): audio synthesized, its real-time factor (synthesis time / audio time), syntheses in
+# flight (its load); the router's audio sent to clients, and a response's first audio after it was asked for.
+TTS_AUDIO_SECONDS = "rtpd_tts_audio_seconds_total"
+TTS_REALTIME_FACTOR = "rtpd_tts_realtime_factor"
+TTS_IN_FLIGHT = "rtpd_tts_in_flight"
+AUDIO_OUT_SECONDS = "rtpd_audio_out_seconds_total"
+FIRST_AUDIO_SECONDS = "rtpd_first_audio_seconds"
 
 ALL = [
     SESSIONS_OPEN,

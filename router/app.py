@@ -54,6 +54,7 @@ from router.sessions.owner import current_tenant, tenant
 from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
 from router.streams.forward import ForwardResponse
 from speech.client import SpeechClient
+from tts.client import TtsClient
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 2.0
@@ -210,6 +211,7 @@ class Router:
         decode: DeploymentHandle,
         app_config: dict[str, Any],
         speech: DeploymentHandle | None = None,
+        tts: DeploymentHandle | None = None,
     ) -> None:
         logs.setup()
         self.config = AppConfig.model_validate(app_config)
@@ -217,6 +219,8 @@ class Router:
         # and /v1/audio/transcriptions (router/voice/). Its model's window is read once it answers.
         self.speech = SpeechClient(speech) if speech is not None else None
         self.speech_window_s: float | None = None
+        # The speech-out role (tts/), when the config has a TTS backend: realtime audio output and /v1/audio/speech.
+        self.tts = TtsClient(tts) if tts is not None else None
         if self.speech is not None:
             from router.voice.vad import warm_up
 
