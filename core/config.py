@@ -190,7 +190,10 @@ class SpeechConfig(RoleConfig):
 
 # OpenAI's voice names, each a local voice of the embedded backends (espeak-ng voice names with a variant). A config
 # may name its own (`tts.voices`), e.g. for the voices a remote TTS server has.
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+OPENAI_VOICES = (
+    *("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"),
+    *("fable", "onyx", "nova"),  # (`/v1/audio/speech`'s, not the realtime API's)
+)
 ESPEAK_VOICES = {
     "alloy": "en-us",
     "ash": "en-us+m3",
@@ -202,6 +205,9 @@ ESPEAK_VOICES = {
     "verse": "en",
     "marin": "en-us+f1",
     "cedar": "en-us+m1",
+    "fable": "en+m4",
+    "onyx": "en-us+m7",
+    "nova": "en-us+f5",
 }
 
 

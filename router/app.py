@@ -43,7 +43,7 @@ from prefill.client import PrefillClient
 from router.admission.gate import Admission, Refusal, Ticket
 from router.keys.auth import APIKeys
 from router.keys.quota import TokenBudgets
-from router.openai import tool_calls, transcriptions
+from router.openai import audio_speech, tool_calls, transcriptions
 from router.openai.disaggregation import Disaggregation
 from router.openai.ndjson import streaming_input_chat
 from router.openai.schemas import ChatBody, CompletionBody, is_unicode, openapi_body, validation_error
@@ -64,6 +64,7 @@ app = FastAPI(title="realtime-pd", version="0.1.0")
 app.include_router(sessions.api)
 app.include_router(realtime.api)
 app.include_router(transcriptions.api)
+app.include_router(audio_speech.api)
 
 
 class APIError(Exception):
