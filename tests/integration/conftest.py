@@ -44,11 +44,13 @@ def for_tests(args: dict[str, Any]) -> dict[str, Any]:
 
 def app_args(speech: bool = False) -> dict[str, Any]:
     """The default config's args (what `make run` serves), so the tests exercise the shipped config (engines
-    eager: `for_tests`). Without its speech role unless asked: a third engine starts only for the voice tests."""
+    eager: `for_tests`). Without its speech and TTS roles unless asked: a third engine starts only for the voice tests
+    (and the main app is the one that refuses audio output)."""
     config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
     args = config["applications"][0]["args"]
     if not speech:
         args.pop("speech", None)
+        args["tts"] = {"backend": None}
     return for_tests(args)
 
 
