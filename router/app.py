@@ -258,14 +258,16 @@ class Router:
         return self.admission.state()
 
     async def engines_ready(self) -> bool:
-        """Every engine answers: prefill, decode, and speech where the config has it (checked at most once a
-        second while ready). Serve does not route to a replica
+        """Every engine answers: prefill, decode, and speech and TTS where the config has them (checked at most once
+        a second while ready). Serve does not route to a replica
         before its constructor, which loads the engine, has returned; the router itself is up long before."""
         if time.monotonic() - self._ready_at < READY_RECHECK_S:
             return True
         checks = [self.prefill.check_health(), self.feeds.decode.check_health()]
+        if self.tts is not None:
+            checks.append(self.tts.info())
         if self.speech is not None:
-            checks.append(self.speech.info())
+            checks.append(self.speech.info())  # (last: its answer is read below)
         try:
             answers = await asyncio.wait_for(asyncio.gather(*checks), READY_TIMEOUT_S)
         except Exception:  # a timeout (no replica ready yet) or a failed engine

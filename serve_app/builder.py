@@ -12,6 +12,7 @@ from prefill.server import PrefillServer
 from router.app import Router
 from serve_app.serve_env import replica_options
 from speech.server import SpeechServer
+from tts.server import TtsServer
 
 SESSION_ROUTER = "router.placement:SessionAffinityRouter"
 DECODE_ROUTER = "router.placement:DecodeRouter"
@@ -21,6 +22,7 @@ SPEECH_ROUTER = "router.placement:SpeechRouter"
 # put the line at ~4% of a prefill replica's samples under 1-token chats; its CPU per request did not move
 # measurably without it: 3.45 / 3.48 ms.) The router keeps its HTTP access log. `deployment.logging_config` overrides.
 INTERNAL_LOGGING = {"logging_config": {"enable_access_log": False}}
+TTS_DEFAULT_OPTIONS = {"ray_actor_options": {"num_cpus": 0.1}}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -32,7 +34,7 @@ def build_app(args: dict[str, Any]) -> Application:
         LOCAL_MODELS[config.model]()
     # Replicas get the config without deployment options, so that scaling (num_replicas, autoscaling) is a
     # lightweight update in Serve rather than a restart of every replica.
-    roles = ("router", "prefill", "decode", "speech")
+    roles = ("router", "prefill", "decode", "speech", "tts")
     payload = config.model_dump(mode="json", exclude={role: {"deployment"} for role in roles})
     decode_router = {"request_router_class": DECODE_ROUTER, "request_routing_stats_period_s": 1.0}
     decode_options = replica_options(
@@ -61,4 +63,13 @@ def build_app(args: dict[str, Any]) -> Application:
         speech_router = {"request_router_class": SPEECH_ROUTER, "request_routing_stats_period_s": 1.0}
         speech_options = {"request_router_config": speech_router, **INTERNAL_LOGGING, **config.speech.deployment}
         speech = SpeechServer.options(**replica_options(speech_options)).bind(payload)
-    return Router.options(**replica_options(config.router.deployment)).bind(prefill, decode, payload, speech)
+    # The speech-out role, when the config names a TTS backend (tts/server.py). Its replicas hold no state between
+    # calls: Serve's own routing (power of two choices) fits.
+    # It is on by default (espeak-ng): a replica asks for a tenth of a core unless the config says otherwise (espeak-ng
+    # speaks at ~1/500 of real time; Serve's default, a whole core, would not fit beside the engines on two).
+    tts = None
+    if config.tts.backend is not None:
+        tts_options = {**TTS_DEFAULT_OPTIONS, **INTERNAL_LOGGING, **config.tts.deployment}
+        tts = TtsServer.options(**replica_options(tts_options)).bind(payload)
+    router = Router.options(**replica_options(config.router.deployment))
+    return router.bind(prefill, decode, payload, speech, tts=tts)

@@ -8,13 +8,15 @@ Each k8s/<name>.yaml holds three documents: a `RayService` whose `serveConfigV2`
 verbatim, a Secret template for the Hugging Face token, and a ClusterIP Service for the router. Pod shapes
 follow from the config: one engine replica per worker pod, with the GPUs its `ray_actor_options` (or its
 placement-group bundles) ask for, advertising the custom resources that pin the role to its worker group;
-worker-group bounds follow from the deployment's `autoscaling_config` (or `num_replicas`). See k8s/README.md.
+worker-group bounds follow from the deployment's `autoscaling_config` (or `num_replicas`). A role that asks for no
+GPU (the TTS role's espeak-ng) gets CPU-only pods, on any node. See k8s/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +34,16 @@ RAY_VERSION = "2.60.0"  # must match the image's Ray (pyproject pins ray[serve]=
 APP_LABEL = "realtime-pd"
 SECRET_NAME, SECRET_KEY = "hf-token", "token"
 SERVE_PORT = 8000
-ROLES = ("prefill", "decode", "speech")
+ROLES = ("prefill", "decode", "speech", "tts")
+CPU_ROLES = ("tts",)  # roles that may run without a GPU
 
 # Pod sizing: host resources per GPU of a worker pod, and of the head pod (Serve controller, proxy, routers).
 CPU_PER_GPU = 8
 MEMORY_GI_PER_GPU = 64
 SHM_GI_PER_GPU = 16
 HEAD_CPU, HEAD_MEMORY_GI, HEAD_SHM_GI = 8, 32, 4
+# A CPU-only worker pod (no GPU asked for): memory per core it offers, and its /dev/shm (the object store's).
+CPU_POD_MEMORY_GI_PER_CPU, CPU_POD_SHM_GI = 2, 1
 # Example GPU node pool selection; adjust to your cluster's node labels and taints.
 GPU_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -137,14 +142,22 @@ def pod_template(name: str, component: str, spec: dict[str, Any], shm_gi: int) -
 
 
 def worker_group(name: str, role: str, shape: PodShape, image: str) -> dict[str, Any]:
-    if shape.gpus < 1 or not shape.custom:
-        raise ValueError(f"{role}: each engine replica needs GPUs and a custom resource for its worker group")
-    cpu = max(CPU_PER_GPU * shape.gpus, int(shape.cpus) + 2)
-    spec = {
-        "containers": [container("ray-worker", image, cpu, MEMORY_GI_PER_GPU * shape.gpus, shape.gpus, [])],
-        "nodeSelector": dict(GPU_NODE_SELECTOR),
-        "tolerations": [dict(t) for t in GPU_TOLERATIONS],
-    }
+    if not shape.custom:
+        raise ValueError(f"{role}: each replica needs a custom resource for its worker group")
+    if shape.gpus >= 1:
+        cpu = max(CPU_PER_GPU * shape.gpus, int(shape.cpus) + 2)
+        spec = {
+            "containers": [container("ray-worker", image, cpu, MEMORY_GI_PER_GPU * shape.gpus, shape.gpus, [])],
+            "nodeSelector": dict(GPU_NODE_SELECTOR),
+            "tolerations": [dict(t) for t in GPU_TOLERATIONS],
+        }
+        shm_gi = SHM_GI_PER_GPU * shape.gpus
+    elif role in CPU_ROLES:  # a CPU-only pod: the replica's cores and one for Ray's own processes
+        cpu = math.ceil(shape.cpus) + 1
+        spec = {"containers": [container("ray-worker", image, cpu, CPU_POD_MEMORY_GI_PER_CPU * cpu, 0, [])]}
+        shm_gi = CPU_POD_SHM_GI
+    else:
+        raise ValueError(f"{role}: each engine replica needs GPUs")
     return {
         "groupName": role,
         "replicas": shape.min_pods,
@@ -152,7 +165,7 @@ def worker_group(name: str, role: str, shape: PodShape, image: str) -> dict[str,
         "maxReplicas": shape.max_pods,
         # One replica per pod: the pod advertises exactly what one replica asks for.
         "rayStartParams": {"resources": ray_resources_param(_clean(shape.custom))},
-        "template": pod_template(name, role, spec, SHM_GI_PER_GPU * shape.gpus),
+        "template": pod_template(name, role, spec, shm_gi),
     }
 
 
@@ -174,6 +187,18 @@ def head_group(name: str, router: PodShape, image: str) -> dict[str, Any]:
 def k8s_name(config_path: Path) -> str:
     """Kubernetes object name: Services (`<name>-serve-svc`, ...) must be DNS-1035 labels, so no dots."""
     return config_path.stem.lower().replace(".", "-").replace("_", "-")
+
+
+def _has_pool(args: dict[str, Any], role: str) -> bool:
+    """Whether the config gives the role a pool of its own: a section (no speech model, no TTS backend: no pool; a
+    config without a `tts` section runs the default TTS replica wherever Ray places it)."""
+    if role not in args:
+        return False
+    if role == "speech":
+        return bool(args[role].get("model"))
+    if role == "tts":
+        return args[role].get("backend", "espeak") is not None
+    return True
 
 
 def render(config_path: Path, image: str = DEFAULT_IMAGE) -> str:
@@ -205,7 +230,7 @@ def render(config_path: Path, image: str = DEFAULT_IMAGE) -> str:
                 "workerGroupSpecs": [
                     worker_group(name, role, replica_shape(args[role]["deployment"]), image)
                     for role in ROLES
-                    if role in args and (role != "speech" or args[role].get("model"))  # (no speech model: no pool)
+                    if _has_pool(args, role)
                 ],
             },
         },

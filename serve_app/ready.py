@@ -2,7 +2,7 @@
 
     python -m serve_app.ready --url http://127.0.0.1:8000 --watch-pid <pid of serve run>
 
-Polls `/health` (503 until every engine answers: prefill, decode, speech) and exits once it is 200, or when the
+Polls `/health` (503 until every engine answers: prefill, decode, speech, TTS) and exits once it is 200, or when the
 watched process is gone, or after `--timeout` seconds.
 """
 

@@ -143,8 +143,9 @@ def test_a_spoken_turn_is_answered_in_audio_whose_transcript_is_the_text_answer(
     audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     seconds, words = len(audio) / 2 / RATE, len(transcript.split())
     assert 0.15 * words < seconds < 1.0 * words + 0.5, (seconds, transcript)
-    first_audio, first_transcript = names.index("response.output_audio.delta"), names.index(
-        "response.output_audio_transcript.delta"
+    first_audio, first_transcript = (
+        names.index("response.output_audio.delta"),
+        names.index("response.output_audio_transcript.delta"),
     )
     assert first_transcript < first_audio < names.index("response.output_audio.done")
     response = next(e for e in events if e.type == "response.done").response

@@ -19,7 +19,7 @@ IMPORT = re.compile(
 )
 ROW = re.compile(r"^\| `(\w+)/` \|[^|]*\| (.*) \|$", re.M)
 REMOTE = re.compile(r"^[^#\n]*\.remote\(", re.M)  # (not in a comment)
-CLIENTS = {"decode/client.py", "prefill/client.py", "speech/client.py"}
+CLIENTS = {"decode/client.py", "prefill/client.py", "speech/client.py", "tts/client.py"}
 
 
 def layers(guide: str) -> dict[str, set[str]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 GUIDE = ROOT / "docs" / "development.md"
-FOLDERS = ("core", "local_models", "engine", "decode", "prefill", "speech", "router", "serve_app")
+FOLDERS = ("core", "local_models", "engine", "decode", "prefill", "speech", "tts", "router", "serve_app")
 ENTRY = re.compile(r"^- `([\w/]+\.py)` — \S", re.M)  # a bullet that names a file and says what it is
 
 

@@ -36,7 +36,7 @@ def test_configs_found() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
 def test_config_loads(path: Path) -> None:
     for config in apps(path):
-        for role in ("router", *ROLES):
+        for role in ("router", *ROLES, "speech", "tts"):
             options: dict[str, Any] = getattr(config, role).deployment
             DeploymentSchema.model_validate({"name": role, **options})  # num_replicas vs autoscaling, ...
             ReplicaConfig.create(

@@ -20,7 +20,8 @@ from serve_app import manifests
 REPO = Path(__file__).resolve().parents[3]
 CRD_PATH = REPO.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted((REPO / "k8s").glob("*.yaml"))
-ROLES = ("prefill", "decode", "speech")  # (speech: the GPU configs name a Whisper model)
+ROLES = ("prefill", "decode", "speech", "tts")  # (speech: the GPU configs name a Whisper model; tts: espeak-ng)
+CPU_ROLES = ("tts",)  # pods without a GPU
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -170,8 +171,14 @@ def test_pods_match_deployments(path: Path) -> None:
         dep, group = deployment(args, role), groups[role]
         gpus, custom = needs(dep)
         (worker,) = group["template"]["spec"]["containers"]
-        assert gpus >= 1
-        assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        pod = group["template"]["spec"]
+        if role in CPU_ROLES:
+            assert gpus == 0 and "nvidia.com/gpu" not in worker["resources"]["limits"]
+            assert "nodeSelector" not in pod and "tolerations" not in pod
+        else:
+            assert gpus >= 1
+            assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
+            assert pod["nodeSelector"] and pod["tolerations"]
         assert parse_resources_param(group["rayStartParams"]["resources"]) == custom
         scaling = dep["autoscaling_config"]
         assert "num_replicas" not in dep
@@ -180,15 +187,15 @@ def test_pods_match_deployments(path: Path) -> None:
             scaling["max_replicas"],
         )
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-        pod = group["template"]["spec"]
-        assert pod["nodeSelector"] and pod["tolerations"]
         shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
         token = [e for e in worker["env"] if e["name"] == "HF_TOKEN"]
         assert token == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}]
         pools.append(set(custom))
-    assert pools[0] and pools[1] and not pools[0] & pools[1], "each role needs a custom resource of its own"
+    assert all(pools) and all(not a & b for i, a in enumerate(pools) for b in pools[i + 1 :]), (
+        "each role needs a custom resource of its own"
+    )
 
     assert docs["Secret"]["metadata"]["name"] == "hf-token" and "token" in docs["Secret"]["stringData"]
     svc = docs["Service"]["spec"]
