@@ -295,6 +295,8 @@ class Router:
         names = [self.config.model_name]
         if self.speech is not None and self.config.speech.model_name:  # listed as vLLM lists a speech model
             names.append(self.config.speech.model_name)
+        if self.tts is not None:  # (the speech-out model: `/v1/audio/speech`'s `model`)
+            names.append(self.config.tts.model_name)
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "realtime-pd"} for name in names]
         return {"object": "list", "data": cards}
 

@@ -380,9 +380,9 @@ def test_bad_audio_gets_clear_errors_and_the_session_goes_on(tools_app: str, ser
     assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
 
 
-def test_the_models_list_names_the_speech_model(tools_app: str) -> None:
+def test_the_models_list_names_the_speech_and_tts_models(tools_app: str) -> None:
     ids = [m["id"] for m in httpx.get(f"{tools_app}/v1/models", timeout=30).json()["data"]]
-    assert ids == ["local:tiny-llama-tools", "local:tiny-whisper"]
+    assert ids == ["local:tiny-llama-tools", "local:tiny-whisper", "espeak-ng"]
 
 
 def test_g711_ulaw_audio_is_decoded_and_heard(tools_app: str) -> None:
