@@ -349,17 +349,30 @@ class AudioInput:
         await self.conn.send("input_audio_buffer.cleared")
 
     async def truncate(self, event: ItemTruncate) -> None:
-        """Barge-in's other half: the answer as the user heard it. Answers are text here: with `text_end` (this
-        server's extension, the characters heard) the last answer's text in the conversation is cut there, so the
-        next turn is answered from what the user heard; `audio_end_ms` alone cuts nothing (there is no audio)."""
+        """Barge-in's other half: the answer as the user heard it, so that the next turn is answered from that. A
+        spoken answer (router/realtime/audio_out.py) is cut at `audio_end_ms` on its audio: its transcript keeps the
+        words whose audio had started by then. A text answer is cut at `text_end` (this server's extension, the
+        characters heard: a client's own speech synthesis knows); `audio_end_ms` alone cuts nothing in it. Only the
+        last answer, once it has ended, is cut (the session's owner keeps the conversation's text)."""
         conversation = self.conn.conversation
         if event.item_id not in conversation.items:
             raise InvalidEvent(f"no conversation item {event.item_id!r}", "item_not_found", "item_id")
-        if event.text_end is not None:
+        spoken = conversation.answer_audio
+        chars = event.text_end
+        if chars is None and spoken is not None and event.item_id == spoken.item_id:
+            if event.content_index != 0:
+                raise InvalidEvent("an answer's audio is its content part 0", "invalid_value", "content_index")
+            if conversation.responding:
+                raise InvalidEvent("only the last answer, once it has ended, can be cut", "invalid_value", "item_id")
+            chars = spoken.heard_chars(event.audio_end_ms)
+            if chars is None:
+                message = f"audio_end_ms {event.audio_end_ms} is past the answer's audio ({spoken.audio_ms:.0f} ms)"
+                raise InvalidEvent(message, "invalid_value", "audio_end_ms")
+            chars += spoken.base
+        if chars is not None:
             if event.item_id != conversation.answer_item or conversation.responding:
-                message = "only the last answer, once it has ended, can be cut (`text_end`)"
-                raise InvalidEvent(message, "invalid_value", "item_id")
-            if await self.conn.call(session_truncate, chars=event.text_end) is None:
+                raise InvalidEvent("only the last answer, once it has ended, can be cut", "invalid_value", "item_id")
+            if await self.conn.call(session_truncate, chars=chars) is None:
                 return
         fields = {"item_id": event.item_id, "content_index": event.content_index, "audio_end_ms": event.audio_end_ms}
         await self.conn.send("conversation.item.truncated", **fields)

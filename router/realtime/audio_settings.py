@@ -1,14 +1,17 @@
-"""A realtime session's audio input settings, GA and beta shapes, validated (`session.update`).
+"""A realtime session's audio settings, GA and beta shapes, validated (`session.update`): input, and the output
+(spoken answers, router/realtime/audio_out.py).
 
 GA: `session.audio.input.{format, transcription, turn_detection, noise_reduction}` and `session.type`
 ("realtime" or "transcription"). Beta: `input_audio_format`, `input_audio_transcription`, `turn_detection`,
 `input_audio_noise_reduction`. `turn_detection`: `server_vad` (Silero VAD in the router, router/voice/vad.py),
 `semantic_vad` (no turn model here: its eagerness sets the silence window, `SEMANTIC_WAIT_MS`), or null (the
-client commits).
+client commits). Output: GA `session.audio.output.{format, voice, speed}`; beta `output_audio_format`, `voice`,
+`speed` (router/realtime/settings.py reads them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,9 +70,33 @@ class AudioInputSettings(_Model):
     noise_reduction: Any = None
 
 
+class AudioOutputSettings(_Model):
+    """GA `session.audio.output` and `response.audio.output` (format and voice as their raw values: checked by
+    router/realtime/settings.py against the formats and the configured voices)."""
+
+    format: Any = None
+    voice: Any = None
+    speed: float | None = Field(None, ge=0.25, le=1.5)
+
+
 class AudioSettings(_Model):
     input: AudioInputSettings | None = None
-    output: Any = None  # (no audio output: ignored as OpenAI clients send it)
+    output: AudioOutputSettings | None = None
+
+
+@dataclass(frozen=True)
+class OutputAudio:
+    """How answers are spoken: the client's format, the voice (one of `tts.voices`), the pace (OpenAI's 0.25-1.5)."""
+
+    format: AudioFormat = PCM24K
+    voice: str = "alloy"
+    speed: float = 1.0
+
+    def shown(self, beta: bool) -> dict[str, Any]:
+        """As the session object shows them (GA: `audio.output`'s fields)."""
+        if beta:
+            return {"output_audio_format": self.format.beta(), "voice": self.voice, "speed": self.speed}
+        return {"format": self.format.ga(), "voice": self.voice, "speed": self.speed}
 
 
 class VoiceSettings:

@@ -49,6 +49,16 @@ class Cancellable(Protocol):
     async def cancel(self, reason: str = "client_cancelled") -> None: ...
 
 
+class SpokenAnswer(Protocol):
+    """An answer's spoken message (router/realtime/audio_out.py `AudioOut`), as a truncate cuts it."""
+
+    item_id: str
+    base: int  # where its text starts in the answer's text
+    audio_ms: float  # its audio sent
+
+    def heard_chars(self, ms: float) -> int | None: ...  # its text heard by `ms` of its audio (None: past it)
+
+
 class EarlyReads(Protocol):
     """The conversation's early reads of the next turn's answer (router/realtime/conversation.py)."""
 
@@ -63,6 +73,7 @@ class VoiceConversation(EarlyReads, Protocol):
     items: set[str]  # the conversation's item ids
     last_item_id: str | None
     answer_item: str | None  # the last response's message item
+    answer_audio: SpokenAnswer | None  # its audio, if it was spoken
 
     @property
     def response(self) -> Cancellable | None: ...  # the latest response

@@ -10,6 +10,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from router.realtime.audio_out import AudioOut
+from router.realtime.audio_settings import OutputAudio
 from router.realtime.connection import Calls, ClientErrors
 from router.realtime.events import (
     BufferAppend,
@@ -54,12 +56,13 @@ class ConversationSettings(Protocol):
     """What the conversation needs of the session settings (router/realtime/settings.py)."""
 
     values: dict[str, Any]
+    voiced: str | None  # the voice the session first spoke in
 
     def sampling(self, settings: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]: ...
 
     def check_tools(self, settings: dict[str, Any], where: str) -> None: ...
 
-    def text_only(self, sampling: Sampling, where: str) -> list[str] | None: ...
+    def speech(self, response: Sampling | None = None) -> OutputAudio | None: ...
 
 
 class ConversationConnection(Calls, ClientErrors, Protocol):
@@ -93,6 +96,7 @@ class Conversation:
         self.lock = asyncio.Lock()  # the input text's: transcripts and client events change it in turn
         self.items: set[str] = set()  # the conversation's item ids (conversation.item.truncate names one)
         self.answer_item: str | None = None  # the last response's message item (a truncate may cut its text)
+        self.answer_audio: AudioOut | None = None  # its audio, if it was spoken (a truncate cuts it by audio_end_ms)
         self.last_item_id: str | None = None
         self.response: ResponseStream | None = None  # the latest response (router/realtime/response.py)
         self.early: EarlyRead | None = None  # the next turn's answer, read early (preemptive answers)
@@ -240,7 +244,8 @@ class Conversation:
                 try:
                     await self.announce_item(item_id, "user", parts)
                     await announced()
-                    self.response = ResponseStream(self.connection, self, released.turn, released)
+                    speech = self.connection.settings.speech()
+                    self.response = ResponseStream(self.connection, self, released.turn, released, speech)
                     committed = await self.connection.call(session_buffer, op="commit")
                 finally:
                     if not committed:  # (refused, or the call failed: the owner still has the input)
@@ -286,7 +291,7 @@ class Conversation:
                 "preemptive answers are a session setting (session.update)", "invalid_value", "response.preemptive"
             )
             return
-        self.connection.settings.text_only(response, "response")
+        speech = self.connection.settings.speech(response)  # (checked before anything is done)
         if (refused := self._refusal(response)) is not None:
             await self.connection.error(*refused)
             return
@@ -299,10 +304,12 @@ class Conversation:
         early = self.early if not response.given() else None
         released = early if early is not None and early.release(self.connection.input_seen.tag) else None
         if released is not None:
-            self.early, self.response = None, ResponseStream(self.connection, self, released.turn, released)
-        await self._claim(overrides, released)
+            self.early, self.response = None, ResponseStream(self.connection, self, released.turn, released, speech)
+        await self._claim(overrides, released, speech)
 
-    async def _claim(self, overrides: dict[str, Any], released: EarlyRead | None) -> None:
+    async def _claim(
+        self, overrides: dict[str, Any], released: EarlyRead | None, speech: OutputAudio | None = None
+    ) -> None:
         """The owner's answer to the response (`session_respond`); `released`: the held answer already streaming."""
         started = None
         try:
@@ -314,7 +321,7 @@ class Conversation:
             return
         turn = started["answer"]["turn"]
         if released is None:
-            self.response = ResponseStream(self.connection, self, turn, self.take_early(turn))
+            self.response = ResponseStream(self.connection, self, turn, self.take_early(turn), speech)
         self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
 
     async def response_cancel(self, event: ResponseCancel) -> None:

@@ -1,6 +1,6 @@
 """The client events of `/v1/realtime`, validated: one pydantic model per event type, GA and beta shapes.
 
-Fields this server does not implement (audio output, tracing, ...) are ignored, as clients written for
+Fields this server does not implement (tracing, noise reduction, ...) are ignored, as clients written for
 OpenAI send them; a field it does implement must have the right type and range, or the whole event is refused
 (`InvalidEvent`, naming the field in `param`) before anything is applied. Types are strict: `"5"` is not a
 number and `true` is not an integer.
@@ -82,14 +82,20 @@ class Sampling(_Model):
     input_audio_format: Any = None
     input_audio_transcription: Transcription | None = None
     turn_detection: TurnDetection | None = None
+    # Audio output (sessions, and one response): GA `audio.output`; beta's flat fields, read on beta connections
+    # only (router/realtime/settings.py: a GA session has no top-level `voice`, and ignores it as before).
+    voice: Any = None
+    output_audio_format: Any = None
+    speed: float | None = Field(None, ge=0.25, le=1.5)
 
     AUDIO: ClassVar[frozenset[str]] = frozenset(
         {"type", "audio", "input_audio_format", "input_audio_transcription", "turn_detection"}
     )
+    OUTPUT: ClassVar[frozenset[str]] = frozenset({"voice", "output_audio_format", "speed"})
 
     def given(self) -> dict[str, Any]:
         """The settings this event sets, by their GA names (modalities, preemptive answers and audio apart)."""
-        exclude = {"output_modalities", "preemptive", *self.AUDIO}
+        exclude = {"output_modalities", "preemptive", *self.AUDIO, *self.OUTPUT}
         return {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
 
 
@@ -189,8 +195,8 @@ class ItemTruncate(ClientEvent):
     item_id: str = Field(min_length=1, max_length=256)
     content_index: int = Field(0, ge=0)
     audio_end_ms: int = Field(ge=0)
-    # This server's extension (answers are text): the characters of the answer the user heard (a client's own
-    # speech synthesis knows); the conversation keeps only those.
+    # This server's extension, for answers in text: the characters of the answer the user heard (a client's own
+    # speech synthesis knows); the conversation keeps only those. (A spoken answer is cut by `audio_end_ms`.)
     text_end: int | None = Field(None, ge=0)
 
 

@@ -1,9 +1,11 @@
 """One `/v1/realtime` response: the answer of a turn, read from decode and sent as `response.*` events.
 
 `response.create` (router/realtime/conversation.py) starts a `ResponseStream` once the owner prefill replica has handed
-the turn to decode; it sends `response.created`, the output item and content part, one text delta per read (a slow
-reader gets fewer, larger deltas), then the `done` events and `response.done` with the status and usage.
-`response.cancel` stops the reading: the response still ends with `response.done`, status `cancelled`.
+the turn to decode; it sends `response.created`, the output items (router/realtime/output.py: one text delta per read,
+a slow reader getting fewer, larger deltas; or the answer spoken), then `response.done` with the status and usage.
+`response.cancel` (or speech over the answer) stops the reading and the audio: the response still ends with
+`response.done`, status `cancelled`; a spoken answer cut short is cut in the session's conversation too, to what the
+user heard of it.
 """
 
 from __future__ import annotations
@@ -13,30 +15,31 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from router.openai.tool_calls import function_call_item
-from router.realtime.events import new_id
+from router.realtime.audio_settings import OutputAudio
+from router.realtime.early_speech import EarlySpeech
+from router.realtime.events import Sampling, new_id
+from router.realtime.output import Connection as OutputConnection
+from router.realtime.output import ConversationItems, Output, Voiced
 from router.sessions.answers import AnswerReader
+from router.sessions.owner import session_truncate
 from router.sessions.provisional import Provisional
 
 logger = logging.getLogger(__name__)
 
 
-class Connection(Protocol):
+class SpeechSettings(Voiced, Protocol):
+    """The session's settings as a response needs them (router/realtime/settings.py): how it speaks."""
+
+    def speech(self, response: Sampling | None = None) -> OutputAudio | None: ...
+
+
+class Connection(OutputConnection, Protocol):
     """What a response needs of its connection (router/realtime/socket.py)."""
 
-    ingress: Any
     session_id: str | None
-    beta: bool
 
-    async def send(self, type_: str, **fields: Any) -> None: ...
-
-
-class ConversationItems(Protocol):
-    """What a response needs of its conversation (router/realtime/conversation.py): the items it adds."""
-
-    last_item_id: str | None
-    items: set[str]  # the conversation's item ids (a truncate names one)
-    answer_item: str | None  # the last response's message item (the answer a truncate may cut)
+    @property
+    def settings(self) -> SpeechSettings: ...
 
 
 class InputSeen:
@@ -68,13 +71,17 @@ class EarlyRead:
     waits for the turn from now on and holds the preemptive answer's frames (router/sessions/provisional.py), so that
     the response's first delta needs no call to decode; with `preemptive.stream`, the text of each preemptive
     answer goes out as `rtpd.response.provisional.delta` events, then `rtpd.response.provisional.done` (status
-    `confirmed` or `discarded`)."""
+    `confirmed` or `discarded`). A session that speaks has the held answer's first sentence synthesized meanwhile
+    (router/realtime/early_speech.py), for the response to send if this answer becomes it."""
 
     def __init__(self, connection: Connection, turn: int) -> None:
         self.connection, self.turn = connection, turn
         self.events: asyncio.Queue[Provisional | None] = asyncio.Queue()  # (None: no more)
         assert connection.session_id is not None
-        self.reader = AnswerReader(connection.ingress, connection.session_id, turn, "realtime", self.events)
+        tts = getattr(connection.ingress, "tts", None)
+        self.speech = EarlySpeech(connection, connection.settings.speech) if tts is not None else None
+        watch = self.speech.watch if self.speech is not None else None
+        self.reader = AnswerReader(connection.ingress, connection.session_id, turn, "realtime", self.events, watch)
         self.opening = asyncio.create_task(self.reader.open())
         self.relay = asyncio.create_task(self._relay())
 
@@ -117,15 +124,23 @@ class EarlyRead:
         self.opening.cancel()
         self.relay.cancel()
         self.reader.release()
+        if self.speech is not None:
+            self.speech.close()
 
 
 class ResponseStream:
     """The response to one `response.create`, streaming in a task of its own from construction on."""
 
     def __init__(
-        self, connection: Connection, conversation: ConversationItems, turn: int, early: EarlyRead | None = None
+        self,
+        connection: Connection,
+        conversation: ConversationItems,
+        turn: int,
+        early: EarlyRead | None = None,
+        speech: OutputAudio | None = None,
     ) -> None:
         self.early = early  # its answer's reader, opened before it was asked for
+        self.speech = speech  # how it is spoken (None: text)
         self.connection, self.conversation = connection, conversation
         self.reading: asyncio.Task[None] | None = None  # the answer's stream from decode (response.cancel stops it)
         self.cancel_requested = False
@@ -143,6 +158,8 @@ class ResponseStream:
         sent) before this returns."""
         self.cancel_reason = reason
         self.cancel_requested = True  # read before the reading starts, too
+        if self.output is not None:
+            await self.output.interrupt()  # the audio stops first: nothing more is heard
         if self.reader is not None:
             self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
         if self.reading is not None:
@@ -153,11 +170,22 @@ class ResponseStream:
         connection = self.connection
         response_id = new_id("resp")
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress", "output": []}
+        speech, ready = self.speech, self.early.speech if self.early is not None else None
+        if speech is not None:  # (as OpenAI's response object shows how it speaks)
+            response.update(self.shown(speech))
         await connection.send("response.created", response=response)
-        output = self.output = Output(connection, self.conversation, response_id)
-        summary = await self.read_answer(turn)
-        items = await output.close(summary)
+        output = self.output = Output(connection, self.conversation, response_id, speech, ready)
+        try:
+            summary = await self.read_answer(turn)
+            items = await output.close(summary)  # (a spoken answer: once its audio is out, or interrupted)
+        except asyncio.CancelledError:
+            output.abort()
+            raise
         self.conversation.last_item_id = items[-1]["id"]
+        if (heard := output.heard) is not None:  # interrupted while spoken: the conversation keeps what was heard
+            if heard < len(output.text) and summary.get("status") == "completed":
+                summary = {**summary, "status": "cancelled"}  # (its text had all come; its audio had not all gone)
+            await self.cut_to(heard)
         status, details = summary.get("status"), None
         if status == "cancelled":
             details = {"type": "cancelled", "reason": self.cancel_reason}
@@ -177,6 +205,21 @@ class ResponseStream:
             },
         )
         await connection.send("response.done", response=response)
+
+    def shown(self, speech: OutputAudio) -> dict[str, Any]:
+        """How it speaks, as OpenAI's response object shows it."""
+        if self.connection.beta:
+            return {"modalities": ["text", "audio"], "output_audio_format": speech.format.beta(), "voice": speech.voice}
+        output = {"format": speech.format.ga(), "voice": speech.voice}
+        return {"output_modalities": ["audio"], "audio": {"output": output}}
+
+    async def cut_to(self, chars: int) -> None:
+        """A spoken answer interrupted: the session's conversation keeps what the user heard of it (as a truncate
+        does), before `response.done` (the client's next turn is answered from it)."""
+        try:
+            await session_truncate(self.connection.ingress, self.connection.session_id, chars=chars)
+        except Exception:  # (the answer stays whole in the conversation; the client may still truncate it)
+            logger.warning("session %s: could not cut the interrupted answer", self.connection.session_id)
 
     async def read_answer(self, turn: int) -> dict[str, Any]:
         """Stream the answer from decode as output items' events; its summary (a cancelled one included).
@@ -220,132 +263,3 @@ class ResponseStream:
         if reader.summary is not None:
             return reader.summary
         return reader.outcome.as_dict()
-
-
-class Output:
-    """A response's output items as their events go out: the message (its text) and one `function_call` item per
-    tool call, in the order the answer makes them. An item is opened when its first piece arrives and done before
-    the next one opens; a response with no output at all still has its (empty) message."""
-
-    def __init__(self, connection: Connection, conversation: ConversationItems, response_id: str) -> None:
-        self.connection, self.conversation, self.response_id = connection, conversation, response_id
-        self.items: list[dict[str, Any]] = []  # their final form, for `response.done`
-        self.text = ""
-        self.message: dict[str, Any] | None = None  # the message item, while it is open
-        self.calls_sent: list[int] = []  # per call begun: how much of its arguments went out
-        self.open_call: int | None = None
-        self.calls: list[dict[str, Any]] = []  # the calls as they stand
-
-    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"response_id": self.response_id, "item_id": item["id"], "output_index": self.items.index(item)}
-
-    async def add(self, deltas: list[str], calls: list[dict[str, Any]]) -> None:
-        """What one read brought: text deltas, and the calls as they stand so far."""
-        self.calls = calls
-        if delta := "".join(deltas):
-            await self._text(delta)
-        for index, call in enumerate(calls):
-            if index >= len(self.calls_sent):
-                if not call["function"]["name"]:
-                    break  # (its name has not arrived yet)
-                await self._open_call(call)
-            sent = self.calls_sent[index]
-            if index == self.open_call and len(arguments := call["function"]["arguments"]) > sent:
-                self.calls_sent[index] = len(arguments)
-                item = self.items[-1]
-                await self.connection.send(
-                    "response.function_call_arguments.delta",
-                    **self._where(item),
-                    call_id=item["call_id"],
-                    delta=arguments[sent:],
-                )
-
-    async def close(self, summary: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every item done (calls the stream did not show, e.g. in a replay, sent whole); the final items."""
-        text = summary.get("text") or ""
-        if len(text) > len(self.text):
-            await self._text(text[len(self.text) :])
-        calls = summary.get("tool_calls") or []
-        if len(calls) > len(self.calls_sent):
-            await self.add([], calls)
-        if self.message is None and not self.items:
-            await self._open_message()
-        # Cut by max_output_tokens: the item the cut fell in is `incomplete`, as OpenAI marks it.
-        await self._done(cut=summary.get("status") == "completed" and summary.get("finish_reason") == "length")
-        return self.items
-
-    async def _text(self, delta: str) -> None:
-        if self.message is None:
-            await self._done()
-            await self._open_message()
-        assert self.message is not None
-        self.text += delta
-        beta = self.connection.beta
-        name = "response.text.delta" if beta else "response.output_text.delta"
-        await self.connection.send(name, **self._where(self.message), content_index=0, delta=delta)
-
-    async def _open_message(self) -> None:
-        item_id = new_id("item")
-        message = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant"}
-        message.update(status="in_progress", content=[])
-        self.items.append(message)
-        self.message = message
-        self.conversation.items.add(item_id)
-        self.conversation.answer_item = item_id
-        send = self.connection.send
-        await send(
-            "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=message
-        )
-        part = {"type": "text", "text": ""}
-        await send("response.content_part.added", **self._where(message), content_index=0, part=part)
-
-    async def _open_call(self, call: dict[str, Any]) -> None:
-        await self._done()
-        item = function_call_item(call, new_id("item"), "in_progress")
-        self.conversation.items.add(item["id"])
-        self.items.append(item)
-        self.calls_sent.append(0)
-        self.open_call = len(self.calls_sent) - 1
-        await self.connection.send(
-            "response.output_item.added", response_id=self.response_id, output_index=len(self.items) - 1, item=item
-        )
-
-    async def _done(self, cut: bool = False) -> None:
-        """The open item is done (the message with its text, or a call with its whole arguments). `cut`: the
-        answer ended inside it (max_output_tokens): `incomplete`, and a call's arguments are not announced done
-        (a client that runs calls on that event would run half of its JSON)."""
-        send = self.connection.send
-        if self.message is not None:
-            message, self.message = self.message, None
-            text, where = self.text, self._where(message)
-            await send(
-                "response.text.done" if self.connection.beta else "response.output_text.done",
-                **where,
-                content_index=0,
-                text=text,
-            )
-            await send("response.content_part.done", **where, content_index=0, part={"type": "text", "text": text})
-            message.update(status="incomplete" if cut else "completed", content=[{"type": "text", "text": text}])
-            await send(
-                "response.output_item.done",
-                response_id=self.response_id,
-                output_index=where["output_index"],
-                item=message,
-            )
-        elif self.open_call is not None:
-            index, self.open_call = self.open_call, None
-            item = self.items[-1]
-            arguments = self.calls[index]["function"]["arguments"]
-            where = self._where(item)
-            if not cut:
-                await send(
-                    "response.function_call_arguments.done",
-                    **where,
-                    call_id=item["call_id"],
-                    name=item["name"],
-                    arguments=arguments,
-                )
-            item.update(status="incomplete" if cut else "completed", arguments=arguments)
-            await send(
-                "response.output_item.done", response_id=self.response_id, output_index=where["output_index"], item=item
-            )

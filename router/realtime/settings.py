@@ -1,17 +1,21 @@
 """A realtime connection's session settings (router/realtime/socket.py `RealtimeConnection` holds them):
 `session.update` and what it sets, in OpenAI's names (instructions, sampling, tools, output modalities, preemptive
 answers, and the audio settings of router/realtime/audio_settings.py), checked whole before the owner takes them; the
-session object the client is shown; and their translation into vLLM's sampling parameters."""
+session object the client is shown; their translation into vLLM's sampling parameters; and how a response speaks
+(`speech`: text only, or audio with its transcript, the session's settings with `response.create`'s own)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
+from core.config import TtsConfig
 from router.openai import tool_calls
-from router.realtime.audio_settings import VoiceSettings
+from router.realtime.audio_settings import OutputAudio, VoiceSettings
 from router.realtime.connection import Calls, EarlyReads
 from router.realtime.events import InvalidEvent, Sampling, SessionUpdate
 from router.sessions.owner import session_update
+from router.voice.audio import AudioError, parse_format
 
 
 class SettingsAudio(Protocol):
@@ -36,6 +40,7 @@ class SettingsConnection(Calls, Protocol):
     """What the settings need of their connection (router/realtime/socket.py)."""
 
     session_id: str | None
+    ingress: Any  # the router's ingress (router/app.py): its config and its TTS role's client
 
     @property
     def audio(self) -> SettingsAudio: ...
@@ -57,17 +62,30 @@ class SessionSettings:
             "temperature": 0.8,
             "tools": [],
             "tool_choice": "auto",
+            # Text until the client asks for audio: OpenAI's GA default is ["audio"], but this server's clients
+            # (and `session.created` since before it spoke) expect text from a session that never set it.
             self.modalities_key: ["text"],
         }
+        self.output = OutputAudio(voice=self.tts_config.default_voice)  # how answers are spoken, when they are
+        self.voiced: str | None = None  # the voice the session first spoke in: it cannot change after (OpenAI's rule)
 
     @property
     def modalities_key(self) -> str:
         return "modalities" if self.beta else "output_modalities"
 
+    @property
+    def tts_config(self) -> TtsConfig:
+        return getattr(self.connection.ingress.config, "tts", None) or TtsConfig()
+
     def session_object(self) -> dict[str, Any]:
         audio = self.connection.audio
         kind = "transcription" if audio.transcription_only else "realtime"
         shown = audio.settings.shown(self.beta, audio.speech_model)
+        if not audio.transcription_only:
+            if self.beta:
+                shown.update(self.output.shown(beta=True))
+            else:
+                shown["audio"]["output"] = self.output.shown(beta=False)
         return {"id": self.connection.session_id, "object": "realtime.session", "type": kind, **self.values, **shown}
 
     def restore(self, info: dict[str, Any]) -> None:
@@ -117,14 +135,67 @@ class SessionSettings:
         if choice == "required" and not tools:
             raise InvalidEvent('tool_choice "required" needs tools', param=f"{where}.tool_choice")
 
-    def text_only(self, sampling: Sampling, where: str) -> list[str] | None:
-        """The output modalities asked for (None: unchanged); anything but text is refused."""
+    def modalities(self, sampling: Sampling, where: str) -> list[str] | None:
+        """The output modalities asked for (None: unchanged), checked: GA takes ["text"] or ["audio"] (audio comes
+        with its transcript), beta ["text"] or ["text", "audio"]; audio needs the TTS role."""
         modalities = sampling.output_modalities
-        if modalities is not None and set(modalities) - {"text"}:
-            raise InvalidEvent(
-                "only text output is supported", "unsupported_modality", f"{where}.{self.modalities_key}"
-            )
+        if modalities is None:
+            return None
+        param = f"{where}.{self.modalities_key}"
+        if set(modalities) - {"text", "audio"}:
+            raise InvalidEvent('the output modalities are "text" and "audio"', "unsupported_modality", param)
+        if not self.beta and len(set(modalities)) > 1:
+            message = 'output_modalities is ["text"] or ["audio"] (audio comes with its transcript)'
+            raise InvalidEvent(message, "invalid_value", param)
+        if "audio" in modalities and getattr(self.connection.ingress, "tts", None) is None:
+            message = "this server has no TTS role (`tts.backend` in its config): audio output is not supported"
+            raise InvalidEvent(message, "audio_output_not_supported", param)
         return modalities
+
+    def output_audio(self, sampling: Sampling, where: str) -> OutputAudio:
+        """The output audio settings `sampling` asks for over the session's (GA `audio.output`; beta's flat
+        `output_audio_format`, `voice`, `speed` on beta connections), checked (`InvalidEvent` naming the field)."""
+        ga = sampling.audio.output if sampling.audio is not None and sampling.audio.output is not None else None
+        given = ga.model_fields_set if ga is not None else set()
+        flat = sampling.model_fields_set & Sampling.OUTPUT if self.beta else set()
+        output, prefix = self.output, f"{where}.audio.output"
+
+        def field(name: str, beta_name: str) -> tuple[Any, str] | None:
+            """The value given for a field and its name as the client wrote it (null: not given)."""
+            if beta_name in flat and getattr(sampling, beta_name) is not None:
+                return getattr(sampling, beta_name), f"{where}.{beta_name}"
+            if name in given and getattr(ga, name) is not None:
+                return getattr(ga, name), f"{prefix}.{name}"
+            return None
+
+        if (fmt := field("format", "output_audio_format")) is not None:
+            try:
+                output = replace(output, format=parse_format(*fmt))
+            except AudioError as e:
+                raise InvalidEvent(e.message, e.code, e.param) from None
+        if (speed := field("speed", "speed")) is not None:
+            output = replace(output, speed=speed[0])
+        if (voice := field("voice", "voice")) is not None:
+            name, param = voice
+            voices = self.tts_config.voice_map()
+            if not isinstance(name, str) or name not in voices:
+                known = ", ".join(sorted(voices))
+                raise InvalidEvent(f"unknown voice {repr(name)[:80]}: one of {known}", "invalid_value", param)
+            if self.voiced is not None and name != self.voiced:
+                message = f"the voice cannot change once the session has spoken (it speaks in {self.voiced!r})"
+                raise InvalidEvent(message, "cannot_update_voice", param)
+            output = replace(output, voice=name)
+        return output
+
+    def speech(self, response: Sampling | None = None) -> OutputAudio | None:
+        """How a response speaks (None: text only): the session's settings, with `response.create`'s own
+        (`InvalidEvent` naming a bad one)."""
+        modalities, output = self.values[self.modalities_key], self.output
+        if response is not None:
+            if (asked := self.modalities(response, "response")) is not None:
+                modalities = asked
+            output = self.output_audio(response, "response")
+        return output if "audio" in modalities else None
 
     async def update(self, event: SessionUpdate) -> None:
         """`session.update`."""
@@ -136,7 +207,8 @@ class SessionSettings:
             return
         session = event.session or Sampling()
         voice = audio.configure(session)
-        modalities = self.text_only(session, "session")
+        modalities = self.modalities(session, "session")
+        output = self.output_audio(session, "session")
         settings = {**self.values, **session.given()}
         if modalities is not None:
             settings[self.modalities_key] = modalities
@@ -153,7 +225,7 @@ class SessionSettings:
         off = session.preemptive is None
         preemptive = {"preemptive": False if off else session.preemptive} if set_preemptive else {}
         if updated := await conn.call(session_update, instructions=session.instructions, params=params, **preemptive):
-            self.values = settings
+            self.values, self.output = settings, output
             if voice is not None:
                 audio.apply(voice)
             await conn.send("session.updated", session=self.session_object())

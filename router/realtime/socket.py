@@ -1,4 +1,5 @@
-"""`/v1/realtime`: the OpenAI Realtime API over WebSocket, for text.
+"""`/v1/realtime`: the OpenAI Realtime API over WebSocket, for text and voice (audio in: router/realtime/audio.py;
+answers spoken: router/realtime/output.py).
 
 Each conversation item (and each `input_text_buffer.append`) is forwarded to the session's prefill replica
 as it arrives, so the conversation is prefilled while the user is still typing or speaking; `response.create`

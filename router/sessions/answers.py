@@ -23,7 +23,7 @@ from core.tasks import detached
 from router.openai import tool_calls
 from router.sessions import owner
 from router.sessions.outcome import Outcome, completion_object, replay_frames
-from router.sessions.provisional import Held, Provisional
+from router.sessions.provisional import Held, Provisional, Watch
 from router.streams.feeds import DecodeFailed, DecodeStream
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,12 @@ class AnswerReader:
         turn: int | None = None,
         surface: str = "session",
         provisional: asyncio.Queue[Provisional] | None = None,
+        watch: Watch | None = None,
     ) -> None:
         self.ingress, self.session_id, self.turn = ingress, session_id, turn
-        # A preemptive answer's text before the turn ends (router/sessions/provisional.py).
-        self.provisional = provisional
+        # A preemptive answer's text before the turn ends (router/sessions/provisional.py): to the client, and to
+        # `watch` (Realtime's early speech: its first sentence synthesized while it is held).
+        self.provisional, self.watch = provisional, watch
         self.surface = surface  # where its tool calls are counted (router/openai/tool_calls.py)
         self.claim: dict[str, Any] = {}
         self.outcome = Outcome()
@@ -77,7 +79,11 @@ class AnswerReader:
         wait_s = limits.idle_timeout_s if limits else 300.0  # (for the input to end; for a release's confirmation)
         deadline = time.monotonic() + wait_s
         feeds = getattr(self.ingress, "feeds", None)
-        held = Held(feeds, self.session_id, self.provisional) if stream and not retried and feeds is not None else None
+        held = (
+            Held(feeds, self.session_id, self.provisional, self.watch)
+            if stream and not retried and feeds is not None
+            else None
+        )
         self.held = held or self.held
         early: asyncio.Future[Any] | None = None  # the claim still on its way when the answer was released here
         try:

@@ -19,12 +19,15 @@ named the input the held answer was made from; `session_respond` refused revokes
 Provisional text (the session's `preemptive.stream`): while held, the stream's text goes to `sink` as it arrives,
 marked with its attempt, then whether it was confirmed or discarded; the surface turns these into events of its
 own (router/sessions/rest.py: named SSE events; router/realtime/socket.py: `rtpd.response.provisional.*`). Only text is
-provisional: a tool call reaches the client only in the confirmed answer.
+provisional: a tool call reaches the client only in the confirmed answer. A `watch` sees the held text too, whether the
+client does or not, and hears when it is discarded (router/realtime/early_speech.py: its first sentence is
+synthesized before the turn is confirmed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +35,12 @@ from typing import Any
 from core.protocol import choice_text, parse_sse
 from router.streams.feeds import DecodeStream, Feeds
 
+logger = logging.getLogger(__name__)
 # (kind, fields): ("delta", {"attempt", "delta"}) while held, then ("done", {"attempt", "status"}), status
 # "confirmed" (it is the answer: the answer's frames follow) or "discarded".
 Provisional = tuple[str, dict[str, Any]]
+# (attempt, text): a held answer's text as it arrives, whether or not the client sees it; (attempt, None): discarded.
+Watch = Callable[[str, str | None], None]
 
 
 def frame_text(text: str) -> str:
@@ -46,10 +52,18 @@ def frame_text(text: str) -> str:
 
 
 class Held:
-    def __init__(self, feeds: Feeds, session_id: str, sink: asyncio.Queue[Provisional] | None = None) -> None:
+    def __init__(
+        self,
+        feeds: Feeds,
+        session_id: str,
+        sink: asyncio.Queue[Provisional] | None = None,
+        watch: Watch | None = None,
+    ) -> None:
         self.feeds, self.session_id = feeds, session_id
         self.sink = sink  # where provisional text goes, if the session asked for it
-        self.stream: DecodeStream | None = None  # (its `tap` is set while its text goes to `sink`)
+        self.watch = watch  # sees the held text too (router/realtime/early_speech.py)
+        self._shown: set[str] = set()  # the held streams whose text goes to `sink`
+        self.stream: DecodeStream | None = None  # (its `tap` is set while its text goes to `sink` or `watch`)
         self.live: dict[str, Any] = {}  # the owner's description of the held stream (prefill/preemptive.py)
         self._following = ""  # the preemptive answer the owner named last (held, or gone before it was adopted)
         loop = asyncio.get_running_loop()
@@ -76,19 +90,31 @@ class Held:
             self.feeds.held.setdefault(self.session_id, self)
 
     def _tap(self, live: dict[str, Any]) -> Callable[[str], None] | None:
-        if self.sink is None or not live.get("stream"):
+        sink = self.sink if live.get("stream") else None
+        watch, attempt = self.watch, live["stream_id"]
+        if sink is None and watch is None:
             return None
-        sink, attempt = self.sink, live["stream_id"]
+        if sink is not None:
+            self._shown.add(attempt)
 
         def tap(text: str) -> None:
             if delta := frame_text(text):
-                sink.put_nowait(("delta", {"attempt": attempt, "delta": delta}))
+                if sink is not None:
+                    sink.put_nowait(("delta", {"attempt": attempt, "delta": delta}))
+                if watch is not None:
+                    try:
+                        watch(attempt, delta)
+                    except Exception:  # (the feed's reader carries every stream: it must not fail on one's watcher)
+                        logger.exception("session %s: the held answer's watcher failed", self.session_id)
 
         return tap
 
     def _done(self, stream: DecodeStream, status: str) -> None:
-        if stream.tap is not None and self.sink is not None:
+        if stream.stream_id in self._shown and self.sink is not None:
+            self._shown.discard(stream.stream_id)
             self.sink.put_nowait(("done", {"attempt": stream.stream_id, "status": status}))
+        if stream.tap is not None and self.watch is not None and status == "discarded":
+            self.watch(stream.stream_id, None)
         stream.tap = None
 
     def release(self, sequence_id: int) -> bool:

@@ -288,8 +288,8 @@ def test_beta_names_for_modalities_and_max_response_output_tokens() -> None:
         assert updated["type"] == "session.updated" and updated["session"]["modalities"] == ["text"]
         assert prefill.called("session_update")[-1]["params"]["max_tokens"] == 7
         ws.send_json({"type": "session.update", "session": {"modalities": ["text", "audio"]}, "event_id": "e"})
-        error = ws.receive_json()["error"]
-        assert error["code"] == "unsupported_modality" and error["param"] == "session.modalities"
+        error = ws.receive_json()["error"]  # (no TTS role here: tests/unit/router/test_realtime_speech.py has one)
+        assert error["code"] == "audio_output_not_supported" and error["param"] == "session.modalities"
 
 
 def test_item_text_parts_and_the_buffers_beta_text_field() -> None:

@@ -1,11 +1,23 @@
-"""Client audio formats: parsing GA and beta names, G.711 decoding, 16-bit PCM checks, streaming resampling."""
+"""Client audio formats: parsing GA and beta names, G.711 decoding and encoding, 16-bit PCM checks, streaming
+resampling, and speech encoded in a client's output format."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from router.voice.audio import PCM24K, AudioError, AudioFormat, Resampler, b64decode, parse_format, samples
+from router.voice.audio import (
+    PCM24K,
+    AudioError,
+    AudioFormat,
+    Encoder,
+    Resampler,
+    alaw,
+    b64decode,
+    parse_format,
+    samples,
+    ulaw,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,3 +91,36 @@ def test_same_rate_audio_passes_through() -> None:
     fmt = AudioFormat("pcm16", 16000)
     pcm = (np.arange(100, dtype="<i2") * 10).tobytes()
     assert np.array_equal(Resampler(fmt)(pcm), samples(pcm, fmt))
+
+
+def test_g711_encoding_matches_the_reference_for_every_sample() -> None:
+    audioop = pytest.importorskip("audioop")
+    every = np.arange(-32768, 32768, dtype="<i2")
+    assert ulaw(every) == audioop.lin2ulaw(every.tobytes(), 2)
+    assert alaw(every) == audioop.lin2alaw(every.tobytes(), 2)
+
+
+@pytest.mark.parametrize("codec", ["ulaw", "alaw"])
+def test_speech_encoded_as_g711_at_8_khz_decodes_back_close_to_it(codec: str) -> None:
+    """24 kHz PCM16 (the TTS role's) as G.711 at 8 kHz, in 100 ms pieces then flushed: as long as the speech, and
+    the tone heard back."""
+    import soxr
+
+    t = np.arange(24000) / 24000
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)
+    pcm = (tone * 32767).astype("<i2").tobytes()
+    encoder = Encoder(AudioFormat(codec, 8000), 24000)
+    out = b"".join(encoder(pcm[i : i + 4800]) for i in range(0, len(pcm), 4800)) + encoder.flush()
+    assert len(out) == 8000  # one byte a sample, the whole second
+    heard = samples(out, AudioFormat(codec, 8000))
+    expected = soxr.resample(tone.astype(np.float32), 24000, 8000)
+    assert np.max(np.abs(heard[100:-100] - expected[100:-100])) < 0.02
+
+
+def test_pcm16_at_the_speech_rate_passes_through_and_other_rates_are_resampled() -> None:
+    pcm = (np.arange(2400, dtype="<i2") * 3).tobytes()
+    encoder = Encoder(PCM24K, 24000)
+    assert encoder(pcm) == pcm and encoder.flush() == b""
+    encoder = Encoder(AudioFormat("pcm16", 16000), 24000)
+    out = encoder(pcm) + encoder.flush()
+    assert len(out) == 1600 * 2

@@ -1,0 +1,335 @@
+"""A response's spoken message (router/realtime/output.py holds one per message of an audio response): its text, as
+decode streams it, cut into sentences (router/voice/sentences.py), each spoken by the TTS role (tts/client.py) the
+moment it is complete, and sent as Realtime audio events in the session's format (router/voice/audio.py `Encoder`).
+
+The pipeline: a sender goes through the sentences in order; for each, its transcript delta (its exact text, when its
+first audio is ready), then its audio deltas (100-200 ms each) as the TTS role streams them. Each sentence is
+synthesized in a task of its own (`Synthesis`), started as soon as the sentence is complete and at most `LOOKAHEAD`
+sentences ahead of the one being sent: the next sentence's audio is ready when the current one's ends, and a barge-in
+wastes little synthesis. A preemptive answer's first sentence may come synthesized already (router/realtime/
+early_speech.py): it is taken if its text, voice and speed are this sentence's.
+
+Interrupted (barge-in, `response.cancel`): every synthesis is cancelled (its TTS stream closed) and the sending stops
+at once; the transcript is what the user heard: the sentences whose audio all went out, then the words of the one
+being spoken whose audio had started (the TTS role's word timings). `heard_chars(ms)` applies the same rule to a
+truncate's `audio_end_ms` on the message's audio timeline (its sentences' audio back to back).
+
+A TTS failure (an error chunk, an exception: its replica died, or nothing for `CHUNK_TIMEOUT_S`) ends this message's
+audio with one `error` event (server_error, naming the TTS role). No retry: the sentence's start may be out already,
+and a replica that died takes a while to be replaced. The transcript deltas go on, and the response completes with
+its whole text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from core.config import TtsConfig
+from router.realtime.audio_settings import OutputAudio
+from router.voice.audio import Encoder
+from router.voice.sentences import SentenceSplitter
+from tts.client import RATE, SpeechChunk, Word
+
+logger = logging.getLogger(__name__)
+
+LOOKAHEAD = 2  # sentences synthesized ahead of the one being sent
+DELTA_MIN_BYTES, DELTA_MAX_BYTES = RATE // 10 * 2, RATE // 5 * 2  # 100-200 ms of the TTS role's PCM16 a delta
+CHUNK_TIMEOUT_S = 10.0  # a synthesis that sends nothing for this long has failed
+STOP_WAIT_S = 5.0  # how long an interruption waits for the send in flight
+Key = tuple[str, str, float]  # what a synthesis speaks: (text, voice, speed)
+
+
+def failure(message: str) -> SpeechChunk:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "tts_failed"}}
+
+
+class Synthesis:
+    """One sentence's audio from the TTS role, read in a task of its own into a queue (None ends it)."""
+
+    def __init__(self, tts: Any, text: str, voice: str, speed: float) -> None:
+        self.key: Key = (text, voice, speed)
+        self.queue: asyncio.Queue[SpeechChunk | None] = asyncio.Queue()
+        self.task = asyncio.create_task(self._read(tts))
+
+    async def _read(self, tts: Any) -> None:
+        text, voice, speed = self.key
+        stream: Any = None
+        ended = False  # read to its end (nothing to close)
+        try:
+            stream = tts.synthesize(text, voice=voice, speed=speed)
+            while not ended:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), CHUNK_TIMEOUT_S)
+                except StopAsyncIteration:
+                    ended = True
+                    break
+                self.queue.put_nowait(chunk)
+                ended = "error" in chunk  # (an error chunk ends the stream)
+        except asyncio.TimeoutError:
+            self.queue.put_nowait(failure(f"the TTS role sent no audio for {CHUNK_TIMEOUT_S:g} s"))
+        except Exception as e:  # its replica died (Ray's errors), or the call could not be made
+            self.queue.put_nowait(failure(f"the TTS role failed ({type(e).__name__})"))
+        finally:
+            self.queue.put_nowait(None)
+            if stream is not None and not ended:
+                await _close(stream)
+
+    async def next(self) -> SpeechChunk | None:
+        return await self.queue.get()
+
+    def close(self) -> None:
+        """Not needed (interrupted, failed, discarded): stopped, its TTS stream closed."""
+        self.task.cancel()
+        self.queue.put_nowait(None)  # (a task cancelled before it ran never ends its queue)
+
+
+async def _close(stream: Any) -> None:
+    """A TTS stream not read to its end: a Serve generator is cancelled on its replica, an async generator closed."""
+    with contextlib.suppress(Exception):
+        if callable(cancel := getattr(stream, "cancel", None)):
+            cancel()
+        elif callable(aclose := getattr(stream, "aclose", None)):
+            await aclose()
+
+
+class Ready(Protocol):
+    """A first sentence synthesized before the response (router/realtime/early_speech.py `EarlySpeech`)."""
+
+    def take(self, key: Key) -> Synthesis | None: ...  # its synthesis if it speaks `key` (else it is closed)
+
+    def close(self) -> None: ...
+
+
+class Speaking(Protocol):
+    """What the spoken message needs of its connection (router/realtime/socket.py)."""
+
+    ingress: Any  # its `tts` (tts/client.py `TtsClient`) and `config.tts`
+    beta: bool
+
+    async def send(self, type_: str, **fields: Any) -> None: ...
+
+
+@dataclass
+class Piece:
+    """A sentence of the message: its text as the answer has it (its transcript delta) and what became of it."""
+
+    text: str
+    start: int  # where it starts in the message's text
+    synthesis: Synthesis | None = None
+    words: list[Word] = field(default_factory=list)  # (offsets in `spoken`, ms from its own audio's start)
+    reached: bool = False  # the sender got to it: its audio starts at `offset_ms` on the message's timeline
+    offset_ms: float = 0.0
+    sent_ms: float = 0.0
+    done: bool = False  # its audio all sent (or it had none)
+
+    @property
+    def spoken(self) -> str:
+        return self.text.strip()
+
+    def heard(self, ms: float) -> int:
+        """How much of its text `ms` of its audio says: all of it once its audio is all out, else up to the end
+        of the last word whose audio had started."""
+        if self.done and ms >= self.sent_ms:
+            return len(self.text)
+        ends = [w["end"] for w in self.words if w["audio_ms"] < ms]
+        return len(self.text) - len(self.text.lstrip()) + max(ends) if ends else 0
+
+
+class AudioOut:
+    """One message's spoken output: `add` its text as it arrives, then `finish()` (or `interrupt()`)."""
+
+    def __init__(
+        self,
+        connection: Speaking,
+        where: dict[str, Any],
+        speech: OutputAudio,
+        on_audio: Callable[[float], None],
+        ready: Ready | None = None,
+        base: int = 0,
+        stopped: bool = False,
+    ) -> None:
+        self.connection, self.where, self.speech, self.on_audio = connection, where, speech, on_audio
+        self.item_id: str = where["item_id"]
+        self.base = base  # where the message's text starts in the answer's text
+        self.tts = connection.ingress.tts
+        config = getattr(connection.ingress.config, "tts", None) or TtsConfig()
+        self.splitter = SentenceSplitter(config.min_sentence_chars, config.first_clause_chars)
+        self.text = ""  # the message's text so far
+        self.pieces: list[Piece] = []
+        self.current = 0  # the piece being sent
+        self.audio_ms = 0.0  # sent
+        self.stopped = stopped  # interrupted: nothing more goes out
+        self.failed = stopped  # the audio ended (a TTS failure): the transcript goes on
+        self.cut: int | None = None  # interrupted: how much of the text was heard
+        self.closing = False
+        self._ready = ready
+        self._arrived = asyncio.Event()
+        kind = "response.audio" if connection.beta else "response.output_audio"
+        self._audio_event, self._transcript_event = f"{kind}.delta", f"{kind}_transcript.delta"
+        self._sender = asyncio.create_task(self._send_all())
+
+    @property
+    def transcript(self) -> str:
+        return self.text if self.cut is None else self.text[: self.cut]
+
+    def add(self, delta: str) -> None:
+        """More of the message's text: the sentences it completes go to be spoken at once."""
+        if self.stopped:
+            return  # (interrupted: the rest was never heard)
+        self.text += delta
+        self._queue(self.splitter.feed(delta))
+
+    async def finish(self) -> str:
+        """The message's text is whole: its last piece, then every sentence's audio sent; its transcript."""
+        if not self.stopped and (rest := self.splitter.flush()):
+            self._queue([rest])
+        self.closing = True
+        self._arrived.set()
+        (ended,) = await asyncio.gather(self._sender, return_exceptions=True)
+        if isinstance(ended, Exception):  # (the client's socket failed: the response's own sends say so)
+            logger.warning("realtime audio output failed: %r", ended)
+        self._drop_ready()
+        self._settle()
+        return self.transcript
+
+    async def interrupt(self) -> None:
+        """Stop now (barge-in, cancel): the syntheses are cancelled, nothing more is sent after the send in flight,
+        and the transcript is what was heard."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self._close_all()
+        self._arrived.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._sender), STOP_WAIT_S)
+        except asyncio.TimeoutError:
+            self._sender.cancel()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Interrupted: what was heard, once the sender has stopped (its last send counted)."""
+        if self.stopped and self.cut is None:
+            self.cut = self.heard_chars(self.audio_ms) or 0
+
+    def abort(self) -> None:
+        """The response itself was cancelled (the connection closes): every task stops."""
+        self.stopped = True
+        self._close_all()
+        self._sender.cancel()
+
+    def heard_chars(self, ms: float) -> int | None:
+        """How much of the message's text the user heard by `ms` on its audio timeline (None: past the audio)."""
+        if ms > math.ceil(self.audio_ms):
+            return None
+        chars = 0
+        for piece in self.pieces:
+            if not piece.reached:
+                break
+            if not (piece.done and ms - piece.offset_ms >= piece.sent_ms):
+                return piece.start + piece.heard(ms - piece.offset_ms)
+            chars = piece.start + len(piece.text)
+        return chars
+
+    # --- the pipeline ------------------------------------------------------------------------------
+    def _queue(self, texts: list[str]) -> None:
+        for text in texts:
+            start = self.pieces[-1].start + len(self.pieces[-1].text) if self.pieces else 0
+            self.pieces.append(Piece(text, start))
+        if texts:
+            self._start_ahead()
+            self._arrived.set()
+
+    def _start_ahead(self) -> None:
+        """Synthesis starts for the sentence being sent and the `LOOKAHEAD` after it."""
+        if self.failed or self.stopped:
+            return
+        for piece in self.pieces[self.current : self.current + 1 + LOOKAHEAD]:
+            if piece.synthesis is None and piece.spoken:
+                key = (piece.spoken, self.speech.voice, self.speech.speed)
+                ready, self._ready = self._ready, None  # (the first sentence only)
+                piece.synthesis = (ready.take(key) if ready is not None else None) or Synthesis(self.tts, *key)
+
+    async def _send_all(self) -> None:
+        while not self.stopped:
+            if self.current == len(self.pieces):
+                if self.closing:
+                    return
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            self._start_ahead()
+            await self._speak(self.pieces[self.current])
+            if self.stopped:
+                return
+            self.current += 1
+
+    async def _speak(self, piece: Piece) -> None:
+        """One sentence: its transcript delta once its first audio is ready, then its audio as it comes."""
+        piece.reached, piece.offset_ms = True, self.audio_ms
+        encoder, pending, told = Encoder(self.speech.format, RATE), b"", False
+        while piece.synthesis is not None and not self.failed:
+            chunk = await piece.synthesis.next()
+            if self.stopped:
+                return
+            if chunk is None:
+                break
+            if "error" in chunk:
+                await self._fail(chunk["error"])
+                break
+            if not told:
+                told = True
+                await self._transcript(piece)
+            piece.words.extend(chunk.get("words") or [])
+            pending += chunk.get("audio") or b""
+            while len(pending) >= DELTA_MIN_BYTES:
+                size = min(len(pending), DELTA_MAX_BYTES)
+                await self._audio(piece, encoder(pending[:size]))
+                pending = pending[size:]
+                if self.stopped:
+                    return
+        if piece.synthesis is not None:
+            await self._audio(piece, encoder(pending) + encoder.flush())
+        if not told and not self.stopped:
+            await self._transcript(piece)
+        piece.done = True
+
+    async def _transcript(self, piece: Piece) -> None:
+        await self.connection.send(self._transcript_event, **self.where, content_index=0, delta=piece.text)
+
+    async def _audio(self, piece: Piece, data: bytes) -> None:
+        if not data or self.stopped:
+            return
+        delta = base64.b64encode(data).decode()
+        await self.connection.send(self._audio_event, **self.where, content_index=0, delta=delta)
+        ms = self.speech.format.seconds(len(data)) * 1000
+        piece.sent_ms += ms
+        self.audio_ms += ms
+        self.on_audio(ms / 1000)
+
+    async def _fail(self, error: dict[str, Any]) -> None:
+        """The audio ends here (the transcript goes on): one `error` event says why."""
+        self.failed = True
+        self._close_all()
+        detail = str(error.get("message") or "no audio")
+        logger.warning("realtime audio output stopped: %s", detail)
+        message = f"the TTS role could not speak the answer ({detail}): its audio stops here, its transcript goes on"
+        error = {"type": "server_error", "code": "tts_failed", "message": message, "param": None, "event_id": None}
+        await self.connection.send("error", error=error)
+
+    def _close_all(self) -> None:
+        for piece in self.pieces:
+            if piece.synthesis is not None and not piece.done:
+                piece.synthesis.close()
+        self._drop_ready()
+
+    def _drop_ready(self) -> None:
+        if self._ready is not None:
+            self._ready.close()
+            self._ready = None
