@@ -104,6 +104,11 @@ TTS_REALTIME_FACTOR = "rtpd_tts_realtime_factor"
 TTS_IN_FLIGHT = "rtpd_tts_in_flight"
 AUDIO_OUT_SECONDS = "rtpd_audio_out_seconds_total"
 FIRST_AUDIO_SECONDS = "rtpd_first_audio_seconds"
+TTS_ERRORS = "rtpd_tts_errors_total"  # syntheses that failed, by `code` (at the router: by surface too)
+# The descriptions, one per metric wherever it is recorded.
+FIRST_AUDIO = "time from the request (a response, or an audio/speech call) to its first audio sent"
+AUDIO_OUT = "audio seconds sent to clients"
+TTS_FAILED = "syntheses that failed"
 
 ALL = [
     SESSIONS_OPEN,

@@ -45,7 +45,6 @@ MEDIA_TYPES = {
 # libsndfile's container and subtype per format (encoded whole, at the end).
 SOUNDFILE_FORMATS = {"mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS"), "flac": ("FLAC", "PCM_16")}
 CHUNK_TIMEOUT_S = 30.0  # longest wait for the TTS replica's next chunk
-FIRST_AUDIO = "time from the request (a response, or an audio/speech call) to its first audio sent"
 TOKEN_MS = 20.0  # usage: output audio counted in 20 ms frames (a codec's frame), input in words
 
 
@@ -195,42 +194,51 @@ async def speech(request: Request) -> Response:
     voice = checked.voice.id if isinstance(checked.voice, VoiceId) else checked.voice
     synthesis = Synthesis(tts, checked, voice)
     first = await synthesis.first()
+    fmt, sse = checked.response_format, checked.stream_format == "sse"
+    whole: bytes | None = None
+    if fmt in SOUNDFILE_FORMATS and (first is None or "error" not in first):
+        # Encoded whole: the audio is all read before the status, so that a failure is still an error status.
+        parts = [] if first is None else [synthesis.count(first)]
+        try:
+            async for chunk in synthesis.rest():
+                if "error" in chunk:
+                    first = chunk
+                    break
+                parts.append(synthesis.count(chunk))
+        except Exception as e:  # (a replica that died mid-input, or the wait ran out)
+            first = {"error": error_body(502, f"the TTS replica failed: {e!r}")["error"]}
+        else:
+            whole = await asyncio.to_thread(encode, b"".join(parts), fmt)
     if first is not None and "error" in first:
         synthesis.close()
         error = first["error"]
         metrics.inc(metrics.ERRORS, 1, "errors by kind", kind=f"http_{_status(error)}")
+        metrics.inc(metrics.TTS_ERRORS, 1, metrics.TTS_FAILED, code=str(error.get("code")), surface="speech")
         return JSONResponse({"error": error}, status_code=_status(error))
-    fmt, sse = checked.response_format, checked.stream_format == "sse"
+    if whole is not None:
+        _sent(started, synthesis)
+        if not sse:
+            return Response(whole, media_type=MEDIA_TYPES[fmt])
 
     async def chunks() -> AsyncIterator[bytes]:
         """The format's bytes as they are ready."""
-        if first is None:
-            pieces: AsyncIterator[SpeechChunk] = _empty()
-        else:
-            pieces = _chain(first, synthesis.rest())
-        sent_first = False
+        if whole is not None:
+            yield whole
+            return
         if fmt == "wav":
             yield wav_header()
-        whole = []
-        async for chunk in pieces:
+        sent_first = False
+        async for chunk in _empty() if first is None else _chain(first, synthesis.rest()):
             if "error" in chunk:
+                code = str(chunk["error"].get("code"))
+                metrics.inc(metrics.TTS_ERRORS, 1, metrics.TTS_FAILED, code=code, surface="speech")
                 raise RuntimeError(chunk["error"].get("message", "TTS failed"))
-            audio = synthesis.count(chunk)
-            if not audio:
-                continue
-            if fmt in ("pcm", "wav"):
+            if audio := synthesis.count(chunk):
                 if not sent_first:
                     sent_first = True
-                    metrics.observe(
-                        metrics.FIRST_AUDIO_SECONDS, time.perf_counter() - started, FIRST_AUDIO, surface="speech"
-                    )
+                    _sent(started, synthesis, first_only=True)
                 yield audio
-            else:
-                whole.append(audio)
-        if whole:
-            yield await asyncio.to_thread(encode, b"".join(whole), fmt)
-        seconds = synthesis.audio_bytes / 2 / RATE
-        metrics.inc(metrics.AUDIO_OUT_SECONDS, seconds, "audio seconds sent to clients", surface="speech")
+        _sent(started, synthesis, seconds_only=True)
 
     async def audio_body() -> AsyncIterator[bytes]:
         try:
@@ -254,6 +262,16 @@ async def speech(request: Request) -> Response:
     if sse:
         return StreamingResponse(sse_body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return StreamingResponse(audio_body(), media_type=MEDIA_TYPES[fmt])
+
+
+def _sent(started: float, synthesis: Synthesis, first_only: bool = False, seconds_only: bool = False) -> None:
+    """The metrics of audio sent: the first audio's time, the audio seconds."""
+    if not seconds_only:
+        elapsed = time.perf_counter() - started
+        metrics.observe(metrics.FIRST_AUDIO_SECONDS, elapsed, metrics.FIRST_AUDIO, surface="speech")
+    if not first_only:
+        seconds = synthesis.audio_bytes / 2 / RATE
+        metrics.inc(metrics.AUDIO_OUT_SECONDS, seconds, metrics.AUDIO_OUT, surface="speech")
 
 
 async def _empty() -> AsyncIterator[SpeechChunk]:

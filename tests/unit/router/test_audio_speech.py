@@ -151,3 +151,9 @@ async def test_a_failure_after_the_status_is_an_sse_error_event() -> None:
     response = await post(app_with(FakeTts(pieces=3, fail_after=1)), {**BODY, "stream_format": "sse"})
     events = [json.loads(line[6:]) for line in response.text.split("\n\n") if line.startswith("data: ")]
     assert [e["type"] for e in events] == ["speech.audio.delta", "error"]
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "flac"])
+async def test_a_failure_of_a_format_encoded_whole_is_an_error_status(fmt: str) -> None:
+    response = await post(app_with(FakeTts(pieces=3, fail_after=1)), {**BODY, "response_format": fmt})
+    assert response.status_code == 502 and "replica" in response.json()["error"]["message"]
