@@ -30,12 +30,18 @@ GAUGES_AND_COUNTERS = {
     "ray_rtpd_prefill_recomputed_tokens_total",
     "ray_rtpd_prefill_prefix_cache_returned_tokens_total",
     "ray_rtpd_prefill_queue",
+    "ray_rtpd_audio_out_seconds_total",
+    "ray_rtpd_tts_audio_seconds_total",
+    "ray_rtpd_tts_in_flight",
+    "ray_rtpd_tts_errors_total",
 }
 HISTOGRAMS = {
     "ray_rtpd_ttft_seconds",
     "ray_rtpd_inter_token_latency_seconds",
     "ray_rtpd_last_chunk_to_first_token_seconds",
     "ray_rtpd_kv_transfer_seconds",
+    "ray_rtpd_first_audio_seconds",
+    "ray_rtpd_tts_realtime_factor",
 }
 METRIC = re.compile(r"\bray_[A-Za-z0-9_]+")
 
