@@ -61,7 +61,6 @@ from speech.engine import wav_bytes
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 FRAME_S = 0.02
-SPLIT = {"min_sentence_chars": TtsConfig().min_sentence_chars, "first_clause_chars": TtsConfig().first_clause_chars}
 TEXT_SYSTEMS = ("voice", "voice+preemptive", "cascade")
 AUDIO_SYSTEMS = ("voice+audio", "voice+preemptive+audio", "cascade+audio")  # (answered in speech: first audio byte)
 SPEECH_BODY = {"model": "tts-1", "voice": "alloy", "response_format": "pcm"}
@@ -222,7 +221,7 @@ async def cascade_turn(
                 stopped.set()
 
     out: dict[str, Any] = {"slug": slug, "system": "cascade+audio" if audio_out else "cascade"}
-    splitter = SentenceSplitter(**SPLIT)
+    splitter = SentenceSplitter.of(TtsConfig())
     speaking: asyncio.Task[tuple[float, int]] | None = None
     start = time.perf_counter()
     eos = start + speech_end

@@ -244,6 +244,9 @@ class TtsConfig(_Strict):
     # for the next one.
     min_sentence_chars: int = Field(default=20, ge=1)
     first_clause_chars: int = Field(default=24, ge=1)  # (the first piece's, see above)
+    # The first piece may also end at any word once it is this long (a first sentence with no early clause, or an
+    # answer with no punctuation, still gets its first sound after a few words); null: at a clause or sentence only.
+    first_word_chars: int | None = Field(default=32, ge=1)
     # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
 

@@ -19,10 +19,6 @@ from router.realtime.audio_out import AudioOut, Ready, Speaking
 from router.realtime.audio_settings import OutputAudio
 from router.realtime.events import new_id
 
-# As router/openai/audio_speech.py has them (one metric, one description).
-FIRST_AUDIO = "time from the request (a response, or an audio/speech call) to its first audio sent"
-AUDIO_OUT = "audio seconds sent to clients"
-
 
 class Voiced(Protocol):
     """The session's settings (router/realtime/settings.py): the voice it first spoke in."""
@@ -61,15 +57,15 @@ class Output:
     ) -> None:
         self.connection, self.conversation, self.response_id = connection, conversation, response_id
         self.items: list[dict[str, Any]] = []  # their final form, for `response.done`
-        self.text = ""
+        self._text: list[str] = []  # the answer's text so far, as it came (joined when needed)
+        self.length = 0  # its length
         self.message: dict[str, Any] | None = None  # the message item, while it is open
         self.calls_sent: list[int] = []  # per call begun: how much of its arguments went out
         self.open_call: int | None = None
         self.calls: list[dict[str, Any]] = []  # the calls as they stand
         self.speech, self.ready = speech, ready
-        if speech is None and ready is not None:  # (a text response: a preemptive answer's audio is of no use)
-            ready.close()
-            self.ready = None
+        if speech is None:  # (a text response: a preemptive answer's audio is of no use)
+            self._retire_ready()
         self.spoken: AudioOut | None = None  # the last message's audio
         self.interrupted = False
         self.started = time.monotonic()  # (the response's start: its first audio's latency)
@@ -82,7 +78,7 @@ class Output:
         """What one read brought: text deltas, and the calls as they stand so far."""
         self.calls = calls
         if delta := "".join(deltas):
-            await self._text(delta)
+            await self._add_text(delta)
         for index, call in enumerate(calls):
             if index >= len(self.calls_sent):
                 if not call["function"]["name"]:
@@ -103,8 +99,8 @@ class Output:
         """Every item done (calls the stream did not show, e.g. in a replay, sent whole; a spoken message's audio
         all sent, unless interrupted meanwhile); the final items."""
         text = summary.get("text") or ""
-        if len(text) > len(self.text):
-            await self._text(text[len(self.text) :])
+        if len(text) > self.length:
+            await self._add_text(text[self.length :])
         calls = summary.get("tool_calls") or []
         if len(calls) > len(self.calls_sent):
             await self.add([], calls)
@@ -112,25 +108,28 @@ class Output:
             await self._open_message()
         # Cut by max_output_tokens: the item the cut fell in is `incomplete`, as OpenAI marks it.
         await self._done(cut=summary.get("status") == "completed" and summary.get("finish_reason") == "length")
-        if self.ready is not None:  # (no message was spoken)
-            self.ready.close()
-            self.ready = None
+        self._retire_ready()  # (no message was spoken)
         return self.items
 
     async def interrupt(self) -> None:
         """Barge-in or cancel: the audio stops now (what was heard is the spoken message's transcript)."""
         self.interrupted = True
-        if self.spoken is not None:
-            await self.spoken.interrupt()
-        if self.ready is not None:
-            self.ready.close()
+        try:
+            if self.spoken is not None:
+                await self.spoken.interrupt()
+        finally:
+            self._retire_ready()
 
     def abort(self) -> None:
-        """The response's task was cancelled (the connection closes): nothing of its audio goes on."""
+        """The response's task was cancelled (the connection closes) or failed: nothing of its audio goes on."""
         if self.spoken is not None:
             self.spoken.abort()
+        self._retire_ready()
+
+    def _retire_ready(self) -> None:
         if self.ready is not None:
-            self.ready.close()
+            self.ready.retire()
+            self.ready = None
 
     @property
     def heard(self) -> int | None:
@@ -138,12 +137,20 @@ class Output:
         spoken = self.spoken
         return None if spoken is None or spoken.cut is None else spoken.base + spoken.cut
 
-    async def _text(self, delta: str) -> None:
+    @property
+    def text(self) -> str:
+        """The answer's text so far."""
+        if len(self._text) > 1:
+            self._text = ["".join(self._text)]
+        return self._text[0] if self._text else ""
+
+    async def _add_text(self, delta: str) -> None:
         if self.message is None:
             await self._done()
             await self._open_message()
         assert self.message is not None
-        self.text += delta
+        self._text.append(delta)
+        self.length += len(delta)
         if self.spoken is not None and self.spoken.item_id == self.message["id"]:
             self.spoken.add(delta)  # (its transcript goes out with its audio)
             return
@@ -169,18 +176,18 @@ class Output:
             part = {"type": "audio", "transcript": ""}
             ready, self.ready = self.ready, None
             self.spoken = AudioOut(
-                self.connection, self._where(message), self.speech, self._spoke, ready, len(self.text), self.interrupted
+                self.connection, self._where(message), self.speech, self._spoke, ready, self.length, self.interrupted
             )
             self.conversation.answer_audio = self.spoken
         await send("response.content_part.added", **self._where(message), content_index=0, part=part)
 
     def _spoke(self, seconds: float) -> None:
         """Audio went out: counted, the response's first timed, and the session's voice settled."""
-        metrics.inc(metrics.AUDIO_OUT_SECONDS, seconds, AUDIO_OUT, surface="realtime")
+        metrics.inc(metrics.AUDIO_OUT_SECONDS, seconds, metrics.AUDIO_OUT, surface="realtime")
         if not self.first_audio:
             self.first_audio = True
             waited = time.monotonic() - self.started
-            metrics.observe(metrics.FIRST_AUDIO_SECONDS, waited, FIRST_AUDIO, surface="realtime")
+            metrics.observe(metrics.FIRST_AUDIO_SECONDS, waited, metrics.FIRST_AUDIO, surface="realtime")
             settings = self.connection.settings
             if settings.voiced is None and self.speech is not None:
                 settings.voiced = self.speech.voice

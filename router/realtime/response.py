@@ -125,7 +125,7 @@ class EarlyRead:
         self.relay.cancel()
         self.reader.release()
         if self.speech is not None:
-            self.speech.close()
+            self.speech.retire()
 
 
 class ResponseStream:
@@ -158,12 +158,16 @@ class ResponseStream:
         sent) before this returns."""
         self.cancel_reason = reason
         self.cancel_requested = True  # read before the reading starts, too
-        if self.output is not None:
-            await self.output.interrupt()  # the audio stops first: nothing more is heard
-        if self.reader is not None:
-            self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
-        if self.reading is not None:
-            self.reading.cancel()
+        try:
+            if self.output is not None:
+                await self.output.interrupt()  # the audio stops first: nothing more is heard
+        except Exception:  # (its own failure: the reading stops all the same, and the response ends)
+            logger.exception("session %s: the response's audio did not stop cleanly", self.connection.session_id)
+        finally:
+            if self.reader is not None:
+                self.reader.cancel()  # reported cancelled (not released), and the stream from decode stops
+            if self.reading is not None:
+                self.reading.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
 
     async def stream(self, turn: int) -> None:
@@ -173,17 +177,25 @@ class ResponseStream:
         speech, ready = self.speech, self.early.speech if self.early is not None else None
         if speech is not None:  # (as OpenAI's response object shows how it speaks)
             response.update(self.shown(speech))
-        await connection.send("response.created", response=response)
-        output = self.output = Output(connection, self.conversation, response_id, speech, ready)
+        output: Output | None = None
+        closed = False
         try:
+            await connection.send("response.created", response=response)
+            output = self.output = Output(connection, self.conversation, response_id, speech, ready)
             summary = await self.read_answer(turn)
             items = await output.close(summary)  # (a spoken answer: once its audio is out, or interrupted)
-        except asyncio.CancelledError:
-            output.abort()
-            raise
+            closed = True
+        finally:
+            if not closed:  # cancelled (the connection closes), or a send failed: nothing of it goes on
+                if output is not None:
+                    output.abort()
+                if self.early is not None:  # (its reader never taken: its claim let go, its early speech closed)
+                    self.early.close()
+                    self.early = None
+        assert output is not None
         self.conversation.last_item_id = items[-1]["id"]
         if (heard := output.heard) is not None:  # interrupted while spoken: the conversation keeps what was heard
-            if heard < len(output.text) and summary.get("status") == "completed":
+            if heard < output.length and summary.get("status") == "completed":
                 summary = {**summary, "status": "cancelled"}  # (its text had all come; its audio had not all gone)
             await self.cut_to(heard)
         status, details = summary.get("status"), None

@@ -1,4 +1,5 @@
-"""Audio as clients send it, made what the speech model and the VAD take: mono float32 at 16 kHz.
+"""Audio as clients send it, made what the speech model and the VAD take: mono float32 at 16 kHz (the other way,
+speech in a client's output format: router/voice/encode.py).
 
 The OpenAI Realtime formats: 16-bit little-endian PCM at 24 kHz (GA `{"type": "audio/pcm", "rate": 24000}`, beta
 `"pcm16"`; GA's `rate` may also be another common rate here), and G.711 μ-law and A-law at 8 kHz (GA
@@ -135,62 +136,3 @@ class Resampler:
         if self._stream is None:
             return np.zeros(0, np.float32)
         return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
-
-
-# ITU-T G.711 compression (the reference C code's segment search, vectorized): each segment's largest magnitude.
-_ULAW_ENDS = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])
-_ALAW_ENDS = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF])
-
-
-def ulaw(x: np.ndarray) -> bytes:
-    """16-bit samples as G.711 μ-law bytes."""
-    v = x.astype(np.int32) >> 2  # 14 bits
-    mask = np.where(v < 0, 0x7F, 0xFF)
-    v = np.minimum(np.abs(v), 8159) + 33  # (clipped, biased)
-    segment = np.searchsorted(_ULAW_ENDS, v)
-    code = np.where(segment >= 8, 0x7F, (segment << 4) | ((v >> (segment + 1)) & 0x0F))
-    return (code ^ mask).astype(np.uint8).tobytes()
-
-
-def alaw(x: np.ndarray) -> bytes:
-    """16-bit samples as G.711 A-law bytes."""
-    v = x.astype(np.int32) >> 3  # 13 bits
-    mask = np.where(v >= 0, 0xD5, 0x55)
-    v = np.where(v >= 0, v, -v - 1)
-    segment = np.searchsorted(_ALAW_ENDS, v)
-    code = np.where(segment >= 8, 0x7F, (segment << 4) | ((v >> np.maximum(segment, 1)) & 0x0F))
-    return (code ^ mask).astype(np.uint8).tobytes()
-
-
-class Encoder:
-    """Speech made at `rate` (16-bit PCM, the TTS role's) as a client's output format: resampled with libsoxr's
-    streaming resampler, then 16-bit PCM or G.711. One per stretch of audio (a sentence), flushed at its end, so that
-    each stretch's audio is whole and as long as it was made."""
-
-    def __init__(self, fmt: AudioFormat, rate: int) -> None:
-        self.format = fmt
-        self._stream: Any = None
-        if fmt.rate != rate:
-            import soxr
-
-            self._stream = soxr.ResampleStream(rate, fmt.rate, 1, dtype="float32", quality="HQ")
-
-    def __call__(self, pcm: bytes) -> bytes:
-        if self._stream is None and self.format.codec == "pcm16":
-            return pcm  # (as made)
-        x = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-        return self._encode(self._stream.resample_chunk(x) if self._stream is not None else x)
-
-    def flush(self) -> bytes:
-        """What the resampler still holds (a few ms), at the end of the stretch."""
-        if self._stream is None:
-            return b""
-        return self._encode(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))
-
-    def _encode(self, x: np.ndarray) -> bytes:
-        pcm = np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2")
-        if self.format.codec == "ulaw":
-            return ulaw(pcm)
-        if self.format.codec == "alaw":
-            return alaw(pcm)
-        return pcm.tobytes()

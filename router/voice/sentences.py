@@ -5,19 +5,30 @@ as soon as it is complete, while the rest of the answer is still being generated
 A piece ends after a sentence's end (`.`, `!`, `?`, `…`, with closing quotes or brackets) or a line break, followed
 by whitespace; the whitespace belongs to the piece, so that the pieces joined are the text exactly. A cut needs the
 next non-space character (the look-ahead): "Dr. Smith", "e.g. this", "J. Smith" and "wait... what" are not cut, and
-"3.5" has no space to cut at. A piece is `min_sentence_chars` long at least (a shorter sentence waits for the next
-one: "Hi! How are you?" is one piece). The first piece may end at a clause (`,` `;` `:` and a space) once it is
-`first_clause_chars` long, to get sound out sooner; a long sentence may end at a clause past `LONG_CHARS`, and text
-with no punctuation at all at any space past `MAX_CHARS`. The cuts depend on the text only, never on how it was
-split into deltas (a preemptive answer's first piece is cut the same in its held frames and in its response).
+"3.5" has no space to cut at. Chinese and Japanese put no space after a sentence: a fullwidth end (`。` `！` `？` `；`)
+needs none, only the look-ahead. A piece is `min_sentence_chars` long at least (a shorter sentence waits for the next
+one: "Hi! How are you?" is one piece). The first piece may end at a clause (`,` `;` `:` and a space, or a fullwidth
+`，` `、` `：`) once it is `first_clause_chars` long, to get sound out sooner; a long sentence may end at a clause past
+`LONG_CHARS`; and, with `first_word_chars`, the first piece may end at any word once it is that long (text with
+no early clause, or no punctuation at all, still gets its first sound after a few words). No piece is longer than
+`MAX_CHARS` (whitespace aside): text with no end or clause before that ends at its last space past half of it, or,
+with none (a language written without spaces, a long URL), at `MAX_CHARS` itself. The cuts depend on the text
+only, never on how it was split into deltas (a preemptive answer's first piece is cut the same in its held frames
+and in its response).
+
+`split_long` cuts a piece further, for a TTS role that takes fewer characters at once (`tts.max_input_chars`).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.config import TtsConfig
 
 LONG_CHARS = 120  # a sentence this long may end at a clause
-MAX_CHARS = 240  # text this long with no sentence end or clause ends at a space
+MAX_CHARS = 240  # no piece is longer (whitespace aside)
 # Words that end with a period and rarely end a sentence (lowercase, without their last period).
 ABBREVIATIONS = frozenset(
     {
@@ -27,20 +38,34 @@ ABBREVIATIONS = frozenset(
         *("nov", "dec"),
     }
 )
-# A break: a sentence's end (terminators, then closing quotes or brackets), a clause mark, or a line break (the
-# empty group), then the whitespace after it, up to the next non-space character.
-_BREAK = re.compile(r"""([.!?…]+["'”’)\]]*|[,;:]|(?=\n))\s+(?=\S)""")
+_CLOSING = "\"'”’)]」』）】》〉"  # closing quotes and brackets, after a sentence's end
+# A break: (1) a sentence's end (terminators, then closing quotes or brackets), a clause mark, or a line break (the
+# empty group), then the whitespace after it, up to the next non-space character (the look-ahead); or (2) a fullwidth
+# sentence end or clause mark, then any whitespace, up to the next character that is neither space nor one that
+# would belong to the end (more terminators, closing quotes: "好！”" is not cut before its quote when it comes later).
+_BREAK = re.compile(
+    rf"""([.!?…]+[{re.escape(_CLOSING)}]*|[,;:]|(?=\n))\s+(?=\S)"""
+    rf"""|([。！？；]+[…]*[{re.escape(_CLOSING)}]*|[，、：])\s*(?=[^\s。！？；…{re.escape(_CLOSING)}])"""
+)
 _SPACE = re.compile(r"\s+(?=\S)")
-_WORD = re.compile(r"[\w.'’-]+$")
+_LEAD = re.compile(r"\s*")
+_TEXT = re.compile(r"\S")
+_WORD_CHARS = "_.'’-"  # (with letters and digits: what a word before a period may hold, "e.g", "U.S", "o'clock")
 
 
 class SentenceSplitter:
     """Feed it an answer's text deltas (`feed`) and take the complete pieces; `flush()` at the end gives the rest."""
 
-    def __init__(self, min_sentence_chars: int = 20, first_clause_chars: int = 24) -> None:
+    def __init__(
+        self, min_sentence_chars: int = 20, first_clause_chars: int = 24, first_word_chars: int | None = None
+    ) -> None:
         self.min_chars, self.first_clause_chars = min_sentence_chars, first_clause_chars
+        self.first_word_chars = first_word_chars
         self.buffer = ""  # the text not cut yet
         self.first = True  # no piece cut yet
+        # Where the search for breaks goes on in the buffer: the breaks before it were refused, and stay refused (a
+        # break is found only with its look-ahead, and whether it ends the piece depends on the text up to that).
+        self._scan = 0
 
     def feed(self, delta: str) -> list[str]:
         """The pieces `delta` completes (none if it completes none)."""
@@ -49,47 +74,97 @@ class SentenceSplitter:
         while (end := self._cut()) is not None:
             pieces.append(self.buffer[:end])
             self.buffer = self.buffer[end:]
-            self.first = False
+            self.first, self._scan = False, 0
         return pieces
+
+    @classmethod
+    def of(cls, config: TtsConfig) -> SentenceSplitter:
+        """As the config (`tts.*_chars`) says."""
+        return cls(config.min_sentence_chars, config.first_clause_chars, config.first_word_chars)
 
     def flush(self) -> str:
         """The rest of the text (the answer ended): the last piece, perhaps short, perhaps only whitespace."""
-        rest, self.buffer = self.buffer, ""
+        rest, self.buffer, self._scan = self.buffer, "", 0
         return rest
 
     def _cut(self) -> int | None:
         """Where the first piece of the buffer ends, if it is complete."""
         text = self.buffer
-        for match in _BREAK.finditer(text):
-            size = len(text[: match.end()].strip())
-            mark = match.group(1)
-            if not mark or "\n" in match.group(0):  # a line break
+        lead = _LEAD.match(text).end()  # type: ignore[union-attr]  # (its first non-space character)
+        word_cut = None  # the first piece's end at a word (`first_word_chars`), if the text reaches one
+        if self.first and self.first_word_chars is not None:
+            space = _SPACE.search(text, lead + self.first_word_chars)
+            word_cut = space.end() if space is not None else None
+        for match in _BREAK.finditer(text, self._scan):
+            if word_cut is not None and match.end() > word_cut:
+                return word_cut  # (the word comes first: the cut is where the whole text would put it)
+            fullwidth = match.group(1) is None
+            mark = match.group(2) if fullwidth else match.group(1)
+            end = match.end(2 if fullwidth else 1)
+            while end > lead and text[end - 1].isspace():  # (a line break's: the spaces before it)
+                end -= 1
+            size = end - lead  # the piece's length, whitespace aside
+            if size > MAX_CHARS:
+                break  # (the piece ends before it: below)
+            if not mark or (not fullwidth and "\n" in match.group(0)):  # a line break
                 ok = size >= self.min_chars
-            elif mark[0] in ",;:":
+            elif mark[0] in ",;:，、：":
                 ok = (self.first and size >= self.first_clause_chars) or size >= LONG_CHARS
             else:
-                ok = size >= self.min_chars and self._ends_sentence(text, match)
+                ok = size >= self.min_chars and (fullwidth or self._ends_sentence(text, match))
             if ok:
                 return match.end()
-        if len(text.strip()) < MAX_CHARS:
-            return None
-        return next((m.end() for m in _SPACE.finditer(text) if len(text[: m.end()].strip()) >= MAX_CHARS), None)
+            self._scan = match.end()
+        if word_cut is not None:
+            return word_cut
+        if _TEXT.search(text, lead + MAX_CHARS) is None:
+            return None  # (not past MAX_CHARS yet)
+        return _space_cut(text, lead, MAX_CHARS)
 
     @staticmethod
     def _ends_sentence(text: str, match: re.Match[str]) -> bool:
         """Whether the terminator `match` found ends a sentence: not after an abbreviation or an initial, and a
         period or an ellipsis not followed by a lowercase word."""
-        terminators = match.group(1).rstrip("\"'”’)]")
+        terminators = match.group(1).rstrip(_CLOSING)
         if terminators[-1] not in ".…":
             return True  # (! and ?)
         if text[match.end()].islower():
             return False
         if terminators == ".":
-            found = _WORD.search(text, 0, match.start(1))
-            word = found.group(0).lstrip(".") if found else ""
+            start = i = match.start(1)
+            while i > 0 and (text[i - 1].isalnum() or text[i - 1] in _WORD_CHARS):
+                i -= 1
+            word = text[i:start].lstrip(".")
             if word.lower() in ABBREVIATIONS or (len(word) == 1 and word.isalpha()):
                 return False
-            before = text[: found.start()].rstrip(" \t") if found else ""
-            if word.isdigit() and (not before or before.endswith("\n")):
+            while i > 0 and text[i - 1] in " \t":
+                i -= 1
+            if word.isdigit() and (i == 0 or text[i - 1] == "\n"):
                 return False  # a list's number at the start of a line ("1. Open the door"): it goes with its item
         return True
+
+
+def _space_cut(text: str, lead: int, limit: int) -> int:
+    """Where a piece of `text` (its first non-space character at `lead`) too long ends so that it is `limit` long
+    at most: after its last space past half of that, else at the limit itself."""
+    cut = lead + limit
+    for match in _SPACE.finditer(text, lead + max(limit // 2, 1)):
+        if match.start() > lead + limit:
+            break
+        cut = match.end()
+    return cut
+
+
+def split_long(text: str, limit: int) -> list[str]:
+    """`text` in parts of at most `limit` characters each, whitespace aside (`_space_cut`); the parts joined are
+    `text`."""
+    last = len(text)
+    while last > 0 and text[last - 1].isspace():
+        last -= 1
+    parts, start = [], 0
+    while last - (lead := _LEAD.match(text, start).end()) > limit:  # type: ignore[union-attr]
+        cut = _space_cut(text, lead, limit)
+        parts.append(text[start:cut])
+        start = cut
+    parts.append(text[start:])
+    return parts

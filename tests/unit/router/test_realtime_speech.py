@@ -1,7 +1,9 @@
 """The realtime socket's spoken answers (router/realtime/output.py, router/realtime/audio_out.py), with a fake owner
 (its answers replayed whole) and a fake TTS role: the session's audio settings, GA and beta, and their refusals; an
 audio response's events, its transcript and its audio in each format; sentences synthesized ahead of the one being
-sent; barge-in; truncation by `audio_end_ms`; and TTS failures that stop the audio but not the answer."""
+sent; barge-in; truncation by `audio_end_ms`; TTS failures that stop the audio but not the answer (counted, and no
+audio after their `error` event), the audio output's own failures likewise; sentences past the TTS role's input limit
+spoken in parts; and, on `AudioOut` alone, a client socket that fails: nothing raised, nothing left running."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, WebSocketDisconnect
 from fastapi.testclient import TestClient
 
 from core.config import AppConfig, SpeechConfig, TtsConfig
 from prefill.client import PrefillClient
 from router.keys.auth import APIKeys
-from router.realtime import audio_out
+from router.realtime import audio_out, synthesis
 from router.realtime import socket as realtime
+from router.realtime.audio_settings import OutputAudio
 from router.voice.sentences import SentenceSplitter
 from tests.unit.router import test_realtime
 from tests.unit.router.test_realtime import FakePrefill, until
@@ -450,7 +453,7 @@ def test_truncate_cuts_a_spoken_answer_at_the_word_heard(prefill: FakePrefill) -
 def test_a_tts_failure_stops_the_audio_and_the_text_answer_goes_on(
     prefill: FakePrefill, tts: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(audio_out, "CHUNK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(synthesis, "CHUNK_TIMEOUT_S", 0.3)
     fake = tts()
     with connect(prefill, fake) as ws:
         update(ws, {"output_modalities": ["audio"]})
@@ -496,3 +499,202 @@ def test_the_first_audio_and_the_audio_sent_are_measured(prefill: FakePrefill, m
 def test_the_splitter_cuts_the_answer_as_the_tts_calls_show() -> None:
     splitter = SentenceSplitter()
     assert splitter.feed(TEXT) + [splitter.flush()] == SENTENCES
+
+
+def test_a_tts_failure_ends_the_audio_at_its_error_event_in_g711(prefill: FakePrefill) -> None:
+    """G.711 at 8 kHz: the resampler holds a few ms at any time; none of it goes out after the `error` event."""
+    fake = FakeTts(error_at=(1, 2))
+    with connect(prefill, fake, beta=True) as ws:
+        update(ws, {"modalities": ["text", "audio"], "output_audio_format": "g711_ulaw"})
+        events = respond(ws)
+    kinds = [e["type"] for e in events]
+    assert kinds.count("error") == 1
+    assert "response.audio.delta" not in kinds[kinds.index("error") :]
+    spoken = (len(SENTENCES[0].split()) + 2) * WORD_MS * 8  # one byte a sample at 8 kHz
+    assert abs(len(audio_of(events, "response.audio.delta")) - spoken) <= 2 * 3 * 8  # (the resampler's edges)
+    assert of(events, "response.audio_transcript.done")[0]["transcript"] == TEXT
+
+
+def test_a_tts_failure_is_counted_by_its_code(prefill: FakePrefill, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core import metrics
+
+    seen: list[tuple[str, float, str, dict[str, str]]] = []
+    monkeypatch.setattr(
+        metrics, "inc", lambda name, value=1.0, description="", **tags: seen.append((name, value, description, tags))
+    )
+    with connect(prefill, FakeTts(error_at=(1, 2))) as ws:
+        update(ws, {"output_modalities": ["audio"]})
+        respond(ws)
+    assert [(v, d, t) for name, v, d, t in seen if name == metrics.TTS_ERRORS] == [
+        (1, metrics.TTS_FAILED, {"code": "tts_error", "surface": "realtime"})
+    ]
+    assert {d for name, _, d, _ in seen if name == metrics.AUDIO_OUT_SECONDS} == {metrics.AUDIO_OUT}
+
+
+class BrokenEncoder:
+    """An encoder that fails on its `fail_at`-th call (a bug in the router's own audio path, not the TTS role's)."""
+
+    calls = 0
+    fail_at = 2
+
+    def __init__(self, fmt: Any, rate: int) -> None:
+        pass
+
+    def __call__(self, pcm: bytes) -> bytes:
+        BrokenEncoder.calls += 1
+        if BrokenEncoder.calls == BrokenEncoder.fail_at:
+            raise ValueError("buffer size must be a multiple of element size")
+        return bytes(pcm)
+
+    def flush(self) -> bytes:
+        return b""
+
+
+def test_an_audio_output_bug_is_an_error_event_and_the_transcript_goes_on(
+    prefill: FakePrefill, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audio_out, "Encoder", BrokenEncoder)
+    monkeypatch.setattr(BrokenEncoder, "calls", 0)
+    tts = FakeTts()
+    with connect(prefill, tts) as ws:
+        update(ws, {"output_modalities": ["audio"]})
+        events = respond(ws)
+        assert update(ws, {})["type"] == "session.updated"  # the session goes on
+    errors = of(events, "error")
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", errors
+    kinds = [e["type"] for e in events]
+    assert "response.output_audio.delta" not in kinds[kinds.index("error") :]
+    transcript = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))
+    assert transcript == TEXT == of(events, "response.output_audio_transcript.done")[0]["transcript"]
+    assert events[-1]["response"]["status"] == "completed"
+    assert all(call["ended"] for call in tts.calls)
+
+
+def test_a_sentence_longer_than_the_tts_input_limit_is_spoken_in_parts(prefill: FakePrefill) -> None:
+    """The TTS role refuses text past `tts.max_input_chars`: a longer piece goes to it in parts, at spaces."""
+    tts = FakeTts()
+    with connect(prefill, tts, tts_config=TtsConfig(max_input_chars=16)) as ws:
+        update(ws, {"output_modalities": ["audio"]})
+        events = respond(ws)
+    assert tts.calls and all(len(call["text"]) <= 16 for call in tts.calls), [c["text"] for c in tts.calls]
+    assert " ".join(call["text"] for call in tts.calls).split() == TEXT.split()
+    transcript = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))
+    assert transcript == TEXT and len(audio_of(events)) == len(TEXT.split()) * WORD_MS * 48
+    assert not of(events, "error") and events[-1]["response"]["status"] == "completed"
+
+
+# --- the spoken message alone (router/realtime/audio_out.py `AudioOut`) -------------------------------------------
+class Connection:
+    """What `AudioOut` needs of its connection: the events it sent; from the event `broken` on, every send raises as
+    a closed socket's does."""
+
+    beta = False
+
+    def __init__(self, tts: FakeTts, broken: str | None = None) -> None:
+        self.ingress = SimpleNamespace(tts=tts, config=SimpleNamespace(tts=TtsConfig()))
+        self.settings = SimpleNamespace(voiced=None)
+        self.broken, self.closed = broken, False
+        self.events: list[dict[str, Any]] = []
+
+    async def send(self, type_: str, **fields: Any) -> None:
+        if self.closed or type_ == self.broken:
+            self.closed = True
+            raise WebSocketDisconnect(1006)
+        self.events.append({"type": type_, **fields})
+
+
+WHERE = {"response_id": "resp_1", "item_id": "item_1", "output_index": 0}
+
+
+def running() -> list[str]:
+    """The audio output's tasks still running."""
+    names = ("AudioOut._send_all", "Synthesis._read")
+    tasks = [getattr(t.get_coro(), "__qualname__", "") for t in asyncio.all_tasks() if not t.done()]
+    return [name for name in tasks if name in names]
+
+
+async def settled(tts: FakeTts) -> None:
+    """Every synthesis ended (its TTS stream read or closed), and no task of the audio output left."""
+    for _ in range(100):
+        if all(call["ended"] for call in tts.calls) and not running():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"left running: {running()}, {[(c['text'], c['ended']) for c in tts.calls]}")
+
+
+async def test_an_interruption_after_the_socket_failed_mid_audio_raises_nothing() -> None:
+    """The sender died of the client's socket: barge-in (router/realtime/audio.py's VAD handler) and response.cancel
+    still stop the message quietly."""
+    tts = FakeTts(delay_s=0.05)
+    connection = Connection(tts, broken="response.output_audio.delta")
+    out = audio_out.AudioOut(connection, WHERE, OutputAudio(), lambda seconds: None)
+    out.add(TEXT)
+    for _ in range(100):
+        if connection.closed:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)
+    await out.interrupt()
+    assert out.cut == 0  # (none of its audio went out)
+    await settled(tts)
+
+
+async def test_a_socket_that_fails_ends_the_audio_and_every_synthesis() -> None:
+    tts = FakeTts(delay_s=0.3)  # (each sentence's synthesis takes 2 s: closed, not read to its end)
+    connection = Connection(tts, broken="response.output_audio_transcript.delta")
+    out = audio_out.AudioOut(connection, WHERE, OutputAudio(), lambda seconds: None)
+    out.add(TEXT)
+    assert await asyncio.wait_for(out.finish(), 5) == TEXT
+    await settled(tts)
+
+
+async def test_response_cancel_stops_the_reading_even_if_the_audio_fails_to_stop() -> None:
+    from router.realtime.response import ResponseStream
+
+    async def fails() -> None:
+        raise WebSocketDisconnect(1006)
+
+    stream = ResponseStream.__new__(ResponseStream)
+    stream.connection = SimpleNamespace(session_id="sess_1")  # type: ignore[assignment]
+    cancelled: list[str] = []
+    stream.output = SimpleNamespace(interrupt=fails)  # type: ignore[assignment]
+    stream.reader = SimpleNamespace(cancel=lambda: cancelled.append("reader"))  # type: ignore[assignment]
+    stream.reading = asyncio.ensure_future(asyncio.sleep(3600))  # type: ignore[assignment]
+    stream.task = asyncio.ensure_future(asyncio.sleep(0))
+    await stream.cancel("turn_detected")
+    await asyncio.sleep(0)
+    assert cancelled == ["reader"] and stream.reading.cancelled()
+    assert stream.cancel_requested and stream.cancel_reason == "turn_detected"
+
+
+class WholeTts(FakeTts):
+    """A TTS role that sends each sentence's audio as one item (espeak-ng's way: 100s of KB), split at odd bytes."""
+
+    def synthesize(self, text: str, *, voice: str, speed: float = 1.0) -> AsyncIterator[SpeechChunk]:
+        self.calls.append({"text": text, "ended": None})
+        call = self.calls[-1]
+
+        async def stream() -> AsyncIterator[SpeechChunk]:
+            audio = tone(len(text.split()) * WORD_MS)
+            for part in (audio[:4801], audio[4801:4802], audio[4802:]):
+                yield {"audio": part, "words": []}  # type: ignore[typeddict-item]
+            call["ended"] = "finished"
+
+        return stream()
+
+
+@pytest.mark.parametrize("beta_format", ["pcm16", "g711_ulaw"])
+def test_a_sentence_sent_as_one_item_goes_out_in_deltas_of_whole_samples(
+    prefill: FakePrefill, beta_format: str
+) -> None:
+    tts = WholeTts()
+    with connect(prefill, tts, beta=True) as ws:
+        update(ws, {"modalities": ["text", "audio"], "output_audio_format": beta_format})
+        events = respond(ws)
+    assert not of(events, "error")
+    sizes = [len(base64.b64decode(e["delta"])) for e in of(events, "response.audio.delta")]
+    words = len(TEXT.split())
+    if beta_format == "pcm16":
+        assert sum(sizes) == words * WORD_MS * 48 and all(size % 2 == 0 and size <= 9600 for size in sizes)
+    else:
+        assert abs(sum(sizes) - words * WORD_MS * 8) <= 3 * 3 * 8 and all(size <= 3200 for size in sizes)

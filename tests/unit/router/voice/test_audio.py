@@ -1,23 +1,13 @@
-"""Client audio formats: parsing GA and beta names, G.711 decoding and encoding, 16-bit PCM checks, streaming
-resampling, and speech encoded in a client's output format."""
+"""Client audio formats (router/voice/audio.py, router/voice/encode.py): parsing GA and beta names, G.711 decoding
+and encoding, 16-bit PCM checks, streaming resampling, and speech encoded in a client's output format."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from router.voice.audio import (
-    PCM24K,
-    AudioError,
-    AudioFormat,
-    Encoder,
-    Resampler,
-    alaw,
-    b64decode,
-    parse_format,
-    samples,
-    ulaw,
-)
+from router.voice.audio import PCM24K, AudioError, AudioFormat, Resampler, b64decode, parse_format, samples
+from router.voice.encode import Encoder, alaw, ulaw
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 from router.voice.sentences import LONG_CHARS, MAX_CHARS, SentenceSplitter
 
 
-def pieces(text: str, step: int | None = None, **settings: int) -> list[str]:
+def pieces(text: str, step: int | None = None, **settings: int | None) -> list[str]:
     """The pieces of `text` fed `step` characters at a time (None: whole), the flush included if not empty."""
     splitter = SentenceSplitter(**settings)
     out: list[str] = []
@@ -103,7 +103,44 @@ def test_long_text_without_sentence_ends_is_cut_at_clauses_then_spaces() -> None
     assert all(LONG_CHARS <= len(p.strip()) < LONG_CHARS + 30 for p in cut[1:-1])
     words = " ".join(["word"] * 200)
     cut = pieces(words)
-    assert len(cut) > 1 and all(MAX_CHARS <= len(p.strip()) < MAX_CHARS + 6 for p in cut[:-1])
+    assert len(cut) > 1 and all(MAX_CHARS - 5 <= len(p.strip()) <= MAX_CHARS for p in cut[:-1])
+
+
+def test_long_text_with_no_space_is_cut_at_the_limit() -> None:
+    for text in ["x" * 1000, "字" * 1000, "https://example.com/" + "a" * 600 + " done."]:
+        cut = pieces(text)
+        assert len(cut) > 1 and all(len(p.strip()) == MAX_CHARS for p in cut[:-1]), [len(p) for p in cut]
+    words = "w" * 200 + " " + " ".join(["word"] * 100)  # (a space past half the limit: cut there)
+    assert len(pieces(words)[0].strip()) <= MAX_CHARS
+
+
+CHINESE = "今天天气很好，我们去公园散步吧。你想一起去吗？好的，我们下午三点见面。"
+
+
+def test_fullwidth_terminators_cut_without_a_space() -> None:
+    assert pieces(CHINESE) == ["今天天气很好，我们去公园散步吧。你想一起去吗？", "好的，我们下午三点见面。"]
+    splitter = SentenceSplitter()
+    assert splitter.feed(CHINESE[:23]) == []  # (a cut still waits for the next character)
+    assert splitter.feed(CHINESE[23:24]) == [CHINESE[:23]]
+    assert pieces("これはペンです。あれは本ですか？はい、そうです。", min_sentence_chars=5) == [
+        "これはペンです。",
+        "あれは本ですか？",
+        "はい、そうです。",
+    ]
+    # The first piece at a fullwidth clause, once it is long enough; a space after a fullwidth mark stays with it.
+    first = pieces("我们今天下午三点在公园门口见面，然后一起去吃饭。好吗？", first_clause_chars=10)
+    assert first[0] == "我们今天下午三点在公园门口见面，"
+    assert pieces("你好，朋友们。 今天我们来谈谈天气。", min_sentence_chars=5)[0] == "你好，朋友们。 "
+
+
+def test_a_long_chinese_answer_is_spoken_as_it_streams() -> None:
+    """3,800 characters of Chinese: pieces as it streams (not one piece at its end, past the TTS role's limit)."""
+    text = "这是一个关于天气的很长的回答，我们会一句一句地说出来。" * 140
+    splitter, cut = SentenceSplitter(), []
+    for i in range(0, len(text), 3):
+        cut += splitter.feed(text[i : i + 3])
+    assert len(cut) >= 130 and all(len(p) <= MAX_CHARS for p in cut)
+    assert "".join(cut) + splitter.flush() == text
 
 
 ANSWERS = [
@@ -111,18 +148,21 @@ ANSWERS = [
     "Maybe e.g. a hat... or not. 3.14 is pi. J. Doe left.",
     "Here are the steps to follow:\n1. Open the door and walk in.\n2. Sit down on the chair.\n",
     ", ".join(["a clause of some words"] * 14) + ". " + " ".join(["word"] * 120),
+    CHINESE * 3 + "他说：“好！”然后走了……" + "没有标点的中文" * 50 + "。结束。",
+    "Mr. Smith arrived at 3.5 p.m. e.g. on time... and left. " * 8 + "x" * 500 + " End of it.",
 ]
 
 
+@pytest.mark.parametrize("first_word_chars", [None, 32])
 @pytest.mark.parametrize("text", ANSWERS)
-def test_the_cuts_do_not_depend_on_how_the_text_is_split_into_deltas(text: str) -> None:
+def test_the_cuts_do_not_depend_on_how_the_text_is_split_into_deltas(text: str, first_word_chars: int | None) -> None:
     """A preemptive answer's first piece is cut the same in its held frames and in its response
     (router/realtime/early_speech.py), whatever the deltas decode sent."""
-    whole = pieces(text)
-    assert pieces(text, step=1) == whole
+    whole = pieces(text, first_word_chars=first_word_chars)
+    assert pieces(text, step=1, first_word_chars=first_word_chars) == whole
     rng = random.Random(7)
     for _ in range(20):
-        splitter, out, i = SentenceSplitter(), [], 0
+        splitter, out, i = SentenceSplitter(first_word_chars=first_word_chars), [], 0
         while i < len(text):
             n = rng.randint(1, 12)
             out += splitter.feed(text[i : i + n])
@@ -130,3 +170,37 @@ def test_the_cuts_do_not_depend_on_how_the_text_is_split_into_deltas(text: str) 
         if rest := splitter.flush():
             out.append(rest)
         assert out == whole
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # No clause in the first 32 characters: the first piece ends at the first word past them.
+        (
+            "The weather in Paris is sunny and warm today with a high of twenty degrees. Tomorrow it rains.",
+            ["The weather in Paris is sunny and ", "warm today with a high of twenty degrees. ", "Tomorrow it rains."],
+        ),
+        # A sentence end or a clause that comes first still ends it there.
+        (
+            "Sure thing, my dear old friend, the weather in Paris is sunny.",
+            ["Sure thing, my dear old friend, ", "the weather in Paris is sunny."],
+        ),
+        (
+            "It is sunny in Paris today. And warm, with a high of twenty.",
+            ["It is sunny in Paris today. ", "And warm, with a high of twenty."],
+        ),
+        # Only the first piece: later sentences are whole.
+        (
+            "It is sunny in Paris today. " + "And warm and bright with a high of twenty degrees all day long. ",
+            ["It is sunny in Paris today. ", "And warm and bright with a high of twenty degrees all day long. "],
+        ),
+        # Text with no punctuation at all (a random-weight model's): sound after a few words.
+        (
+            "tributeser ateath than altingSO clsert when lensl max Return",
+            ["tributeser ateath than altingSO clsert ", "when lensl max Return"],
+        ),
+    ],
+)
+def test_the_first_piece_may_end_at_a_word(text: str, expected: list[str]) -> None:
+    assert pieces(text, first_word_chars=32) == expected
+    assert pieces(text, step=1, first_word_chars=32) == expected
