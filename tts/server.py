@@ -4,7 +4,7 @@ The router sends an answer a sentence at a time (or a whole `/v1/audio/speech` i
 it comes: each item of `synthesize` is PCM16 mono at 24 kHz with the words that start in it. A replica holds no
 state between calls, so any replica takes any call, and one that dies costs the calls it was making. It reports
 its syntheses in flight for autoscaling (`record_autoscaling_stats`, as speech and decode report theirs), and the
-audio seconds it made and its real-time factor as Prometheus metrics.
+audio seconds it made, its real-time factor and the syntheses its backend failed as Prometheus metrics.
 """
 
 from __future__ import annotations

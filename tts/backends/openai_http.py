@@ -1,11 +1,16 @@
 """An OpenAI-compatible speech server (`tts.backend: openai`): `POST {url}/audio/speech` with `response_format: pcm`
 (PCM16 mono at 24 kHz, OpenAI's and vLLM-Omni's), its body streamed on as it arrives.
 
+The body is read as it arrives (a task of its own) and sent on in batches as tts/backends/threaded.py's workers'
+pieces are: the first read at once, later ones together at most every `LINGER_S` (a remote's many small reads are
+not one item each), a read after a pause at once.
+
 The remote says nothing of its words, so their times are estimated: each word's place is its position in the text
-(`tts/words.py` `proportional`) times the audio's length. While the audio streams that length is the response's
-`Content-Length` when it has one, else a pace of `PACE_CHARS_PER_S` at speed 1.0 (raised to what has arrived),
-and a word goes out with the piece of audio its estimated start falls in; at the end the words left get their
-places in the real length (an estimate that was too long sends them late, with the times they should have had).
+(`tts/words.py` `proportional`, worked out once) times the audio's length. While the audio streams that length is
+the response's `Content-Length` when it has one, else a pace of `PACE_CHARS_PER_S` at speed 1.0 (raised to what has
+arrived), and the next words go out with the piece of audio their estimated starts fall in; at the end the words
+left get their places in the real length (an estimate that was too long sends them late, with the times they
+should have had).
 
 A remote that fails (a status of 400 or more, a refused connection, a timeout, a body cut short) ends the call
 with an error item (`server_error`, `tts_backend_error`), never an exception: the replica goes on.
@@ -13,6 +18,7 @@ with an error item (`server_error`, `tts_backend_error`), never an exception: th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -23,6 +29,7 @@ import httpx
 
 from core.config import TtsConfig
 from tts.audio import ms
+from tts.backends.threaded import Pieces
 from tts.client import SpeechChunk
 from tts.errors import backend_failed
 from tts.words import WordQueue, proportional, word_spans
@@ -57,6 +64,7 @@ class OpenAIBackend:
         assert self.client is not None
         body = {"model": self.server.model, "input": text, "voice": voice, "response_format": "pcm", "speed": speed}
         spans = word_spans(text)
+        places = proportional(spans, 0.0, 1.0)  # each word's start as a share of the audio's length
         words, sent, odd = WordQueue(), 0, b""
         next_word = 0
         try:
@@ -67,26 +75,31 @@ class OpenAIBackend:
                 length = response.headers.get("content-length")
                 expected_ms = ms(int(length)) if length and length.isdigit() else None
                 pace_ms = len(text) / PACE_CHARS_PER_S / speed * 1000.0
-                async for data in response.aiter_bytes():
-                    data, odd = _even(odd + data)
-                    if not data:
-                        continue
-                    sent += len(data)
-                    estimate = max(expected_ms or pace_ms, ms(sent))
-                    times = proportional(spans, 0.0, estimate)
-                    while next_word < len(spans) and times[next_word] < ms(sent):
-                        words.add(*spans[next_word], times[next_word])
-                        next_word += 1
-                    yield {"audio": data, "words": words.due(ms(sent))}
+                pieces: Pieces[bytes] = Pieces()
+                reader = asyncio.create_task(_read(response, pieces))
+                try:
+                    async for batch, _ in pieces.batches():
+                        data, odd = _even(odd + b"".join(batch))
+                        if not data:
+                            continue
+                        sent += len(data)
+                        estimate = max(expected_ms or pace_ms, ms(sent))
+                        while next_word < len(spans) and places[next_word] * estimate < ms(sent):
+                            words.add(*spans[next_word], places[next_word] * estimate)
+                            next_word += 1
+                        yield {"audio": data, "words": words.due(ms(sent))}
+                finally:
+                    pieces.cancel()
+                    reader.cancel()
+                    await asyncio.wait([reader])
         except httpx.HTTPError as e:
             yield backend_failed(f"the speech server at {self.server.url} failed: {type(e).__name__}: {e}")
             return
         if sent == 0:
             yield backend_failed(f"the speech server at {self.server.url} sent no audio")
             return
-        times = proportional(spans, 0.0, ms(sent))
         for i in range(next_word, len(spans)):
-            words.add(*spans[i], times[i])
+            words.add(*spans[i], places[i] * ms(sent))
         if rest := words.rest():
             yield {"audio": b"", "words": rest}
 
@@ -94,6 +107,17 @@ class OpenAIBackend:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+
+
+async def _read(response: httpx.Response, pieces: Pieces[bytes]) -> None:
+    """(A task.) The body's reads into `pieces`, then their end (with the error that cut it short)."""
+    try:
+        async for data in response.aiter_bytes():
+            pieces.put(data)
+    except Exception as e:  # raised in the caller: its error item
+        pieces.end(e)
+        return
+    pieces.end()
 
 
 def _even(data: bytes) -> tuple[bytes, bytes]:

@@ -126,3 +126,35 @@ async def test_the_default_backend_speaks() -> None:
     assert 0.5 < len(audio) / 2 / RATE < 2.5
     assert [w["start"] for i in got for w in i["words"]] == [0, 6, 13, 17, 21]
     assert tts.info()["backend"] == "espeak" and tts.stats()["audio_seconds"] == len(audio) / 2 / RATE
+
+
+async def test_backend_failures_are_counted_by_code_and_refusals_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from core import metrics
+
+    counted: list[tuple[str, float, str, dict[str, str]]] = []
+    monkeypatch.setattr(
+        metrics, "inc", lambda name, value=1.0, description="", **tags: counted.append((name, value, description, tags))
+    )
+    tts = engine()
+    await items(tts, "Hello.", voice="robot")  # the request's fault: not the backend's
+    await items(tts, "x" * 41)
+    assert [c for c in counted if c[0] == metrics.TTS_ERRORS] == []
+    tts.backend.fail = True  # type: ignore[attr-defined]
+    await items(tts)
+    tts.backend.fail, tts.backend.refuse = False, True  # type: ignore[attr-defined]
+    await items(tts)
+    failures = [(c[1], c[2], c[3]) for c in counted if c[0] == metrics.TTS_ERRORS]
+    assert failures == [(1, metrics.TTS_FAILED, {"code": "tts_backend_error", "replica": "replica-1"})] * 2
+
+
+async def test_the_realtime_factor_is_the_backends_time_not_a_slow_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that holds each item a while does not make the synthesis look slow."""
+    from core import metrics
+
+    observed: list[float] = []
+    monkeypatch.setattr(metrics, "observe", lambda name, value, *a, **k: observed.append(value))
+    tts = engine()
+    async for _ in tts.synthesize("Hello world.", voice="alloy"):
+        await asyncio.sleep(0.3)
+    assert tts.stats()["audio_seconds"] == 1.0  # (two items of 0.5 s, held 0.3 s each)
+    assert 0 < tts.stats()["busy_s"] < 0.1 and observed == [tts.stats()["busy_s"]]

@@ -4,6 +4,7 @@ events mapped to the text's words (non-ASCII text too), speed, voices, streaming
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -89,3 +90,94 @@ async def test_calls_at_once_take_turns(espeak: EspeakBackend) -> None:
     results = await asyncio.gather(*(collect(espeak.synthesize(QUESTION, v, 1.0)) for v in ("en-us", "en-us+f3")))
     for audio, words, _ in results:
         check_words(QUESTION, audio, words)
+
+
+LONG = " ".join(["Goodbye, see you later. What is the capital of Spain? Turn on the kitchen lights."] * 60)[:4096]
+
+
+async def test_a_short_sentence_is_not_held_behind_a_long_input(espeak: EspeakBackend) -> None:
+    """A long input takes turns with other calls a sentence at a time: a short one's first audio comes while the
+    long one is still being made, and both come out whole."""
+    long = espeak.synthesize(LONG, "en-us", 1.0)
+    first = await anext(long)
+    long_items: list[dict] = [first]
+    ended = asyncio.get_running_loop().create_future()
+
+    async def drain() -> None:
+        async for item in long:
+            long_items.append(item)
+        ended.set_result(asyncio.get_running_loop().time())
+
+    reader = asyncio.create_task(drain())
+    short = espeak.synthesize(QUESTION, "en-us+f3", 1.0)
+    short_first = await anext(short)
+    heard_at = asyncio.get_running_loop().time()
+    assert short_first["audio"] and not ended.done()
+    audio, words, _ = await collect(_chain(short_first, short))
+    check_words(QUESTION, audio, words)
+    await reader
+    assert heard_at < ended.result()
+    audio = b"".join(i["audio"] for i in long_items)
+    check_words(LONG, audio, [w for i in long_items for w in i["words"]])
+    assert seconds(audio) > 200
+
+
+async def _chain(first: dict, rest: object) -> object:
+    yield first
+    async for item in rest:  # type: ignore[attr-defined]
+        yield item
+
+
+async def test_espeak_runs_in_its_own_thread_and_resamples_there(
+    espeak: EspeakBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the shared default pool's threads (a call waiting for espeak-ng would hold one) nor the event loop
+    (resampling a long input's audio would stall every call of the replica) do espeak-ng's work."""
+    from tts import audio as tts_audio
+    from tts.backends import threaded
+
+    threads: dict[str, set[str]] = {"put": set(), "resample": set()}
+    put, push = threaded.Pieces.put, tts_audio.Resampler.push
+
+    def recording_put(self: threaded.Pieces, piece: object) -> None:
+        threads["put"].add(threading.current_thread().name)
+        put(self, piece)
+
+    def recording_push(self: tts_audio.Resampler, samples: object) -> bytes:
+        threads["resample"].add(threading.current_thread().name)
+        return push(self, samples)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threaded.Pieces, "put", recording_put)
+    monkeypatch.setattr(tts_audio.Resampler, "push", recording_push)
+    audio, words, _ = await collect(espeak.synthesize(LONG[:600], "en-us", 1.0))
+    check_words(LONG[:600], audio, words)
+    loop_thread = threading.current_thread().name
+    assert threads["put"] and threads["resample"]
+    assert not any(name.startswith("asyncio") for name in threads["put"]), threads
+    assert loop_thread not in threads["resample"], threads
+
+
+async def test_sentences_keep_their_pauses(espeak: EspeakBackend) -> None:
+    """Spoken a sentence at a time, a text keeps the pause espeak-ng makes between its sentences (and clauses)."""
+    one, _, _ = await collect(espeak.synthesize("Hello there.", "en-us", 1.0))
+    two, _, _ = await collect(espeak.synthesize("How are you?", "en-us", 1.0))
+    both, words, _ = await collect(espeak.synthesize("Hello there. How are you?", "en-us", 1.0))
+    assert seconds(both) > seconds(one) + seconds(two) + 0.25
+    assert words[2]["audio_ms"] > seconds(one) * 1000 + 250  # "How": after the pause
+
+
+async def test_a_bug_in_placing_the_words_is_not_a_missing_voice(
+    espeak: EspeakBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tts.backends import espeak as module
+
+    class Broken(module.WordLocator):
+        def word_at(self, position: int) -> int | None:
+            raise IndexError(position)
+
+    monkeypatch.setattr(module, "WordLocator", Broken)
+    with pytest.raises(IndexError):
+        await collect(espeak.synthesize(QUESTION, "en-us", 1.0))
+    monkeypatch.undo()
+    audio, words, _ = await collect(espeak.synthesize(QUESTION, "en-us", 1.0))  # and espeak-ng goes on
+    check_words(QUESTION, audio, words)

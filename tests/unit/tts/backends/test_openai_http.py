@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from core.config import OpenAISpeechServer, TtsConfig
 from tts.backends.openai_http import OpenAIBackend
+from tts.words import proportional
 
 from .common import check_words, collect, seconds
 
@@ -124,3 +126,60 @@ async def test_a_refused_connection_and_a_timeout_are_error_items(server: str) -
     _, _, items = await collect(remote.synthesize(TEXT, "slow", 1.0))
     await remote.close()
     assert items[-1]["error"]["code"] == "tts_backend_error" and "Timeout" in items[-1]["error"]["message"]
+
+
+class Trickle(httpx.AsyncByteStream):
+    """A body in `n` small reads, `gap_s` apart."""
+
+    def __init__(self, pieces: list[bytes], gap_s: float) -> None:
+        self.pieces, self.gap_s = pieces, gap_s
+
+    async def __aiter__(self) -> Any:
+        for i, piece in enumerate(self.pieces):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            yield piece
+
+
+def trickling(pieces: list[bytes], gap_s: float) -> OpenAIBackend:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Trickle(pieces, gap_s), headers={"content-type": "audio/pcm"})
+
+    config = TtsConfig(backend="openai", openai=OpenAISpeechServer(url="http://remote/v1", model="tts-remote"))
+    return OpenAIBackend(config, transport=httpx.MockTransport(answer))
+
+
+async def test_many_small_reads_are_sent_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read goes at once; later ones as they pile up, at most every LINGER_S (not one item per read);
+    and the words' times are worked out for the next words only, not the whole text at every read."""
+    from tts.backends import openai_http
+
+    calls: list[int] = []
+
+    def counting(spans: list[tuple[int, int]], start_ms: float, end_ms: float) -> list[float]:
+        calls.append(len(spans))
+        return proportional(spans, start_ms, end_ms)
+
+    monkeypatch.setattr(openai_http, "proportional", counting)
+    pieces = [PCM[i : i + 481] for i in range(0, len(PCM), 481)]  # (odd-sized: samples split between reads)
+    remote = trickling(pieces, 0.001)
+    audio, words, items = await collect(remote.synthesize(TEXT, "alloy", 1.0))
+    await remote.close()
+    assert audio == PCM and len(pieces) == 200
+    assert items[0]["audio"] == pieces[0][:480]  # the first read at once
+    assert len(items) <= 20, len(items)  # ~0.25 s of reads: a handful of items, not 200
+    check_words(TEXT, audio, words)
+    assert len(calls) <= 2, calls
+
+
+async def test_a_read_after_a_pause_is_not_held() -> None:
+    pieces = [PCM[i : i + 9600] for i in range(0, 3 * 9600, 9600)]
+    remote = trickling(pieces, 0.2)
+    t0 = time.perf_counter()
+    stream = remote.synthesize(TEXT, "alloy", 1.0)
+    arrivals = []
+    async for item in stream:
+        if item["audio"]:
+            arrivals.append(time.perf_counter() - t0)
+    await remote.close()
+    assert len(arrivals) == 3 and arrivals[1] < 0.35 and arrivals[2] < 0.55, arrivals

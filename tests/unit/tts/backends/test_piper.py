@@ -3,10 +3,13 @@ the text's length, its words in order, speed, sentences, voices."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from core.config import TtsConfig
-from tts.backends.piper import PiperBackend, phoneme_word_starts, sentences, voice_files
+from tts.backends.piper import PiperBackend, phoneme_word_starts, voice_files
 
 from .common import check_words, collect, loud, seconds
 
@@ -57,14 +60,34 @@ async def test_an_unknown_voice_is_refused(piper: PiperBackend) -> None:
     assert voice_files(str(model)) == (model, config)
 
 
-def test_sentences_are_cut_at_their_ends_and_long_ones_at_a_clause() -> None:
-    text = "Hello there. It costs $1,200 on Dec. 3rd! Is it?\nYes"
-    cut = [text[a:b].strip() for a, b in sentences(text)]
-    assert cut == ["Hello there.", "It costs $1,200 on Dec.", "3rd!", "Is it?", "Yes"]
-    long = ", ".join(["one two three four five"] * 20) + "."
-    parts = sentences(long)
-    assert all(b - a <= 200 for a, b in parts) and "".join(long[a:b] for a, b in parts) == long
-    assert long[parts[0][0] : parts[0][1]].endswith(", ")
+async def test_piper_runs_in_its_voices_thread_and_resamples_there(
+    piper: PiperBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the shared default pool's threads (a call waiting for its voice would hold one) nor the event loop
+    (resampling) do Piper's work; calls at once take turns a sentence at a time and each comes out whole."""
+    from tts import audio as tts_audio
+    from tts.backends import threaded
+
+    threads: dict[str, set[str]] = {"put": set(), "resample": set()}
+    put, push = threaded.Pieces.put, tts_audio.Resampler.push
+
+    def recording_put(self: threaded.Pieces, piece: object) -> None:
+        threads["put"].add(threading.current_thread().name)
+        put(self, piece)
+
+    def recording_push(self: tts_audio.Resampler, samples: object) -> bytes:
+        threads["resample"].add(threading.current_thread().name)
+        return push(self, samples)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threaded.Pieces, "put", recording_put)
+    monkeypatch.setattr(tts_audio.Resampler, "push", recording_push)
+    texts = ["Hello there. How are you today?", QUESTION]
+    results = await asyncio.gather(*(collect(piper.synthesize(text, VOICE, 1.0)) for text in texts))
+    for text, (audio, words, _) in zip(texts, results, strict=True):
+        check_words(text, audio, words)
+    assert threads["put"] and threads["resample"]
+    assert not any(name.startswith("asyncio") for name in threads["put"]), threads
+    assert threading.current_thread().name not in threads["resample"], threads
 
 
 def test_phoneme_words_start_after_each_break() -> None:
