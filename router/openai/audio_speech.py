@@ -92,10 +92,10 @@ def check(body: dict[str, Any], config: Any) -> SpeechBody | JSONResponse:
     return speech
 
 
-def wav_header(rate: int = RATE, frames: int | None = None) -> bytes:
-    """A PCM16 mono WAV header; `frames` None: a stream of unknown length (sizes at their maximum, as streamed WAV
-    is written)."""
-    data = 0xFFFFFFFF - 36 if frames is None else frames * 2
+def wav_header(rate: int = RATE) -> bytes:
+    """A PCM16 mono WAV header for a stream of unknown length (its sizes at their maximum, as streamed WAV is
+    written)."""
+    data = 0xFFFFFFFF - 36
     return (
         b"RIFF"
         + struct.pack("<I", 36 + data)
