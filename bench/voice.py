@@ -116,7 +116,9 @@ async def voice_turn(
     }
     # Off for `voice` (a spoken session's default is on: `speech.preemptive`); `voice+preemptive` as the default
     # (the VAD's pause starts it), with its text streamed to see whether it was delivered.
-    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": args.preemptive_tokens, "stream": True}
+    # (held as the server holds a spoken session's default: further when it answers in speech, tts.preemptive_tokens)
+    held = args.spoken_preemptive_tokens if audio_out else args.preemptive_tokens
+    preemptive_options = {"after_idle_ms": args.after_idle_ms, "max_tokens": held, "stream": True}
     session["preemptive"] = preemptive_options if preemptive else None
     if audio_out:  # the answer spoken: its transcript and audio, the first audio byte its first sound
         session["output_modalities"] = ["audio"]
@@ -335,7 +337,7 @@ async def level(
 
 def summarise(results: dict[str, list[dict[str, Any]]], spent: dict[str, dict[str, float]], args: Any) -> dict:
     summary: dict[str, Any] = {}
-    cascade_answer = {(r["transcript"]): r["answer"] for r in results["cascade"] if r.get("transcript")}
+    cascade_answer = {(r["transcript"]): r["answer"] for r in results.get("cascade", []) if r.get("transcript")}
     for system, turns in results.items():
         ok = [r for r in turns if "eos_to_first_s" in r and "error" not in r]
         first = [r["eos_to_first_s"] for r in ok]
@@ -387,7 +389,8 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
         + "; server_vad silence "
         f"{args.silence_ms} ms (the cascade's client VAD the same); answers of {args.max_tokens} tokens; "
         f"preemptive after_idle_ms {args.after_idle_ms} (null: the VAD's pause starts it), max_tokens "
-        f"{args.preemptive_tokens} (held there until the turn is confirmed); speech.pause_lead_ms "
+        f"{args.preemptive_tokens}, {args.spoken_preemptive_tokens} when it answers in speech (held there until the "
+        "turn is confirmed); speech.pause_lead_ms "
         f"{args.pause_lead_ms} (a pause counts that long before the window ends; null: at 96 ms of silence); each "
         "round's sentences the same for every system, the 16 in "
         "turn; work per turn: prompt tokens computed on prefill and decode, tokens decoded, CPU of every engine "
@@ -520,6 +523,13 @@ def main() -> None:
         help="voice+preemptive: the answer made at a pause stops (held) there until the turn is confirmed "
         "(default: speech.preemptive's)",
     )
+    parser.add_argument(
+        "--spoken-preemptive-tokens",
+        type=int,
+        default=None,
+        help="voice+preemptive+audio: where its answer is held (default: as the server holds a spoken session's, "
+        "tts.preemptive_tokens)",
+    )
     parser.add_argument("--lead-s", type=float, default=0.4, help="silence before the speech")
     parser.add_argument("--tail-s", type=float, default=1.0, help="silence after it (more than the window)")
     parser.add_argument(
@@ -527,13 +537,21 @@ def main() -> None:
         default=None,
         help="speech.partial_every_ms for the run ('none': transcribed at pauses only; default: the config's)",
     )
+    parser.add_argument(
+        "--systems", nargs="+", default=None, help=f"only these ({', '.join(TEXT_SYSTEMS + AUDIO_SYSTEMS)})"
+    )
     parser.add_argument("--config", default=str(ROOT / "configs" / "config.yaml"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="voice", help="the result files' name (<name>.json, <name>.md)")
     args = parser.parse_args()
     if args.quick:
         args.voices, args.turns = [1, 2], 2
-    args.systems = TEXT_SYSTEMS + (() if args.no_speak else AUDIO_SYSTEMS)
+    every = TEXT_SYSTEMS + (() if args.no_speak else AUDIO_SYSTEMS)
+    unknown = set(args.systems or ()) - set(every)
+    assert not unknown, f"no such system(s): {', '.join(sorted(unknown))}"
+    if args.spoken_preemptive_tokens is None:
+        args.spoken_preemptive_tokens = max(args.preemptive_tokens, TtsConfig().preemptive_tokens or 0)
+    args.systems = tuple(s for s in every if s in (args.systems or every))
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
     assert app_args.get("speech", {}).get("model"), "the config has no speech role"

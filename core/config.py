@@ -247,6 +247,12 @@ class TtsConfig(_Strict):
     # The first piece may also end at any word once it is this long (a first sentence with no early clause, or an
     # answer with no punctuation, still gets its first sound after a few words); null: at a clause or sentence only.
     first_word_chars: int | None = Field(default=32, ge=1)
+    # A spoken realtime session's default preemptive answer (`speech.preemptive`, a session that did not set its own)
+    # is held this far at least before the turn is confirmed, past that default's `max_tokens`: far enough for its
+    # first piece (`first_word_chars`) to be complete and synthesized in the pause, so that its first audio leaves
+    # the moment the turn ends (bench/voice.py: 4 voices, 4 tokens 564 ms P50 end of speech → first audio, 12
+    # tokens 515). A pause the user talks on from wastes these tokens. None: the default's `max_tokens`.
+    preemptive_tokens: int | None = Field(default=12, ge=1)
     # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
 

@@ -192,12 +192,12 @@ class AudioInput:
     async def voice_defaults(self) -> None:
         """A session that speaks answers preemptively (`speech.preemptive`) unless it set `preemptive` itself."""
         self.defaulted = True
-        default = self.conn.ingress.config.speech.preemptive
         conn, settings = self.conn, self.conn.settings
+        default = settings.default_preemptive(settings.speaks)
         if default is None or "preemptive" in settings.values or self.transcription_only or conn.close_after_answer:
             return
         if (updated := await conn.call(session_update, preemptive=default)) is not None:
-            settings.values["preemptive"] = default
+            settings.values["preemptive"], settings.defaulted_preemptive = default, True
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
                 conn.conversation.read_early(turns)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Protocol
 
-from core.config import TtsConfig
+from core.config import PreemptiveOptions, TtsConfig
 from router.openai import tool_calls
 from router.realtime.audio_settings import OutputAudio, VoiceSettings
 from router.realtime.connection import Calls, EarlyReads
@@ -68,6 +68,20 @@ class SessionSettings:
         }
         self.output = OutputAudio(voice=self.tts_config.default_voice)  # how answers are spoken, when they are
         self.voiced: str | None = None  # the voice the session first spoke in: it cannot change after (OpenAI's rule)
+        self.defaulted_preemptive = False  # `values["preemptive"]` is the server's default, not the client's
+
+    @property
+    def speaks(self) -> bool:
+        return "audio" in self.values[self.modalities_key]
+
+    def default_preemptive(self, speaks: bool) -> dict[str, Any] | None:
+        """A spoken session's preemptive answers when it set none (`speech.preemptive`); one that answers in speech
+        holds its answer until its first piece can be synthesized (`tts.preemptive_tokens`)."""
+        default = self.connection.ingress.config.speech.preemptive
+        tokens = self.tts_config.preemptive_tokens
+        if default is None or not speaks or tokens is None:
+            return default
+        return {**default, "max_tokens": max(PreemptiveOptions.model_validate(default).max_tokens, tokens)}
 
     @property
     def modalities_key(self) -> str:
@@ -224,8 +238,13 @@ class SessionSettings:
         # are not the session's).
         off = session.preemptive is None
         preemptive = {"preemptive": False if off else session.preemptive} if set_preemptive else {}
+        if not set_preemptive and self.defaulted_preemptive:  # (the default follows whether the session speaks)
+            default = self.default_preemptive("audio" in settings[self.modalities_key])
+            if default is not None and default != self.values.get("preemptive"):
+                settings["preemptive"] = preemptive["preemptive"] = default
         if updated := await conn.call(session_update, instructions=session.instructions, params=params, **preemptive):
             self.values, self.output = settings, output
+            self.defaulted_preemptive = self.defaulted_preemptive and not set_preemptive
             if voice is not None:
                 audio.apply(voice)
             await conn.send("session.updated", session=self.session_object())

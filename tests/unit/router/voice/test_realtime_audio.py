@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from core.config import AppConfig, SpeechConfig
+from core.config import AppConfig, SpeechConfig, TtsConfig
 from local_models.whisper import load_sample
 from prefill.client import PrefillClient
 from router.keys.auth import APIKeys
@@ -66,13 +66,15 @@ def as_pcm24k(parts: list[np.ndarray]) -> bytes:
 
 
 @contextlib.contextmanager
-def connect(prefill: FakePrefill, speech: FakeSpeech | None, **speech_config: Any) -> Iterator[Any]:
+def connect(prefill: FakePrefill, speech: FakeSpeech | None, tts: Any = None, **speech_config: Any) -> Iterator[Any]:
     app = FastAPI()
     app.include_router(realtime.api)
     speech_settings = SpeechConfig(model="local:tiny-whisper", **speech_config)
-    config = SimpleNamespace(model_name="local:tiny-llama", limits=AppConfig().limits, speech=speech_settings)
+    config = SimpleNamespace(
+        model_name="local:tiny-llama", limits=AppConfig().limits, speech=speech_settings, tts=TtsConfig()
+    )
     app.state.ingress = SimpleNamespace(
-        api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill), speech=speech
+        api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill), speech=speech, tts=tts
     )
     with TestClient(app).websocket_connect("/v1/realtime") as ws:
         assert ws.receive_json()["type"] == "session.created"
@@ -168,6 +170,38 @@ def test_preemptive_null_turns_a_spoken_sessions_default_off() -> None:
         until(ws, "response.done")
     assert [c.get("preemptive") for c in prefill.called("session_update")] == [False]  # off on the owner
     assert not prefill.called("session_preempt")
+
+
+def test_a_session_that_speaks_holds_its_default_preemptive_answer_until_its_first_piece() -> None:
+    """`speech.preemptive` holds a text session's answer at 4 tokens; one that answers in speech holds it at
+    `tts.preemptive_tokens`, so that its first piece is synthesized in the pause. The default follows the session's
+    output as it changes; a client's own `preemptive` is never changed."""
+    from tests.unit.router.test_realtime_speech import FakeTts
+
+    spoken = {"after_idle_ms": None, "max_tokens": TtsConfig().preemptive_tokens}
+    text = {"after_idle_ms": None, "max_tokens": 4}
+    prefill = FakePrefill()
+    with connect(prefill, FakeSpeech(), tts=FakeTts()) as ws:
+        ws.send_json({"type": "session.update", "session": {"output_modalities": ["audio"]}})
+        until(ws, "session.updated")
+        send_audio(ws, bytes(4800))  # (the first audio: the voice defaults)
+        ws.send_json({"type": "session.update", "session": {"output_modalities": ["text"]}})
+        assert until(ws, "session.updated")[0]["session"]["preemptive"] == text
+        ws.send_json({"type": "session.update", "session": {"output_modalities": ["audio"]}})
+        assert until(ws, "session.updated")[0]["session"]["preemptive"] == spoken
+        ws.send_json({"type": "session.update", "session": {"instructions": "Be brief."}})  # (nothing to change)
+        until(ws, "session.updated")
+    assert [c.get("preemptive") for c in prefill.called("session_update")] == [None, spoken, text, spoken, None]
+
+    prefill = FakePrefill()
+    mine = {"after_idle_ms": 300, "max_tokens": 2}
+    with connect(prefill, FakeSpeech(), tts=FakeTts()) as ws:
+        ws.send_json({"type": "session.update", "session": {"preemptive": mine}})
+        until(ws, "session.updated")
+        send_audio(ws, bytes(4800))
+        ws.send_json({"type": "session.update", "session": {"output_modalities": ["audio"]}})
+        assert until(ws, "session.updated")[0]["session"]["preemptive"] == mine
+    assert [c.get("preemptive") for c in prefill.called("session_update")] == [mine, None]
 
 
 def test_manual_commits_without_vad_and_the_audio_settings_as_shown() -> None:
