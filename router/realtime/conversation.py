@@ -230,38 +230,50 @@ class Conversation:
         """A spoken turn's end (server VAD's `create_response`): the input becomes the user's item, then the answer.
         A held preemptive answer made from this very input (the owner's last reply named it) streams at once after
         the item's events (and `announced`'s): the owner's commit and the answer's claim follow it, and a refusal of
-        either ends that response with an error. Otherwise the ordinary way: commit, then `response.create`."""
+        either ends that response with an error. Otherwise one call, `session_respond`, both commits the input and
+        starts the answer (the owner commits what it holds before it answers); a refused answer still commits the
+        input, as `response.create` after a commit would leave it. A response that cannot start (one in progress,
+        the key's budget spent, bad settings) takes the ordinary way: commit, then `response.create` says why."""
         async with self.lock:  # (no typed text in between)
             early, released, overrides = self.early, None, None
-            if early is not None and self._refusal(Sampling()) is None:
+            if self._refusal(Sampling()) is None:
                 with contextlib.suppress(InvalidEvent):  # (then the ordinary way says why, after the commit)
                     overrides = self._overrides(Sampling())
-                if overrides is not None and early.release(self.connection.input_seen.tag):
-                    released, self.early = early, None
-            if released is not None:
+            if early is not None and overrides is not None and early.release(self.connection.input_seen.tag):
+                released, self.early = early, None
+            if overrides is not None:
                 buffer, self.buffer = self.buffer, ""
-                committed = None
+                started: dict[str, Any] | None = None
+                speech = self.connection.settings.speech()
                 try:
                     await self.announce_item(item_id, "user", parts)
                     await announced()
-                    speech = self.connection.settings.speech()
-                    self.response = ResponseStream(self.connection, self, released.turn, released, speech)
-                    committed = await self.connection.call(session_buffer, op="commit")
+                    if released is not None:
+                        self.response = ResponseStream(self.connection, self, released.turn, released, speech)
+                        started = await self.connection.call(session_buffer, op="commit")
+                    else:
+                        started = await self.connection.call(session_respond, overrides=overrides)
+                        if started is None and await self.connection.call(session_buffer, op="commit"):
+                            buffer = ""  # (refused: the input is the user's item all the same)
                 finally:
-                    if not committed:  # (refused, or the call failed: the owner still has the input)
+                    if not started:  # (refused, or the call failed: the owner still has the input)
                         self.buffer = buffer
-                        error = {"message": "the input was not committed", "type": "invalid_request_error"}
-                        released.revoke({**error, "code": 409})
-        if released is None:
+                        if released is not None:
+                            error = {"message": "the input was not committed", "type": "invalid_request_error"}
+                            released.revoke({**error, "code": 409})
+        if overrides is None:
             committed = await self.commit_input(item_id, parts)
             await announced()
             if committed:
                 await self.response_create(ResponseCreate(type="response.create"))
             return
-        if committed:
-            await self._claim(overrides or {}, released)
-        else:
-            self.read_early(released.turn)  # (the turn is still to be answered: read it early again)
+        if released is not None:
+            if started:
+                await self._claim(overrides, released)
+            else:
+                self.read_early(released.turn)  # (the turn is still to be answered: read it early again)
+        elif started:
+            self._stream(started["answer"]["turn"], speech)
 
     def _refusal(self, response: Sampling) -> tuple[str, str] | None:
         """Why a response cannot start now (message, code), or None."""
@@ -321,7 +333,13 @@ class Conversation:
             return
         turn = started["answer"]["turn"]
         if released is None:
-            self.response = ResponseStream(self.connection, self, turn, self.take_early(turn), speech)
+            self._stream(turn, speech)
+        else:
+            self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
+
+    def _stream(self, turn: int, speech: OutputAudio | None) -> None:
+        """The answer of `turn`, which the owner started, streamed as a response."""
+        self.response = ResponseStream(self.connection, self, turn, self.take_early(turn), speech)
         self.response.task.add_done_callback(lambda _: self.read_early(turn + 1))
 
     async def response_cancel(self, event: ResponseCancel) -> None:

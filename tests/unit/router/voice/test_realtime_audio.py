@@ -109,9 +109,36 @@ def test_a_spoken_turn_revises_the_input_commits_it_and_answers() -> None:
     ops = [(c["op"], c["offset"], c["text"]) for c in prefill.called("session_buffer")]
     assert ops[0][:2] == ("append", 0) and "what is".startswith(ops[0][2])
     assert applied(prefill) == "What is the weather in Paris?"
-    assert ops[-1] == ("commit", 0, "")
-    assert prefill.called("session_respond")  # server_vad's create_response
+    # server_vad's create_response: one call to the owner commits the input and starts the answer
+    assert "commit" not in [op for op, _, _ in ops] and len(prefill.called("session_respond")) == 1
+    assert [name for name, _ in prefill.calls].index("session_respond") > max(
+        i for i, (name, _) in enumerate(prefill.calls) if name == "session_buffer"
+    )
     assert done["response"]["status"] == "completed"
+
+
+def test_a_refused_answer_at_the_end_of_a_spoken_turn_still_commits_its_input() -> None:
+    """The owner refuses the answer the VAD's end of turn asks for: an `error` event says why, the input is
+    committed all the same (the user's item is the conversation's), and the session goes on to answer the next."""
+    prefill, speech = FakePrefill(), FakeSpeech()
+    refusal = {"message": "a response is already in progress", "type": "invalid_request_error", "code": 409}
+    prefill.fail["session_respond"] = {"error": refusal}
+    with connect(prefill, speech) as ws:
+        send_audio(ws, pcm24k())
+        error, seen = until(ws, "error")
+        assert error["error"]["message"] == refusal["message"]
+        assert "conversation.item.input_audio_transcription.completed" in [e["type"] for e in seen]
+        ops = [c["op"] for c in prefill.called("session_buffer")]
+        for _ in range(100):  # (the commit follows the refusal)
+            if ops[-1] == "commit":
+                break
+            time.sleep(0.01)
+            ops = [c["op"] for c in prefill.called("session_buffer")]
+        assert ops[-1] == "commit"
+        ws.send_json({"type": "response.create"})
+        done, _ = until(ws, "response.done")
+    assert done["response"]["status"] == "completed"
+    assert len(prefill.called("session_respond")) == 2
 
 
 def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preemptive_answer() -> None:
@@ -140,7 +167,8 @@ def test_agreed_words_enter_the_input_as_spoken_and_the_pause_starts_the_preempt
     assert applied(prefill, len(before)) == "What is the weather in Paris?"  # the pause's transcript, whole
     assert len(speech.calls) >= 3  # (partials were made: the gaps between them started no answer)
     after = [kw["op"] for name, kw in prefill.calls[pause:] if name == "session_buffer"]
-    assert after == ["commit"]  # the end of the turn reused the pause's transcript: nothing new to prefill
+    assert after == []  # the end of the turn reused the pause's transcript: nothing new to prefill, no commit
+    assert [name for name, _ in prefill.calls[pause:]].count("session_respond") == 1  # (it commits, and answers)
 
 
 def applied(prefill: FakePrefill, upto: int | None = None) -> str:
@@ -406,8 +434,8 @@ def test_a_pause_counts_late_in_the_window_so_a_shorter_one_costs_nothing(
     assert names.count("session_preempt") == answers
     # (transcribed at pauses only, as configs/config.yaml has it: late in the window, once)
     assert len(speech.calls) == 1 if pause_lead_ms is not None else len(speech.calls) >= 2
-    commit = [i for i, (name, kw) in enumerate(prefill.calls) if name == "session_buffer" and kw["op"] == "commit"]
-    assert max(i for i, name in enumerate(names) if name == "session_preempt") < commit[0]
+    # (the turn's end: one call commits the input and answers it)
+    assert max(i for i, name in enumerate(names) if name == "session_preempt") < names.index("session_respond")
 
 
 def test_the_vad_and_the_turns_audio_keep_one_clock_when_turn_detection_is_switched_on() -> None:
