@@ -4,11 +4,12 @@ The router imports the TTS role through this module only. One call synthesizes o
 answer, or a whole `/v1/audio/speech` input): a stream of `SpeechChunk`s, PCM16 mono at `RATE` with the words that
 start in it, each item carrying everything synthesized by the time it is sent (a fast backend sends a sentence in
 one item; the router cuts it into deltas for its client). Calls go by value over gRPC; each method's handle is made
-once.
+once. `SpeechStream` reads one call with every wait bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypedDict
 
@@ -59,3 +60,35 @@ class TtsClient:
 
     def info(self) -> Awaitable[TtsInfo]:
         return self._method("info").remote()
+
+
+class SpeechStream:
+    """One `synthesize` call's chunks, read with every wait bounded: `next()` gives the next chunk (None at the end;
+    an error chunk is the last), or raises TimeoutError after `timeout_s` with none, or what the call raised (its
+    replica died). `close()` stops a stream not read to its end: a Serve stream is cancelled on its replica (which
+    stops synthesizing), an async generator closed. Idempotent."""
+
+    def __init__(self, stream: AsyncIterator[SpeechChunk], timeout_s: float) -> None:
+        self.stream, self.timeout_s = stream, timeout_s
+        self.ended = False  # read to its end (nothing to stop)
+
+    async def next(self) -> SpeechChunk | None:
+        if self.ended:
+            return None
+        try:
+            chunk = await asyncio.wait_for(anext(self.stream), self.timeout_s)
+        except StopAsyncIteration:
+            self.ended = True
+            return None
+        self.ended = "error" in chunk
+        return chunk
+
+    def close(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if callable(cancel := getattr(self.stream, "cancel", None)):
+            cancel()
+        elif callable(aclose := getattr(self.stream, "aclose", None)):
+            task = asyncio.ensure_future(aclose())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is of no interest)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from core import metrics
 from core.protocol import error_body
 from router.openai.schemas import validation_error
-from tts.client import RATE, SpeechChunk, TtsClient
+from tts.client import RATE, SpeechChunk, SpeechStream, TtsClient
 
 logger = logging.getLogger(__name__)
 api = APIRouter()
@@ -123,19 +123,18 @@ class Synthesis:
 
     def __init__(self, tts: TtsClient, speech: SpeechBody, voice: str) -> None:
         self.tts, self.speech, self.voice = tts, speech, voice
-        self.stream: Any = None
+        self.stream: SpeechStream | None = None
         self.words = 0
         self.audio_bytes = 0
 
-    def _open(self) -> Any:
-        self.stream = self.tts.synthesize(self.speech.input, voice=self.voice, speed=self.speech.speed)
+    def _open(self) -> SpeechStream:
+        self.stream = SpeechStream(
+            self.tts.synthesize(self.speech.input, voice=self.voice, speed=self.speech.speed), CHUNK_TIMEOUT_S
+        )
         return self.stream
 
     async def _next(self) -> SpeechChunk | None:
-        try:
-            return await asyncio.wait_for(anext(self.stream), CHUNK_TIMEOUT_S)
-        except StopAsyncIteration:
-            return None
+        return await self.stream.next() if self.stream is not None else None
 
     async def first(self) -> SpeechChunk | None:
         """The first chunk, or an error chunk (`{"error": ...}`) for a replica that failed twice or timed out."""
@@ -168,8 +167,8 @@ class Synthesis:
         return {"input_tokens": self.words, "output_tokens": output, "total_tokens": self.words + output}
 
     def close(self) -> None:
-        if self.stream is not None and hasattr(self.stream, "cancel"):
-            self.stream.cancel()  # (a client gone: the replica stops synthesizing)
+        if self.stream is not None:
+            self.stream.close()  # (a client gone: the replica stops synthesizing)
         self.stream = None
 
 

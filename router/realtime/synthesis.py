@@ -4,16 +4,15 @@
 Its chunks go into a queue as the TTS role streams them, None last. A failure is a chunk too: the TTS role's error
 chunk, or one made here (`failure`) when the call raised (its replica died) or sent nothing for `CHUNK_TIMEOUT_S`.
 `close()` (not needed: interrupted, failed, discarded) cancels the task; a stream not read to its end is closed, which
-cancels the synthesis on its replica.
+cancels the synthesis on its replica (tts/client.py `SpeechStream`, which bounds each wait).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
-from tts.client import SpeechChunk
+from tts.client import SpeechChunk, SpeechStream
 
 CHUNK_TIMEOUT_S = 10.0  # a synthesis that sends nothing for this long has failed
 Key = tuple[str, str, float]  # what a synthesis speaks: (text, voice, speed)
@@ -35,26 +34,19 @@ class Synthesis:
 
     async def _read(self, tts: Any) -> None:
         text, voice, speed = self.key
-        stream: Any = None
-        ended = False  # read to its end (nothing to close)
+        stream: SpeechStream | None = None
         try:
-            stream = tts.synthesize(text, voice=voice, speed=speed)
-            while not ended:
-                try:
-                    chunk = await asyncio.wait_for(anext(stream), CHUNK_TIMEOUT_S)
-                except StopAsyncIteration:
-                    ended = True
-                    break
+            stream = SpeechStream(tts.synthesize(text, voice=voice, speed=speed), CHUNK_TIMEOUT_S)
+            while (chunk := await stream.next()) is not None:
                 self.queue.put_nowait(chunk)
-                ended = "error" in chunk  # (an error chunk ends the stream)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.queue.put_nowait(failure(f"the TTS role sent no audio for {CHUNK_TIMEOUT_S:g} s"))
         except Exception as e:  # its replica died (Ray's errors), or the call could not be made
             self.queue.put_nowait(failure(f"the TTS role failed ({type(e).__name__})"))
         finally:
             self.queue.put_nowait(None)
-            if stream is not None and not ended:
-                await _close(stream)
+            if stream is not None:
+                stream.close()
 
     async def next(self) -> SpeechChunk | None:
         return await self.queue.get()
@@ -66,12 +58,3 @@ class Synthesis:
         self.closed = True
         self.task.cancel()
         self.queue.put_nowait(None)  # (a task cancelled before it ran never ends its queue)
-
-
-async def _close(stream: Any) -> None:
-    """A TTS stream not read to its end: a Serve generator is cancelled on its replica, an async generator closed."""
-    with contextlib.suppress(Exception):
-        if callable(cancel := getattr(stream, "cancel", None)):
-            cancel()
-        elif callable(aclose := getattr(stream, "aclose", None)):
-            await aclose()
