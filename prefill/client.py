@@ -267,6 +267,7 @@ class PrefillClient:
         instructions: str | None = None,
         params: dict[str, Any] | None = None,
         preemptive: dict[str, Any] | Literal[False] | None = None,
+        view: dict[str, Any] | None = None,
         tenant: str,
         call_id: str,
         route_to: str | None = None,
@@ -278,6 +279,7 @@ class PrefillClient:
             instructions=instructions,
             params=params,
             preemptive=preemptive,
+            view=view,
             tenant=tenant,
             call_id=call_id,
         )

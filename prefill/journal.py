@@ -156,6 +156,8 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
             session.preempt = None
         elif record.get("preemptive") is not None:
             session.preempt = PreemptState(PreemptiveOptions.model_validate(record["preemptive"]))
+        if record.get("view") is not None:
+            session.view = record["view"]
     elif op == "answer":
         session.input_ended = True
         session.commit_buffer()

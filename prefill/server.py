@@ -314,9 +314,10 @@ class PrefillServer:
         instructions: str | None = None,
         params: dict[str, Any] | None = None,
         preemptive: dict[str, Any] | Literal[False] | None = None,
+        view: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return await self.session_calls.update(
-            session_id=session_id, instructions=instructions, params=params, preemptive=preemptive
+            session_id=session_id, instructions=instructions, params=params, preemptive=preemptive, view=view
         )
 
     @session_api

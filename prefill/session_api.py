@@ -10,6 +10,7 @@ errors into OpenAI error JSON and holds a session's lock around each call that c
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from engine.llm import Engine
 
 logger = logging.getLogger(__name__)
+MAX_VIEW_BYTES = 64 << 10  # a realtime connection's own settings kept for its re-attach (`update`'s `view`)
 
 
 def _validated(model: Any, field: str, spec: dict[str, Any]) -> Any:
@@ -303,9 +305,13 @@ class SessionCalls:
         instructions: str | None = None,
         params: dict[str, Any] | None = None,
         preemptive: dict[str, Any] | Literal[False] | None = None,
+        view: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off)."""
+        """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off); `view`: the
+        connection's own settings, kept for a connection that re-attaches (None: unchanged)."""
         session = self.table.get(session_id)
+        if view is not None and len(json.dumps(view)) > MAX_VIEW_BYTES:
+            raise SessionError(413, f"the connection's settings are over {MAX_VIEW_BYTES} bytes", "view")
         self.table.check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
         options = (
@@ -321,6 +327,8 @@ class SessionCalls:
                 self.preemptive.close(session)
             session.preempt = PreemptState(options) if options is not None else None
         extra = {} if preemptive is None else {"preemptive": options.model_dump() if options else False}
+        if view is not None:
+            session.view = extra["view"] = view
         await session.record("update", instructions=instructions, params=params, **extra)
         await self.table.prefill_stable(session)
         self.preemptive.rearm(session)
@@ -382,6 +390,7 @@ class SessionCalls:
             # What a client re-attaching to the session needs (router/realtime/socket.py `attach`).
             "instructions": session.conversation.instructions,
             "buffer": session.buffer,
+            "view": session.view,
             "sampling": {k: session.request.get(k) for k in ("temperature", "max_tokens", "tools", "tool_choice")},
             "request_ids": session.streaming.request_ids,
             "prompt_tokens_computed": stats["prompt_tokens_computed"],

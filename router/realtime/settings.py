@@ -6,6 +6,7 @@ session object the client is shown; their translation into vLLM's sampling param
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -16,6 +17,9 @@ from router.realtime.connection import Calls, EarlyReads
 from router.realtime.events import InvalidEvent, Sampling, SessionUpdate
 from router.sessions.owner import session_update
 from router.voice.audio import AudioError, parse_format
+
+logger = logging.getLogger(__name__)
+MAX_UPDATES = 32  # the client's latest session.updates a re-attached connection replays
 
 
 class SettingsAudio(Protocol):
@@ -69,6 +73,9 @@ class SessionSettings:
         self.output = OutputAudio(voice=self.tts_config.default_voice)  # how answers are spoken, when they are
         self.voiced: str | None = None  # the voice the session first spoke in: it cannot change after (OpenAI's rule)
         self.defaulted_preemptive = False  # `values["preemptive"]` is the server's default, not the client's
+        # The client's `session.update`s as sent (but for what the owner holds itself: instructions and tools), kept
+        # on the owner (`view`) so that a connection that re-attaches speaks and hears as this one did (`restore`).
+        self.updates: list[dict[str, Any]] = []
 
     @property
     def speaks(self) -> bool:
@@ -102,8 +109,21 @@ class SessionSettings:
                 shown["audio"]["output"] = self.output.shown(beta=False)
         return {"id": self.connection.session_id, "object": "realtime.session", "type": kind, **self.values, **shown}
 
+    def view(self, updates: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What the owner keeps for a re-attach: the updates (the latest `MAX_UPDATES`) and the voice spoken in."""
+        return {"updates": (self.updates if updates is None else updates)[-MAX_UPDATES:], "voiced": self.voiced}
+
     def restore(self, info: dict[str, Any]) -> None:
-        """The settings as the session's owner holds them (`session_info`: a re-attached connection's view)."""
+        """The settings as the session's owner holds them (`session_info`: a re-attached connection's view): the
+        earlier connection's updates replayed (its audio input and output, modalities, preemptive answers), then
+        the owner's own instructions and sampling."""
+        view = info.get("view") or {}
+        for update in view.get("updates") or []:
+            try:
+                self._replay(Sampling.model_validate(update))
+            except (InvalidEvent, ValueError):  # (the server's config changed since: that update is not restored)
+                logger.warning("session %s: a setting was not restored", self.connection.session_id)
+        self.updates, self.voiced = list(view.get("updates") or []), view.get("voiced")
         sampling = info.get("sampling") or {}
         self.values["instructions"] = info.get("instructions") or ""
         if sampling.get("temperature") is not None:
@@ -211,6 +231,24 @@ class SessionSettings:
             output = self.output_audio(response, "response")
         return output if "audio" in modalities else None
 
+    def _replay(self, session: Sampling) -> None:
+        """An earlier connection's update, applied here only (the owner has it)."""
+        voice = self.connection.audio.configure(session)
+        modalities = self.modalities(session, "session")
+        self.output = self.output_audio(session, "session")
+        self.values.update(session.given())
+        if modalities is not None:
+            self.values[self.modalities_key] = modalities
+        if "preemptive" in session.model_fields_set:
+            self.values["preemptive"] = session.preemptive
+        if voice is not None:
+            self.connection.audio.apply(voice)
+
+    async def remember_voice(self, voice: str) -> None:
+        """The session spoke for the first time, in `voice`: fixed from now on, a re-attached connection's too."""
+        self.voiced = voice
+        await self.connection.call(session_update, view=self.view())
+
     async def update(self, event: SessionUpdate) -> None:
         """`session.update`."""
         conn, audio = self.connection, self.connection.audio
@@ -242,8 +280,12 @@ class SessionSettings:
             default = self.default_preemptive("audio" in settings[self.modalities_key])
             if default is not None and default != self.values.get("preemptive"):
                 settings["preemptive"] = preemptive["preemptive"] = default
-        if updated := await conn.call(session_update, instructions=session.instructions, params=params, **preemptive):
-            self.values, self.output = settings, output
+        updates = [*self.updates, session.model_dump(exclude_unset=True, exclude={"instructions", "tools"})]
+        call = conn.call(
+            session_update, instructions=session.instructions, params=params, view=self.view(updates), **preemptive
+        )
+        if updated := await call:
+            self.values, self.output, self.updates = settings, output, updates[-MAX_UPDATES:]
             self.defaulted_preemptive = self.defaulted_preemptive and not set_preemptive
             if voice is not None:
                 audio.apply(voice)

@@ -255,6 +255,7 @@ async def session_update(
     instructions: str | None = None,
     params: dict[str, Any] | None = None,
     preemptive: dict[str, Any] | Literal[False] | None = None,
+    view: dict[str, Any] | None = None,
 ) -> SessionReply:
     who, call_id = tenant(), new_call_id()
     return await session_call(
@@ -265,6 +266,7 @@ async def session_update(
             instructions=instructions,
             params=params,
             preemptive=preemptive,
+            view=view,
             tenant=who,
             call_id=call_id,
             route_to=route,

@@ -113,6 +113,22 @@ async def test_the_router_holding_a_sessions_connection_is_replayed(pool) -> Non
     assert b.sessions[session.id].connection == "SERVE_REPLICA::app#router#new"
 
 
+async def test_a_realtime_connections_own_settings_are_kept_for_its_reattach_and_replayed(pool) -> None:
+    """`view` (the audio and output settings only a realtime router uses) is kept as sent (`session_info` returns
+    it), journaled for the session's next owner; one over the limit is refused whole (413)."""
+    a, b, dead = pool
+    session = await a.open_journaled()
+    view = {"updates": [{"output_modalities": ["audio"]}], "voiced": "ash"}
+    await a.session_update(session_id=session.id, view=view)
+    await a.session_update(session_id=session.id, params={"temperature": 0})  # (no view: it stays)
+    assert session.view == view
+    refused = await a.session_update(session_id=session.id, view={"updates": ["x" * 70_000]})
+    assert refused["error"]["code"] == 413 and refused["error"]["param"] == "view"
+    dead.add("a")
+    await b.session_status(session_id=session.id)
+    assert b.sessions[session.id].view == view
+
+
 async def test_an_answer_being_streamed_is_reported_to_the_adopter(pool) -> None:
     a, b, dead = pool
     session = await a.open_journaled()

@@ -313,6 +313,51 @@ def test_the_voice_cannot_change_once_the_session_has_spoken(prefill: FakePrefil
         assert ws.receive_json()["error"]["code"] == "cannot_update_voice"
 
 
+def test_a_reattached_connection_speaks_and_hears_as_the_one_it_replaces(prefill: FakePrefill) -> None:
+    """A router restart's re-attach (`?session_id=`): the audio input format and turn detection, the output
+    modalities, format and voice the client set on the connection it lost are the new one's (kept on the owner,
+    `view`), and the voice it spoke in stays fixed. Before, the new connection took PCM16 at 24 kHz and answered in
+    text: a G.711 client's audio would have been read as PCM."""
+    settings = {
+        "output_modalities": ["audio"],
+        "audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcma"}, "voice": "ash", "speed": 1.25},
+        },
+    }
+    with connect(prefill, FakeTts()) as ws:
+        before = update(ws, settings)["session"]
+        assert audio_of(respond(ws))  # (it spoke: its voice is fixed)
+        for _ in range(100):  # (the owner learns the voice in the background)
+            if prefill.called("session_update")[-1]["view"]["voiced"] == "ash":
+                break
+            time.sleep(0.01)
+    view = prefill.called("session_update")[-1]["view"]
+    assert view["voiced"] == "ash"
+
+    app = FastAPI()
+    app.include_router(realtime.api)
+    config = SimpleNamespace(
+        model_name="local:tiny-llama", limits=AppConfig().limits, speech=AppConfig().speech, tts=TtsConfig()
+    )
+    app.state.ingress = SimpleNamespace(
+        api_keys=APIKeys([]), config=config, prefill=PrefillClient(prefill), speech=None, tts=FakeTts()
+    )
+    prefill.fail["session_info"] = {"session_id": "sess-1", "state": "open", "view": view}
+    with TestClient(app).websocket_connect("/v1/realtime?session_id=sess-1") as ws:
+        created = ws.receive_json()
+        assert created["type"] == "session.created"
+        after = created["session"]
+        assert after["output_modalities"] == ["audio"]
+        assert after["audio"]["output"] == before["audio"]["output"]
+        assert after["audio"]["input"]["format"] == before["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+        assert after["audio"]["input"]["turn_detection"] is None
+        error = update(ws, {"audio": {"output": {"voice": "echo"}}})
+        assert error["error"]["code"] == "cannot_update_voice"
+        events = respond(ws)
+        assert of(events, "response.output_audio.delta")  # (it answers in speech, as before)
+
+
 def test_the_next_sentence_is_synthesized_while_the_first_is_sent(prefill: FakePrefill) -> None:
     tts = FakeTts(delay_s=0.02)
     with connect(prefill, tts) as ws:
