@@ -278,8 +278,8 @@ class TtsConfig(_Strict):
 
 
 class DisaggregationConfig(_Strict):
-    """Which whole-prompt requests go through a prefill replica (router/openai/disaggregation.py); sessions
-    always do."""
+    """Which whole-prompt requests go through a prefill replica (router/openai/disaggregation.py); a session's
+    input always streams to one, and `min_session_prompt_tokens` says which answers it hands off."""
 
     # Shorter prompts are prefilled by decode itself: moving their KV costs more than computing it (NIXL moves
     # whole blocks only, so below a block decode computes the prompt anyway). 0: every request is disaggregated.
@@ -293,6 +293,12 @@ class DisaggregationConfig(_Strict):
     # and a prompt computed there slows every stream it runs while prefill's engine idles (bench/token_path.py,
     # 256 streamed chats on two cores: 1.53x the tokens/s with every prompt through prefill). None: never.
     decode_busy_streams: int | None = Field(default=16, ge=1)
+    # A session's answer whose input is under this many tokens is computed by decode at the end of input, as a whole
+    # prompt under `min_prompt_tokens` is: the KV its input left on prefill is not moved (prefill/handoff.py), so the
+    # answer needs no hand-off request and no NIXL read (bench/voice.py, four voices without preemptive answers:
+    # end of speech → first token 8-15 ms sooner). Its owner cannot see decode's load: `decode_busy_streams` does not
+    # apply. 0: every session's answer is handed off.
+    min_session_prompt_tokens: int = Field(default=256, ge=0)
 
 
 class LimitsConfig(_Strict):

@@ -1,7 +1,8 @@
 """A session's answer, from the prefill side: hand the KV off, let a router claim it, hear how it ended.
 
 At end of input the owner prefills what is left and makes the hand-off (a one-token request over the whole
-input with `do_remote_decode`: its KV stays here for decode to pull over NIXL). A router that serves the
+input with `do_remote_decode`: its KV stays here for decode to pull over NIXL); a short input's answer is computed
+by decode instead (`router.disaggregation.min_session_prompt_tokens`). A router that serves the
 answer (`/events`, `/result`, realtime `response.create`, an NDJSON request) claims it, calls decode itself
 and streams decode's frames straight to its client; when the answer ends it reports the text and usage
 (`session_answer_done`), which join the conversation. No token of the answer passes through this replica.
@@ -96,15 +97,24 @@ class HandOffs:
                 answer.mark_handed_off()  # (no prefill and no hand-off after the end of input: handoff_ms ~ 0)
                 answer.timing["preempted_ms"] = (time.monotonic() - live.started_at) * 1e3  # started that early
                 return
+            # The owner learns the usage from the router's report, whatever the client asked for.
+            request.update(stream=True, stream_options={"include_usage": True})
+            answer.handoffs += 1
+            request["request_id"] = f"{session.id}-t{answer.turn}-h{answer.handoffs}"
+            if self._short(session):
+                # A short input: decode computes the prompt, as a short whole prompt's (moving its few blocks of KV
+                # costs more than computing them); the request goes to decode without `kv_transfer_params`, and
+                # nothing is waited for here.
+                session.streaming.stop_input()
+                answer.input_done_at = time.monotonic()
+                answer.request, answer.status, answer.local = request, "ready", True
+                answer.mark_handed_off()
+                return
             if session.streaming.active:
                 # Nothing more streams (the hand-off computes the rest as complete work); a useful chunk in flight
                 # is waited for, ranked complete meanwhile, so that the hand-off finds its blocks cached.
                 await session.streaming.finish_input()
             answer.input_done_at = time.monotonic()
-            # The owner learns the usage from the router's report, whatever the client asked for.
-            request.update(stream=True, stream_options={"include_usage": True})
-            answer.handoffs += 1
-            request["request_id"] = f"{session.id}-t{answer.turn}-h{answer.handoffs}"
             handoff = await self.prefill(session.endpoint, request, session.streaming)
             if "error" in handoff:
                 answer.finish("failed", handoff["error"])
@@ -123,6 +133,14 @@ class HandOffs:
             if answer.done:
                 await self._answer_ended(session, answer)
             await _notify(session)
+
+    def _short(self, session: Session) -> bool:
+        """Whether the session's input is under `min_session_prompt_tokens` (what streamed already says so when it
+        is not; a session that has not streamed, `on_end_only`, is counted)."""
+        limit = self.config.router.disaggregation.min_session_prompt_tokens
+        if not limit or len(session.streaming.target) >= limit:
+            return False
+        return len(session.stable_tokens(self.table.engine.tokenizer)) < limit
 
     async def _answer_ended(self, session: Session, answer: Answer) -> None:
         """The answer joins the conversation, and the conversation stays resident for the next turn."""
@@ -180,7 +198,7 @@ class HandOffs:
             answer.status, answer.claimed_at, fresh = "ready", None, True
         wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
-        if answer.status == "ready" and answer.handed_off_at is not None:
+        if answer.status == "ready" and answer.handed_off_at is not None and not answer.local:
             lease = self.config.kv_transfer.lease_s
             stale = time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
             if fresh or stale or (answer.adopt is not None and not adopts):

@@ -51,6 +51,9 @@ def app_args(speech: bool = False) -> dict[str, Any]:
     if not speech:
         args.pop("speech", None)
         args["tts"] = {"backend": None}
+    # Every session's answer handed off over NIXL, however short its input (the tests' inputs are): what most
+    # session tests are about. The tools-and-voice app keeps the shipped limit (`tools_args`).
+    args["router"]["disaggregation"]["min_session_prompt_tokens"] = 0
     return for_tests(args)
 
 
@@ -124,11 +127,13 @@ APP_START_S = 300
 def tools_args() -> dict[str, Any]:
     """A second app: `local:tiny-llama-tools` (fitted to call tools, local_models/tools_fit.py) and the default
     config's speech role (`local:tiny-whisper`, fitted to the clips in speech/samples/), so that a spoken question
-    can end in a tool call. Decode computes every plain request's prompt itself (the main app disaggregates them;
-    sessions always are)."""
+    can end in a tool call. Decode computes every plain request's prompt itself (the main app disaggregates them),
+    and a short session's answer's (the main app hands every one off)."""
     args = app_args(speech=True)
     args["model"] = "local:tiny-llama-tools"
     args["router"]["disaggregation"]["min_prompt_tokens"] = 1_000_000
+    # A short session's answer computed by decode, as shipped (its spoken turns and tool calls take that path).
+    args["router"]["disaggregation"].pop("min_session_prompt_tokens")
     return args
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.integration.conftest import engine_stats, wait_for, wait_idle
+from tests.integration.conftest import TOOLS_APP, engine_stats, wait_for, wait_idle
 
 pytestmark = pytest.mark.integration
 
@@ -112,6 +112,27 @@ def test_rest_session_matches_whole_request(server, policy):
     assert httpx.delete(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 200
     assert httpx.get(f"{server}{SESSIONS}/{sid}", timeout=60).status_code == 404
     wait_idle("prefill")
+
+
+def test_a_short_sessions_answer_is_computed_by_decode(tools_app):
+    """A session whose input is under `router.disaggregation.min_session_prompt_tokens` (the tools app keeps the
+    shipped 256; the main app hands every answer off, 0): its input streams to prefill as ever, but at its end decode
+    computes the whole prompt itself, with no hand-off and no NIXL read, and the answer is the whole request's."""
+    messages = [{"role": "system", "content": "Answer from the context."}, {"role": "user", "content": TEXT[:200]}]
+    sid = create(tools_app, messages=messages[:1], max_tokens=16, temperature=0)["session_id"]
+    for seq, piece in enumerate(split_inside_words(TEXT[:200], 4)):
+        assert send_chunk(tools_app, sid, seq, piece).status_code == 202
+    assert wait_resident(tools_app, sid)["resident_tokens"] > 0  # (prefilled while it arrived)
+    assert httpx.post(f"{tools_app}{SESSIONS}/{sid}/finish", timeout=60).status_code == 202
+    answer = httpx.get(f"{tools_app}{SESSIONS}/{sid}/result", timeout=120).json()["answer"]
+    decode = engine_stats("decode", sid, app=TOOLS_APP)
+    expected = whole_chat(tools_app, messages, 16)  # (after: its prompt is in decode's prefix cache then)
+    assert answer["status"] == "completed"
+    assert answer["text"] == expected["choices"][0]["message"]["content"]
+    prompt_tokens = expected["usage"]["prompt_tokens"]
+    assert answer["usage"]["prompt_tokens"] == prompt_tokens < 256
+    assert decode["prompt_tokens_computed"] >= prompt_tokens - info(tools_app, sid)["block_size"], decode
+    assert httpx.delete(f"{tools_app}{SESSIONS}/{sid}", timeout=60).status_code == 200
 
 
 def wait_prefilled(server: str, sid: str, timeout: float = 30.0) -> dict:

@@ -83,6 +83,9 @@ class Server(PrefillServer.func_or_class):  # type: ignore[name-defined,misc]
         self.engine = FakeEngine(tokenizer)
         self.config = AppConfig()
         self.config.prefill.scheduler = SchedulerSettings(admission_timeout_s=2.0)
+        # Every answer handed off, however short its input (the hand-off is what these tests are about; a short
+        # input's answer computed by decode: `test_a_short_inputs_answer_is_computed_by_decode`).
+        self.config.router.disaggregation.min_session_prompt_tokens = 0
         self.decode = decode
         self.replica, self.app_name, self.deployment = replica, "app", "prefill"
         self.store = store
@@ -341,6 +344,35 @@ async def test_retrying_finish_after_a_refused_hand_off_hands_off_again(server: 
     retried = await server.session_finish(session_id=session.id)
     assert retried["answer"]["status"] == "preparing"
     assert "request" in await server.session_claim(session_id=session.id)
+
+
+@pytest.mark.parametrize("at_the_limit", [False, True])
+async def test_a_short_inputs_answer_is_computed_by_decode(server: Server, at_the_limit: bool) -> None:
+    """An input under `router.disaggregation.min_session_prompt_tokens`: no hand-off request, the decode request
+    is the whole prompt with no `kv_transfer_params` (decode computes it), and a claim long after makes none either
+    (no KV waits here to go stale). An input of the limit's length is handed off as ever."""
+    session = server.open_session({"model": "local:tiny-llama", "messages": [], "max_tokens": 16})
+    await server.session_chunk(session_id=session.id, sequence_id=0, payload="What is a KV cache?")
+    session.commit_buffer()  # (the input as the end of input leaves it, to count it)
+    tokens = len(session.stable_tokens(server.engine.tokenizer))
+    server.config.router.disaggregation.min_session_prompt_tokens = tokens if at_the_limit else tokens + 1
+    await server.end_input(session, "")
+    answer = session.answers[-1]
+    await asyncio.wait_for(asyncio.shield(answer.task), 2)  # type: ignore[arg-type]
+    assert answer.status == "ready" and answer.local is not at_the_limit
+    assert answer.handed_off_at is not None
+    answer.handed_off_at -= 60  # (a handed-off KV this old is handed off again at claim time)
+
+    claim = await server.session_claim(session_id=session.id)
+
+    decode = claim["request"]
+    assert decode["messages"] == [{"role": "user", "content": "What is a KV cache?"}]
+    assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
+    if at_the_limit:
+        assert "kv_transfer_params" in decode and len(server.calls) == 2
+    else:
+        assert "kv_transfer_params" not in decode and server.calls == []
+        assert decode["request_id"] == f"{session.id}-t0-h1"
 
 
 @pytest.mark.parametrize(("age_s", "handoffs"), [(5.0, 1), (25.0, 2)])
