@@ -53,8 +53,8 @@ from clients import pct_ms
 from tqdm import tqdm
 
 from core.config import PreemptiveOptions, SpeechConfig, TtsConfig
+from core.sentences import SentenceSplitter
 from local_models.whisper import SENTENCES, load_sample
-from router.voice.sentences import SentenceSplitter
 from router.voice.vad import SpeechDetector, VadSettings
 from speech.engine import wav_bytes
 
@@ -202,7 +202,7 @@ async def cascade_turn(
     args: argparse.Namespace, base: str, slug: str, client: httpx.AsyncClient, audio_out: bool = False
 ) -> dict[str, Any]:
     """Client-side VAD on the same frames, then transcription of the utterance, then one chat completion; with
-    `audio_out`, its first sentence (cut as the server cuts the answers it speaks, router/voice/sentences.py) sent
+    `audio_out`, its first sentence (cut as the server cuts the answers it speaks, core/sentences.py) sent
     to `/v1/audio/speech` the moment it is complete, as LiveKit and Pipecat do."""
     audio, speech_end = turn_audio(slug, args.lead_s, args.tail_s)
     step = int(16000 * FRAME_S)

@@ -1,5 +1,5 @@
 """A response's spoken message (router/realtime/output.py holds one per message of an audio response): its text, as
-decode streams it, cut into sentences (router/voice/sentences.py), each spoken by the TTS role (tts/client.py) the
+decode streams it, cut into sentences (core/sentences.py), each spoken by the TTS role (tts/client.py) the
 moment it is complete, and sent as Realtime audio events in the session's format (router/voice/encode.py `Encoder`).
 
 The pipeline: a sender goes through the sentences in order; for each, its transcript delta (its exact text, when its
@@ -37,10 +37,10 @@ from typing import Any, Protocol
 
 from core import metrics
 from core.config import TtsConfig
+from core.sentences import SentenceSplitter, split_long
 from router.realtime.audio_settings import OutputAudio
 from router.realtime.synthesis import Key, Synthesis
 from router.voice.encode import Encoder
-from router.voice.sentences import SentenceSplitter, split_long
 from tts.client import RATE, Word
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 
 While the user may still be speaking, the next turn's preemptive answer is held on this router
 (router/sessions/provisional.py `Held`), its frames queued unread. `watch` sees their text as it arrives: once the
-first sentence is complete (cut as the response will cut it, router/voice/sentences.py), it goes to the TTS role at
+first sentence is complete (cut as the response will cut it, core/sentences.py), it goes to the TTS role at
 once, with the session's voice and speed, if the session speaks. Nothing is sent: if that answer becomes the
 response's (released, or confirmed by the owner), the response's first sentence takes the synthesis when its text,
 voice and speed are the same (router/realtime/audio_out.py `AudioOut`), so its first audio needs no call to the TTS
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from core.config import TtsConfig
+from core.sentences import SentenceSplitter, split_long
 from router.realtime.audio_out import Speaking
 from router.realtime.audio_settings import OutputAudio
 from router.realtime.synthesis import Key, Synthesis
-from router.voice.sentences import SentenceSplitter, split_long
 
 
 class EarlySpeech:

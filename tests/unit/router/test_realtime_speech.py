@@ -22,12 +22,12 @@ from fastapi import FastAPI, WebSocketDisconnect
 from fastapi.testclient import TestClient
 
 from core.config import AppConfig, SpeechConfig, TtsConfig
+from core.sentences import SentenceSplitter
 from prefill.client import PrefillClient
 from router.keys.auth import APIKeys
 from router.realtime import audio_out, synthesis
 from router.realtime import socket as realtime
 from router.realtime.audio_settings import OutputAudio
-from router.voice.sentences import SentenceSplitter
 from tests.unit.router import test_realtime
 from tests.unit.router.test_realtime import FakePrefill, until
 from tts.client import RATE, SpeechChunk

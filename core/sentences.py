@@ -1,6 +1,8 @@
-"""An answer's text cut into pieces to be spoken, as it streams from decode (realtime audio output, and the REST
-speech endpoint): a speech engine speaks a whole sentence better than any part of it, and the first piece goes out
-as soon as it is complete, while the rest of the answer is still being generated.
+"""Text cut into pieces to be spoken, where a speaker would pause: an answer as it streams from decode (the router's
+realtime audio output: the first piece goes out as soon as it is complete, while the rest of the answer is still
+being generated), and a whole text a TTS backend speaks a piece at a time (`sentence_spans`: its first sound comes
+after the first piece is made, and calls on one backend take turns between pieces). A speech engine speaks a whole
+sentence better than any part of it.
 
 A piece ends after a sentence's end (`.`, `!`, `?`, `…`, with closing quotes or brackets) or a line break, followed
 by whitespace; the whitespace belongs to the piece, so that the pieces joined are the text exactly. A cut needs the
@@ -16,7 +18,8 @@ with none (a language written without spaces, a long URL), at `MAX_CHARS` itself
 only, never on how it was split into deltas (a preemptive answer's first piece is cut the same in its held frames
 and in its response).
 
-`split_long` cuts a piece further, for a TTS role that takes fewer characters at once (`tts.max_input_chars`).
+`split_long` cuts a piece further, for a TTS role that takes fewer characters at once (`tts.max_input_chars`);
+`ends_a_clause` says whether a speaker pauses after a piece.
 """
 
 from __future__ import annotations
@@ -168,3 +171,22 @@ def split_long(text: str, limit: int) -> list[str]:
         start = cut
     parts.append(text[start:])
     return parts
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """A whole text's pieces, cut as `SentenceSplitter` cuts a streamed one, as spans of `text`; together they are
+    the text, but for whitespace alone at its end, which is no piece."""
+    splitter = SentenceSplitter()
+    spans, at = [], 0
+    for piece in [*splitter.feed(text), splitter.flush()]:
+        if piece.strip():
+            spans.append((at, at + len(piece)))
+        at += len(piece)
+    return spans
+
+
+def ends_a_clause(piece: str) -> bool:
+    """Whether `piece` ends at a mark or a line break, rather than at a space where a long clause was cut: a speaker
+    pauses after it."""
+    stripped = piece.rstrip(" \t")
+    return bool(stripped) and (stripped[-1] == "\n" or not stripped[-1].isalnum())

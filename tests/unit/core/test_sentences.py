@@ -1,4 +1,4 @@
-"""An answer's text cut into pieces to be spoken (router/voice/sentences.py): sentence ends with a look-ahead,
+"""An answer's text cut into pieces to be spoken (core/sentences.py): sentence ends with a look-ahead,
 abbreviations, numbers and initials left whole, the minimum length, the first piece's clause, line breaks, text with
 no punctuation, and pieces that join to the text exactly however the text is split into deltas."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.voice.sentences import LONG_CHARS, MAX_CHARS, SentenceSplitter
+from core.sentences import LONG_CHARS, MAX_CHARS, SentenceSplitter, ends_a_clause, sentence_spans
 
 
 def pieces(text: str, step: int | None = None, **settings: int | None) -> list[str]:
@@ -204,3 +204,23 @@ def test_the_cuts_do_not_depend_on_how_the_text_is_split_into_deltas(text: str, 
 def test_the_first_piece_may_end_at_a_word(text: str, expected: list[str]) -> None:
     assert pieces(text, first_word_chars=32) == expected
     assert pieces(text, step=1, first_word_chars=32) == expected
+
+
+def test_a_whole_text_is_cut_into_spans_as_a_streamed_one_is() -> None:
+    """`sentence_spans` (a TTS backend speaks a long input a piece at a time): the pieces of the text streamed whole,
+    as spans; together they are the text but for trailing whitespace alone; none over MAX_CHARS."""
+    text = "Hello there, my friend. It costs $1,200 on Dec. 3rd! Is it really that much?\nYes, it is.  "
+    spans = sentence_spans(text)
+    splitter = SentenceSplitter()
+    assert [text[a:b] for a, b in spans] == [*splitter.feed(text), splitter.flush()]
+    assert "".join(text[a:b] for a, b in spans) == text and len(spans) == 4
+    assert text[spans[1][0] : spans[1][1]].startswith("It costs $1,200 on Dec. 3rd!")  # (not cut after "Dec.")
+    long = ", ".join(["one two three four five"] * 20) + "."
+    parts = sentence_spans(long)
+    assert "".join(long[a:b] for a, b in parts) == long and len(parts) > 1
+    assert all(len(long[a:b].strip()) <= MAX_CHARS for a, b in parts)
+
+
+def test_a_pause_follows_a_mark_or_a_line_break_not_a_cut_at_a_space() -> None:
+    assert ends_a_clause("Hello there. ") and ends_a_clause("one, ") and ends_a_clause("Is it?\n")
+    assert ends_a_clause('He said "no." ') and not ends_a_clause("one two three ") and not ends_a_clause("  ")
