@@ -15,10 +15,10 @@ import wave
 from typing import Any
 
 from core.config import AppConfig, EngineConfig
+from core.pcm import pcm16
 from engine import ipc_wait
 from engine.llm import install_fate_sharing
 from engine.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
-from speech.utterance import pcm16
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from core.pcm import from_pcm16
 from core.protocol import error_body
 from speech.utterance import MODEL_RATE, TranscriptionFailed, Utterance, resample_stream
 
@@ -83,7 +82,7 @@ class AudioSessions:
         start = turn is None
         if turn is None:
             turn = self.turns[session_id] = AudioTurn(self._utterance(language), seq)
-        x = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        x = from_pcm16(pcm16)
         if rate != MODEL_RATE:
             if turn.resampler is None:
                 turn.resampler = resample_stream(rate)

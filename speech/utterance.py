@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from core import metrics
+from core.pcm import pcm16
 
 logger = logging.getLogger(__name__)
 MODEL_RATE = 16000  # the speech model's rate (Whisper's): what an utterance's samples are
@@ -232,8 +233,3 @@ def resample_stream(rate: int, quality: str = "LQ") -> Any:
     import soxr
 
     return soxr.ResampleStream(rate, MODEL_RATE, 1, dtype="float32", quality=quality)
-
-
-def pcm16(x: np.ndarray) -> bytes:
-    """float32 samples as 16-bit little-endian PCM (what the speech role takes)."""
-    return (np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()

@@ -12,19 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from core.pcm import as_float, pcm16
 from tts.client import RATE
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 samples in [-1, 1] as 16-bit little-endian PCM."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
-
-
-def as_float(samples: np.ndarray) -> np.ndarray:
-    """int16 or float samples as float32 in [-1, 1]."""
-    if samples.dtype == np.int16:
-        return samples.astype(np.float32) / 32768.0
-    return samples.astype(np.float32, copy=False)
 
 
 def ms(n_bytes: int) -> float:

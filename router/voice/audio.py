@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.pcm import from_pcm16
 from speech.client import MODEL_RATE, resample_stream  # (the rate: Whisper's, and Silero VAD's)
 
 Codec = Literal["pcm16", "ulaw", "alaw"]
@@ -113,7 +114,7 @@ def samples(raw: bytes, fmt: AudioFormat, param: str = "audio") -> np.ndarray:
     if fmt.codec == "pcm16":
         if len(raw) % 2:
             raise AudioError(f"`{param}` holds {len(raw)} bytes: 16-bit PCM needs an even count", param=param)
-        return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+        return from_pcm16(raw)
     return _TABLES[fmt.codec][np.frombuffer(raw, dtype=np.uint8)]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from core.pcm import from_pcm16
 from router.voice.audio import AudioFormat
 
 # ITU-T G.711 compression (the reference C code's segment search, vectorized): each segment's largest magnitude.
@@ -51,7 +52,7 @@ class Encoder:
     def __call__(self, pcm: bytes | memoryview) -> bytes:
         if self._stream is None and self.format.codec == "pcm16":
             return bytes(pcm)  # (as made)
-        x = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+        x = from_pcm16(pcm)
         return self._encode(self._stream.resample_chunk(x) if self._stream is not None else x)
 
     def flush(self) -> bytes:
