@@ -409,8 +409,11 @@ def report(record: dict[str, Any], args: argparse.Namespace, stamp: str) -> str:
     for run in record["runs"]:
         for system, row in run["summary"].items():
             same = "-" if row["same_answer_as_cascade"] is None else f"{row['same_answer_as_cascade']:.0%}"
+            # (a turn that failed, an `error` event included, is not timed: said beside the system)
+            failed = "" if row["answered"] == row["turns"] else f" ({row['turns'] - row['answered']} failed)"
             lines.append(
-                f"| {run['voices']} | {system} | {_ms(row['p50_ms'])} / {_ms(row['p95_ms'])} / {_ms(row['p99_ms'])} "
+                f"| {run['voices']} | {system}{failed} "
+                f"| {_ms(row['p50_ms'])} / {_ms(row['p95_ms'])} / {_ms(row['p99_ms'])} "
                 f"| {_ms(row['over_silence_p50_ms'])} | {_ms(row['vad_stop_p50_ms'])} "
                 f"| {_ms(row['stop_to_first_p50_ms'])} / {_ms(row['stop_to_first_p95_ms'])} "
                 f"| {_ms(row['transcript_lag_p50_ms'])} "

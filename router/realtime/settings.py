@@ -245,9 +245,18 @@ class SessionSettings:
             self.connection.audio.apply(voice)
 
     async def remember_voice(self, voice: str) -> None:
-        """The session spoke for the first time, in `voice`: fixed from now on, a re-attached connection's too."""
+        """The session spoke for the first time, in `voice`: fixed from now on, a re-attached connection's too. Told
+        to the owner in the background, and nothing told to the client if it fails: the session may have ended with
+        this very answer (`close_after_answer`), and its next update carries the voice again."""
         self.voiced = voice
-        await self.connection.call(session_update, view=self.view())
+        if self.connection.session_id is None:
+            return
+        try:
+            reply = await session_update(self.connection.ingress, self.connection.session_id, view=self.view())
+        except Exception as e:  # (the owner is unreachable: the same)
+            reply = {"error": {"message": repr(e)}}
+        if "error" in reply:
+            logger.debug("session %s: the voice was not kept: %s", self.connection.session_id, reply["error"])
 
     async def update(self, event: SessionUpdate) -> None:
         """`session.update`."""

@@ -358,6 +358,25 @@ def test_a_reattached_connection_speaks_and_hears_as_the_one_it_replaces(prefill
         assert of(events, "response.output_audio.delta")  # (it answers in speech, as before)
 
 
+def test_the_voice_kept_for_a_reattach_is_no_error_when_the_session_has_ended(prefill: FakePrefill) -> None:
+    """The owner learns the voice in the background once audio goes out; a one-turn session (`close_after_answer`)
+    may be closed by then: the client sees no `error` for it (a bench saw one in a turn of four)."""
+    with connect(prefill, FakeTts()) as ws:
+        update(ws, {"output_modalities": ["audio"]})
+        closed = {"message": "session sess-1 is closed (its answer ended)", "type": "invalid_request_error"}
+        prefill.fail["session_update"] = {"error": {**closed, "code": 409}}
+        events = respond(ws)
+        assert audio_of(events) and not of(events, "error")
+        for _ in range(100):
+            if "session_update" not in prefill.fail:  # (the refused call was made)
+                break
+            time.sleep(0.01)
+        assert "session_update" not in prefill.fail
+        ws.send_json({"type": "session.update", "session": {"instructions": "Be brief."}})
+        _, seen = until(ws, "session.updated")  # (everything sent since the response: no error among it)
+        assert not of(seen, "error")
+
+
 def test_the_next_sentence_is_synthesized_while_the_first_is_sent(prefill: FakePrefill) -> None:
     tts = FakeTts(delay_s=0.02)
     with connect(prefill, tts) as ws:
