@@ -552,8 +552,6 @@ def main() -> None:
     every = TEXT_SYSTEMS + (() if args.no_speak else AUDIO_SYSTEMS)
     unknown = set(args.systems or ()) - set(every)
     assert not unknown, f"no such system(s): {', '.join(sorted(unknown))}"
-    if args.spoken_preemptive_tokens is None:
-        args.spoken_preemptive_tokens = max(args.preemptive_tokens, TtsConfig().preemptive_tokens or 0)
     args.systems = tuple(s for s in every if s in (args.systems or every))
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
@@ -566,6 +564,9 @@ def main() -> None:
         lead = None if args.pause_lead_ms.lower() == "none" else int(args.pause_lead_ms)
         app_args["speech"]["pause_lead_ms"] = lead
     args.pause_lead_ms = SpeechConfig.model_validate(app_args["speech"]).pause_lead_ms
+    if args.spoken_preemptive_tokens is None:  # (as the config's server holds a spoken session's)
+        spoken = TtsConfig.model_validate(app_args.get("tts") or {}).preemptive_tokens
+        args.spoken_preemptive_tokens = max(args.preemptive_tokens, spoken or 0)
     with systems.app(app_args) as app:
         from ray import serve
 

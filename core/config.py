@@ -250,8 +250,8 @@ class TtsConfig(_Strict):
     # A spoken realtime session's default preemptive answer (`speech.preemptive`, a session that did not set its own)
     # is held this far at least before the turn is confirmed, past that default's `max_tokens`: far enough for its
     # first piece (`first_word_chars`) to be complete and synthesized in the pause, so that its first audio leaves
-    # the moment the turn ends (bench/voice.py: 4 voices, 4 tokens 564 ms P50 end of speech → first audio, 12
-    # tokens 515). A pause the user talks on from wastes these tokens. None: the default's `max_tokens`.
+    # the moment the turn ends (bench/voice.py, 4 voices, end of speech → first audio byte P50: held at 4 tokens
+    # 564 ms, at 12 517). A pause the user talks on from wastes these tokens. None: the default's `max_tokens`.
     preemptive_tokens: int | None = Field(default=12, ge=1)
     # Ray Serve deployment options (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...).
     deployment: dict[str, Any] = Field(default_factory=dict)
@@ -295,9 +295,9 @@ class DisaggregationConfig(_Strict):
     decode_busy_streams: int | None = Field(default=16, ge=1)
     # A session's answer whose input is under this many tokens is computed by decode at the end of input, as a whole
     # prompt under `min_prompt_tokens` is: the KV its input left on prefill is not moved (prefill/handoff.py), so the
-    # answer needs no hand-off request and no NIXL read (bench/voice.py, four voices without preemptive answers:
-    # end of speech → first token 8-15 ms sooner). Its owner cannot see decode's load: `decode_busy_streams` does not
-    # apply. 0: every session's answer is handed off.
+    # answer needs no hand-off request and no NIXL read (bench/voice.py, four voices without preemptive answers: the
+    # response's first token ~18 ms after `response.created` at P50, ~30 with the hand-off). Its owner cannot see
+    # decode's load: `decode_busy_streams` does not apply. 0: every session's answer is handed off.
     min_session_prompt_tokens: int = Field(default=256, ge=0)
 
 

@@ -11,7 +11,7 @@ def pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-def from_pcm16(data: bytes) -> np.ndarray:
+def from_pcm16(data: bytes | bytearray | memoryview) -> np.ndarray:
     """16-bit little-endian PCM as float32 samples in [-1, 1)."""
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 

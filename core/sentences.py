@@ -174,14 +174,20 @@ def split_long(text: str, limit: int) -> list[str]:
 
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """A whole text's pieces, cut as `SentenceSplitter` cuts a streamed one, as spans of `text`; together they are
-    the text, but for whitespace alone at its end, which is no piece."""
-    splitter = SentenceSplitter()
-    spans, at = [], 0
+    """A whole text's sentences as spans of `text`, cut as `SentenceSplitter` cuts a streamed answer but for its first
+    piece's early cuts (the text came whole: a clause is cut only in a long sentence), and never inside a run of
+    non-space characters (a long URL stays one piece: word timings count such runs as words, tts/words.py);
+    together they are the text, but for whitespace alone at its end, which is no piece."""
+    splitter = SentenceSplitter(first_clause_chars=LONG_CHARS)
+    spans: list[tuple[int, int]] = []
+    at = 0
     for piece in [*splitter.feed(text), splitter.flush()]:
-        if piece.strip():
-            spans.append((at, at + len(piece)))
-        at += len(piece)
+        end = at + len(piece)
+        if spans and spans[-1][1] == at and at and not text[at - 1].isspace() and not text[at].isspace():
+            spans[-1] = (spans[-1][0], end)  # (cut inside a run: one piece with the one before)
+        elif piece.strip():
+            spans.append((at, end))
+        at = end
     return spans
 
 

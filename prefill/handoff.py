@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from prefill.session_table import SessionTable
 logger = logging.getLogger(__name__)
 WAIT_POLL_S = 5.0  # the longest a reader's call waits here for an answer to exist or end; it then asks again
 MAX_WAITERS = 8  # readers waiting on one session at once (each holds one of the replica's request slots)
+CHARS_PER_TOKEN = 16  # more characters per token than any tokenizer makes of text (a cheap bound before counting)
 READER_LEASE_S = 30.0  # a streamed answer whose reader gave no sign of life for this long is given up on
 
 
@@ -80,7 +82,7 @@ class HandOffs:
 
     async def hand_off(self, session: Session, answer: Answer) -> None:
         """Prefill what is left and leave the KV for decode; the answer is then `ready` (or `failed`)."""
-        answer.status, answer.preparing_at, answer.adopt = "preparing", time.monotonic(), None
+        answer.status, answer.preparing_at, answer.adopt, answer.local = "preparing", time.monotonic(), None, False
         try:
             overrides = dict(answer.overrides)
             request = {**session.full_request(overrides.pop("instructions", None)), **overrides}
@@ -140,6 +142,8 @@ class HandOffs:
         limit = self.config.router.disaggregation.min_session_prompt_tokens
         if not limit or len(session.streaming.target) >= limit:
             return False
+        if len(json.dumps(session.full_request())) > limit * CHARS_PER_TOKEN:
+            return False  # (too long to be short, whatever the tokenizer says: not tokenized on this event loop)
         return len(session.stable_tokens(self.table.engine.tokenizer)) < limit
 
     async def _answer_ended(self, session: Session, answer: Answer) -> None:
@@ -198,9 +202,10 @@ class HandOffs:
             answer.status, answer.claimed_at, fresh = "ready", None, True
         wait_s = 2 * self.settings.admission_timeout_s + 5  # the hand-off's own waits are bounded by the first
         await _wait_for(session, lambda: answer.status != "preparing", wait_s)
-        if answer.status == "ready" and answer.handed_off_at is not None and not answer.local:
+        if answer.status == "ready" and answer.handed_off_at is not None:
             lease = self.config.kv_transfer.lease_s
-            stale = time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
+            # (an answer decode computes itself holds no KV here to go stale; asked `fresh`, it gets a new request id)
+            stale = not answer.local and time.monotonic() - answer.handed_off_at > max(lease / 2, lease - 10)
             if fresh or stale or (answer.adopt is not None and not adopts):
                 if answer.adopt is not None:  # a preemptive answer nobody adopts: its decode stream goes
                     self.preemptive.release(answer.adopt)

@@ -6,7 +6,8 @@ same methods the calls used (no engine involved: the new owner prefills the rebu
 
     create   the session's spec               chunk    a chunk as sent (applied or held out of order)
     message  a conversation item              buffer   an in-progress text edit (append, replace, commit, clear)
-    update   instructions and parameters      answer   an answer started (end of input, finish, respond)
+    update   instructions, parameters,        answer   an answer started (end of input, finish, respond)
+             preemptive options, the view
     attach   a client re-attached through another router replica (the one holding its connection now)
     claimed  a router streams answer `turn`   released its reader left before any text
     ended    answer `turn` is over (its summary: text, usage, status)
@@ -156,8 +157,8 @@ def _apply(session: Session, record: dict[str, Any]) -> None:
             session.preempt = None
         elif record.get("preemptive") is not None:
             session.preempt = PreemptState(PreemptiveOptions.model_validate(record["preemptive"]))
-        if record.get("view") is not None:
-            session.view = record["view"]
+        if record.get("view") is not None:  # (its keys, merged as the owner merged them)
+            session.view = {**(session.view or {}), **record["view"]}
     elif op == "answer":
         session.input_ended = True
         session.commit_buffer()

@@ -132,8 +132,9 @@ class Session:
         self.close_after_answer = False  # one turn only: closed when its answer ends, no re-prefill for a next turn
         self.audio: dict[str, Any] | None = None  # REST audio chunks' format (`{"rate", "language"}`), as created
         self.preempt: PreemptState | None = None  # its preemptive answers (prefill/preemptive.py), if it asked
-        # What a realtime connection set that only the router uses (its audio and output settings): kept for a
-        # connection that re-attaches (router/realtime/settings.py `SessionSettings.view`); opaque here.
+        # What a realtime connection set that only the router uses (`given`: its audio and output settings;
+        # `voiced`: the voice it spoke in), kept for a connection that re-attaches (router/realtime/settings.py
+        # `SessionSettings.restore`); opaque here, its keys merged as they come.
         self.view: dict[str, Any] | None = None
         self.waiters = 0  # readers waiting for an answer (prefill/handoff.py `_waiting`)
         self.tenant = ""  # the id of the API key that created it (router/keys/auth.py); "" without keys

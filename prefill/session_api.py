@@ -307,11 +307,15 @@ class SessionCalls:
         preemptive: dict[str, Any] | Literal[False] | None = None,
         view: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off); `view`: the
-        connection's own settings, kept for a connection that re-attaches (None: unchanged)."""
+        """Instructions, sampling parameters and `preemptive` options (None: unchanged; False: off); `view`: keys of
+        the connection's own settings, merged into what is kept for a connection that re-attaches."""
         session = self.table.get(session_id)
-        if view is not None and len(json.dumps(view)) > MAX_VIEW_BYTES:
-            raise SessionError(413, f"the connection's settings are over {MAX_VIEW_BYTES} bytes", "view")
+        if view is not None and len(json.dumps(view, ensure_ascii=False).encode()) > MAX_VIEW_BYTES:
+            # (not the client's fault: it never sent `view`; a re-attached connection starts from the defaults)
+            logger.warning(
+                "session %s: the connection's settings are over %d bytes: not kept", session_id, MAX_VIEW_BYTES
+            )
+            view = None
         self.table.check_max_tokens(params or {})
         _check_request(session.endpoint, {**session.full_request(), **(params or {})})
         options = (
@@ -328,7 +332,7 @@ class SessionCalls:
             session.preempt = PreemptState(options) if options is not None else None
         extra = {} if preemptive is None else {"preemptive": options.model_dump() if options else False}
         if view is not None:
-            session.view = extra["view"] = view
+            session.view, extra["view"] = {**(session.view or {}), **view}, view
         await session.record("update", instructions=instructions, params=params, **extra)
         await self.table.prefill_stable(session)
         self.preemptive.rearm(session)

@@ -10,12 +10,14 @@ once. `SpeechStream` reads one call with every wait bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
 from core.handles import MethodHandles
+from core.tasks import detached
 
 RATE = 24_000  # Hz: what every backend's audio is resampled to (OpenAI's realtime and `pcm` audio rate)
 
@@ -87,8 +89,8 @@ class SpeechStream:
         if self.ended:
             return
         self.ended = True
-        if callable(cancel := getattr(self.stream, "cancel", None)):
-            cancel()
-        elif callable(aclose := getattr(self.stream, "aclose", None)):
-            task = asyncio.ensure_future(aclose())
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is of no interest)
+        with contextlib.suppress(Exception):  # (a stream that cannot be stopped has stopped: nothing to do)
+            if callable(cancel := getattr(self.stream, "cancel", None)):
+                cancel()
+            elif callable(aclose := getattr(self.stream, "aclose", None)):
+                detached(aclose())

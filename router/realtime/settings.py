@@ -19,7 +19,8 @@ from router.sessions.owner import session_update
 from router.voice.audio import AudioError, parse_format
 
 logger = logging.getLogger(__name__)
-MAX_UPDATES = 32  # the client's latest session.updates a re-attached connection replays
+# What a re-attached connection takes from the owner itself, not from the updates it replays (`SessionSettings.given`).
+OWNER_HELD = frozenset({"instructions", "tools", "tool_choice", "parallel_tool_calls"})
 
 
 class SettingsAudio(Protocol):
@@ -73,9 +74,10 @@ class SessionSettings:
         self.output = OutputAudio(voice=self.tts_config.default_voice)  # how answers are spoken, when they are
         self.voiced: str | None = None  # the voice the session first spoke in: it cannot change after (OpenAI's rule)
         self.defaulted_preemptive = False  # `values["preemptive"]` is the server's default, not the client's
-        # The client's `session.update`s as sent (but for what the owner holds itself: instructions and tools), kept
-        # on the owner (`view`) so that a connection that re-attaches speaks and hears as this one did (`restore`).
-        self.updates: list[dict[str, Any]] = []
+        # What the client's `session.update`s set, merged as they came (but for what the owner holds itself:
+        # instructions and tools), kept on the owner (`view`) so that a connection that re-attaches speaks and hears
+        # as this one did (`restore`).
+        self.given: dict[str, Any] = {}
 
     @property
     def speaks(self) -> bool:
@@ -109,21 +111,18 @@ class SessionSettings:
                 shown["audio"]["output"] = self.output.shown(beta=False)
         return {"id": self.connection.session_id, "object": "realtime.session", "type": kind, **self.values, **shown}
 
-    def view(self, updates: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """What the owner keeps for a re-attach: the updates (the latest `MAX_UPDATES`) and the voice spoken in."""
-        return {"updates": (self.updates if updates is None else updates)[-MAX_UPDATES:], "voiced": self.voiced}
-
     def restore(self, info: dict[str, Any]) -> None:
-        """The settings as the session's owner holds them (`session_info`: a re-attached connection's view): the
-        earlier connection's updates replayed (its audio input and output, modalities, preemptive answers), then
-        the owner's own instructions and sampling."""
+        """The settings as the session's owner holds them (`session_info`: a re-attached connection's view): what
+        the earlier connection's updates set, applied again (its audio input and output, modalities, preemptive
+        answers), then the owner's own instructions, sampling and tools."""
         view = info.get("view") or {}
-        for update in view.get("updates") or []:
+        if given := view.get("given"):
             try:
-                self._replay(Sampling.model_validate(update))
-            except (InvalidEvent, ValueError):  # (the server's config changed since: that update is not restored)
-                logger.warning("session %s: a setting was not restored", self.connection.session_id)
-        self.updates, self.voiced = list(view.get("updates") or []), view.get("voiced")
+                self._replay(Sampling.model_validate(given))
+                self.given = dict(given)
+            except (InvalidEvent, ValueError):  # (the server's config changed since: not restored)
+                logger.warning("session %s: its settings were not restored", self.connection.session_id)
+        self.voiced = view.get("voiced")
         sampling = info.get("sampling") or {}
         self.values["instructions"] = info.get("instructions") or ""
         if sampling.get("temperature") is not None:
@@ -251,8 +250,8 @@ class SessionSettings:
         self.voiced = voice
         if self.connection.session_id is None:
             return
-        try:
-            reply = await session_update(self.connection.ingress, self.connection.session_id, view=self.view())
+        try:  # (the owner merges the view's keys: this call and an update's in flight do not undo each other)
+            reply = await session_update(self.connection.ingress, self.connection.session_id, view={"voiced": voice})
         except Exception as e:  # (the owner is unreachable: the same)
             reply = {"error": {"message": repr(e)}}
         if "error" in reply:
@@ -289,15 +288,27 @@ class SessionSettings:
             default = self.default_preemptive("audio" in settings[self.modalities_key])
             if default is not None and default != self.values.get("preemptive"):
                 settings["preemptive"] = preemptive["preemptive"] = default
-        updates = [*self.updates, session.model_dump(exclude_unset=True, exclude={"instructions", "tools"})]
-        call = conn.call(
-            session_update, instructions=session.instructions, params=params, view=self.view(updates), **preemptive
-        )
+        given = merged(self.given, session.model_dump(exclude_unset=True, exclude=set(OWNER_HELD)))
+        view = {"view": {"given": given}} if given != self.given else {}
+        call = conn.call(session_update, instructions=session.instructions, params=params, **view, **preemptive)
         if updated := await call:
-            self.values, self.output, self.updates = settings, output, updates[-MAX_UPDATES:]
+            self.values, self.output, self.given = settings, output, given
             self.defaulted_preemptive = self.defaulted_preemptive and not set_preemptive
             if voice is not None:
                 audio.apply(voice)
             await conn.send("session.updated", session=self.session_object())
             if updated.get("state") != "answering" and isinstance(turns := updated.get("turns"), int):
                 conn.conversation.read_early(turns)  # (answering: once its response ends)
+
+
+def merged(given: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """What `given` and then `update` set (two `session.update` dumps): `update`'s fields win, field by field within
+    `audio.input` and `audio.output` (a format or a turn detection whole), its nulls included."""
+    out = {**given, **update}
+    if isinstance(given.get("audio"), dict) and isinstance(update.get("audio"), dict):
+        audio = {**given["audio"], **update["audio"]}
+        for side in ("input", "output"):
+            if isinstance(given["audio"].get(side), dict) and isinstance(update["audio"].get(side), dict):
+                audio[side] = {**given["audio"][side], **update["audio"][side]}
+        out["audio"] = audio
+    return out

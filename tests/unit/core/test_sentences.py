@@ -211,9 +211,14 @@ def test_a_whole_text_is_cut_into_spans_as_a_streamed_one_is() -> None:
     as spans; together they are the text but for trailing whitespace alone; none over MAX_CHARS."""
     text = "Hello there, my friend. It costs $1,200 on Dec. 3rd! Is it really that much?\nYes, it is.  "
     spans = sentence_spans(text)
-    splitter = SentenceSplitter()
+    splitter = SentenceSplitter(first_clause_chars=LONG_CHARS)
     assert [text[a:b] for a, b in spans] == [*splitter.feed(text), splitter.flush()]
     assert "".join(text[a:b] for a, b in spans) == text and len(spans) == 4
+    assert text[spans[0][0] : spans[0][1]] == "Hello there, my friend. "  # (a whole text: no early clause cut)
+    one = "Tomorrow it will rain in the morning, but it should clear up by the afternoon."
+    assert sentence_spans(one) == [(0, len(one))]  # (one sentence: one call, one intonation)
+    url = "See https://example.com/" + "a" * 300 + " now."
+    assert [url[a:b] for a, b in sentence_spans(url)] == [url]  # (no cut inside the long run)
     assert text[spans[1][0] : spans[1][1]].startswith("It costs $1,200 on Dec. 3rd!")  # (not cut after "Dec.")
     long = ", ".join(["one two three four five"] * 20) + "."
     parts = sentence_spans(long)

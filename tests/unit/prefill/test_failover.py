@@ -114,16 +114,19 @@ async def test_the_router_holding_a_sessions_connection_is_replayed(pool) -> Non
 
 
 async def test_a_realtime_connections_own_settings_are_kept_for_its_reattach_and_replayed(pool) -> None:
-    """`view` (the audio and output settings only a realtime router uses) is kept as sent (`session_info` returns
-    it), journaled for the session's next owner; one over the limit is refused whole (413)."""
+    """`view` (the settings only a realtime router uses) is kept key by key as sent (`session_info` returns it),
+    journaled for the session's next owner; one over the limit is not kept, and the update itself goes through."""
     a, b, dead = pool
     session = await a.open_journaled()
-    view = {"updates": [{"output_modalities": ["audio"]}], "voiced": "ash"}
-    await a.session_update(session_id=session.id, view=view)
+    await a.session_update(session_id=session.id, view={"given": {"output_modalities": ["audio"]}})
+    await a.session_update(session_id=session.id, view={"voiced": "ash"})  # (merged: `given` stays)
     await a.session_update(session_id=session.id, params={"temperature": 0})  # (no view: it stays)
+    view = {"given": {"output_modalities": ["audio"]}, "voiced": "ash"}
     assert session.view == view
-    refused = await a.session_update(session_id=session.id, view={"updates": ["x" * 70_000]})
-    assert refused["error"]["code"] == 413 and refused["error"]["param"] == "view"
+    kept = await a.session_update(
+        session_id=session.id, view={"given": {"x": "字" * 40_000}}, params={"temperature": 1}
+    )
+    assert "error" not in kept and session.view == view and session.request["temperature"] == 1
     dead.add("a")
     await b.session_status(session_id=session.id)
     assert b.sessions[session.id].view == view

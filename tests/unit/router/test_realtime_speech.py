@@ -322,18 +322,23 @@ def test_a_reattached_connection_speaks_and_hears_as_the_one_it_replaces(prefill
         "output_modalities": ["audio"],
         "audio": {
             "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
-            "output": {"format": {"type": "audio/pcma"}, "voice": "ash", "speed": 1.25},
+            "output": {"format": {"type": "audio/pcma"}, "voice": "ash"},
         },
     }
     with connect(prefill, FakeTts()) as ws:
+        update(ws, {"instructions": "Be brief.", "tool_choice": "none", "audio": {"output": {"speed": 1.25}}})
         before = update(ws, settings)["session"]
         assert audio_of(respond(ws))  # (it spoke: its voice is fixed)
         for _ in range(100):  # (the owner learns the voice in the background)
             if prefill.called("session_update")[-1]["view"]["voiced"] == "ash":
                 break
             time.sleep(0.01)
-    view = prefill.called("session_update")[-1]["view"]
-    assert view["voiced"] == "ash"
+    view: dict[str, Any] = {}
+    for call in prefill.called("session_update"):  # (the owner merges each call's keys)
+        view.update(call.get("view") or {})
+    assert view["voiced"] == "ash" and set(view) == {"given", "voiced"}
+    assert not {"instructions", "tool_choice"} & set(view["given"])  # (the owner's own: restored from it)
+    assert view["given"]["audio"]["output"] == {"format": {"type": "audio/pcma"}, "voice": "ash", "speed": 1.25}
 
     app = FastAPI()
     app.include_router(realtime.api)
@@ -356,6 +361,23 @@ def test_a_reattached_connection_speaks_and_hears_as_the_one_it_replaces(prefill
         assert error["error"]["code"] == "cannot_update_voice"
         events = respond(ws)
         assert of(events, "response.output_audio.delta")  # (it answers in speech, as before)
+
+
+def test_the_settings_kept_for_a_reattach_merge_field_by_field() -> None:
+    from router.realtime.settings import merged
+
+    first = {
+        "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": {"type": "server_vad"}}},
+    }
+    then = {"audio": {"input": {"turn_detection": None}, "output": {"voice": "ash"}}, "output_modalities": ["text"]}
+    assert merged(first, then) == {
+        "output_modalities": ["text"],
+        "audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},  # (a null is a setting too)
+            "output": {"voice": "ash"},
+        },
+    }
 
 
 def test_the_voice_kept_for_a_reattach_is_no_error_when_the_session_has_ended(prefill: FakePrefill) -> None:
