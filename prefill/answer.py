@@ -51,7 +51,7 @@ class Answer:
     preparing_at: float | None = None  # monotonic: its hand-off began (at end of input, or again for a stale one)
     input_done_at: float | None = None  # monotonic: the session's streamed input settled, the hand-off request sent
     timing: dict[str, float] = field(default_factory=dict)  # where its preparation went (ms), see `mark_handed_off`
-    handoffs: int = 0  # hand-offs made (a stale one is made again)
+    handoffs: int = 0  # decode requests made for it (a stale hand-off is made again; each has its own request id)
     local: bool = False  # decode computes its prompt (a short input): no KV waits here for it to read
     task: asyncio.Task[None] | None = field(default=None, repr=False)  # the hand-off in progress
     # Where its reader streams it from: {"consumer", "stream_id", "replica"} (what decode's `stop` takes).

@@ -103,7 +103,7 @@ class HandOffs:
             request.update(stream=True, stream_options={"include_usage": True})
             answer.handoffs += 1
             request["request_id"] = f"{session.id}-t{answer.turn}-h{answer.handoffs}"
-            if self._short(session):
+            if self._short(session, request):
                 # A short input: decode computes the prompt, as a short whole prompt's (moving its few blocks of KV
                 # costs more than computing them); the request goes to decode without `kv_transfer_params`, and
                 # nothing is waited for here.
@@ -136,13 +136,13 @@ class HandOffs:
                 await self._answer_ended(session, answer)
             await _notify(session)
 
-    def _short(self, session: Session) -> bool:
-        """Whether the session's input is under `min_session_prompt_tokens` (what streamed already says so when it
-        is not; a session that has not streamed, `on_end_only`, is counted)."""
+    def _short(self, session: Session, request: dict[str, Any]) -> bool:
+        """Whether the session's input (`request`: the answer's) is under `min_session_prompt_tokens` (what streamed
+        already says so when it is not; a session that has not streamed, `on_end_only`, is counted)."""
         limit = self.config.router.disaggregation.min_session_prompt_tokens
         if not limit or len(session.streaming.target) >= limit:
             return False
-        if len(json.dumps(session.full_request())) > limit * CHARS_PER_TOKEN:
+        if len(json.dumps(request.get("messages") or request.get("prompt") or "")) > limit * CHARS_PER_TOKEN:
             return False  # (too long to be short, whatever the tokenizer says: not tokenized on this event loop)
         return len(session.stable_tokens(self.table.engine.tokenizer)) < limit
 

@@ -14,7 +14,6 @@ import time
 from typing import Any, Protocol
 
 from core import metrics
-from core.tasks import detached
 from router.openai.tool_calls import function_call_item
 from router.realtime.audio_out import AudioOut, Ready, Speaking
 from router.realtime.audio_settings import OutputAudio
@@ -26,7 +25,7 @@ class Voiced(Protocol):
 
     voiced: str | None
 
-    async def remember_voice(self, voice: str) -> None: ...  # (the owner keeps it for a re-attach)
+    def voice_spoken(self, voice: str) -> None: ...  # (fixed from now on; the owner keeps it for a re-attach)
 
 
 class Connection(Speaking, Protocol):
@@ -193,8 +192,7 @@ class Output:
             metrics.observe(metrics.FIRST_AUDIO_SECONDS, waited, metrics.FIRST_AUDIO, surface="realtime")
             settings = self.connection.settings
             if settings.voiced is None and self.speech is not None:
-                settings.voiced = self.speech.voice  # (at once: the owner's copy follows)
-                detached(settings.remember_voice(self.speech.voice))
+                settings.voice_spoken(self.speech.voice)
 
     async def _open_call(self, call: dict[str, Any]) -> None:
         await self._done()

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from core.config import PreemptiveOptions, TtsConfig
+from core.tasks import detached
 from router.openai import tool_calls
 from router.realtime.audio_settings import OutputAudio, VoiceSettings
 from router.realtime.connection import Calls, EarlyReads
@@ -230,26 +231,36 @@ class SessionSettings:
             output = self.output_audio(response, "response")
         return output if "audio" in modalities else None
 
-    def _replay(self, session: Sampling) -> None:
-        """An earlier connection's update, applied here only (the owner has it)."""
+    def _asked(self, session: Sampling) -> tuple[VoiceSettings | None, dict[str, Any], OutputAudio]:
+        """What a `session.update` sets on this connection, checked (`InvalidEvent` naming a bad field): the audio
+        input settings (None: unchanged), the values, and the output audio."""
         voice = self.connection.audio.configure(session)
         modalities = self.modalities(session, "session")
-        self.output = self.output_audio(session, "session")
-        self.values.update(session.given())
+        output = self.output_audio(session, "session")
+        settings = {**self.values, **session.given()}
         if modalities is not None:
-            self.values[self.modalities_key] = modalities
-        if "preemptive" in session.model_fields_set:
-            self.values["preemptive"] = session.preemptive
+            settings[self.modalities_key] = modalities
+        if "preemptive" in session.model_fields_set:  # (null: off, a spoken session's default too)
+            settings["preemptive"] = session.preemptive
+        return voice, settings, output
+
+    def _replay(self, session: Sampling) -> None:
+        """An earlier connection's update, applied here only (the owner has it)."""
+        voice, self.values, self.output = self._asked(session)
         if voice is not None:
             self.connection.audio.apply(voice)
 
-    async def remember_voice(self, voice: str) -> None:
-        """The session spoke for the first time, in `voice`: fixed from now on, a re-attached connection's too. Told
-        to the owner in the background, and nothing told to the client if it fails: the session may have ended with
-        this very answer (`close_after_answer`), and its next update carries the voice again."""
+    def voice_spoken(self, voice: str) -> None:
+        """The session spoke for the first time, in `voice`: fixed from now on (OpenAI's rule), a re-attached
+        connection's too (the owner told in the background)."""
         self.voiced = voice
-        if self.connection.session_id is None:
-            return
+        if self.connection.session_id is not None:
+            detached(self._keep_voice(voice))
+
+    async def _keep_voice(self, voice: str) -> None:
+        """The owner keeps the voice; nothing told to the client if it fails: the session may have ended with this
+        very answer (`close_after_answer`)."""
+        assert self.connection.session_id is not None
         try:  # (the owner merges the view's keys: this call and an update's in flight do not undo each other)
             reply = await session_update(self.connection.ingress, self.connection.session_id, view={"voiced": voice})
         except Exception as e:  # (the owner is unreachable: the same)
@@ -266,15 +277,8 @@ class SessionSettings:
             await conn.send("session.updated", session=self.session_object())
             return
         session = event.session or Sampling()
-        voice = audio.configure(session)
-        modalities = self.modalities(session, "session")
-        output = self.output_audio(session, "session")
-        settings = {**self.values, **session.given()}
-        if modalities is not None:
-            settings[self.modalities_key] = modalities
-        set_preemptive = "preemptive" in session.model_fields_set  # (null: off, a spoken session's default too)
-        if set_preemptive:
-            settings["preemptive"] = session.preemptive
+        voice, settings, output = self._asked(session)
+        set_preemptive = "preemptive" in session.model_fields_set
         if session.tools == [] and session.tool_choice is None:  # no tools left to force
             settings["tool_choice"] = "auto"
         self.check_tools(settings, "session")
