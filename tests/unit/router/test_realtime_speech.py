@@ -528,6 +528,18 @@ def test_truncate_cuts_a_spoken_answer_at_the_word_heard(prefill: FakePrefill) -
 
 
 # --- failures ----------------------------------------------------------------------------------------------------
+def spoken_with_an_error(prefill: FakePrefill, tts: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A response spoken through `tts` that fails on the way: its events and its one `error` (a server error); the
+    session goes on."""
+    with connect(prefill, tts) as ws:
+        update(ws, {"output_modalities": ["audio"]})
+        events = respond(ws)
+        assert update(ws, {})["type"] == "session.updated"  # the session goes on
+    errors = of(events, "error")
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", errors
+    return events, errors
+
+
 @pytest.mark.parametrize(
     "tts",
     [
@@ -541,12 +553,7 @@ def test_a_tts_failure_stops_the_audio_and_the_text_answer_goes_on(
 ) -> None:
     monkeypatch.setattr(synthesis, "CHUNK_TIMEOUT_S", 0.3)
     fake = tts()
-    with connect(prefill, fake) as ws:
-        update(ws, {"output_modalities": ["audio"]})
-        events = respond(ws)
-        assert update(ws, {})["type"] == "session.updated"  # the session goes on
-    errors = of(events, "error")
-    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error"
+    events, errors = spoken_with_an_error(prefill, fake)
     assert "TTS" in errors[0]["error"]["message"] and errors[0]["error"]["code"] == "tts_failed"
     transcript = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))
     assert transcript == TEXT == of(events, "response.output_audio_transcript.done")[0]["transcript"]
@@ -642,12 +649,7 @@ def test_an_audio_output_bug_is_an_error_event_and_the_transcript_goes_on(
     monkeypatch.setattr(audio_out, "Encoder", BrokenEncoder)
     monkeypatch.setattr(BrokenEncoder, "calls", 0)
     tts = FakeTts()
-    with connect(prefill, tts) as ws:
-        update(ws, {"output_modalities": ["audio"]})
-        events = respond(ws)
-        assert update(ws, {})["type"] == "session.updated"  # the session goes on
-    errors = of(events, "error")
-    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", errors
+    events, errors = spoken_with_an_error(prefill, tts)
     kinds = [e["type"] for e in events]
     assert "response.output_audio.delta" not in kinds[kinds.index("error") :]
     transcript = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))

