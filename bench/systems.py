@@ -175,6 +175,13 @@ def vllm_sse(app_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def no_coalesce(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with every frame leaving decode the moment it is made, whatever the load (decode/feed.py)."""
+    args = copy.deepcopy(app_args)
+    args.setdefault("decode", {}).setdefault("coalesce", {})["min_streams"] = None
+    return args
+
+
 @contextlib.contextmanager
 def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[System]:
     """This app behind the default ingress, HAProxy (`app`), or behind Serve's own proxy (`app_serve_proxy`)."""

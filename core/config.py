@@ -116,6 +116,17 @@ class PrefillConfig(RoleConfig):
     drain_timeout_s: float = Field(default=30.0, gt=0)
 
 
+class CoalesceConfig(_Strict):
+    """How decode joins a router's frames under load (decode/feed.py `Coalesce`): fewer, larger writes on the router
+    and the proxy, at the cost of up to one engine step more between a token and its client."""
+
+    # A router with at least this many streams on a decode replica gets each stream's frames `frames` at a time
+    # (its first frame and its end at once); None: every frame at once, whatever the load.
+    min_streams: int | None = Field(default=16, ge=1)
+    frames: int = Field(default=2, ge=1)  # frames per stream per write under load (engine steps)
+    max_delay_ms: float = Field(default=25.0, ge=0)  # a frame never waits longer than this for others
+
+
 class DecodeConfig(RoleConfig):
     """The decode pool: a role, plus how it writes answers' frames."""
 
@@ -123,6 +134,7 @@ class DecodeConfig(RoleConfig):
     # reasoning parser, `n` > 1): "decode", one template per stream filled per engine step (decode/sse.py, the same
     # bytes as vLLM's); "vllm": vLLM's own generator for every answer (three pydantic objects per token).
     text_encoder: Literal["decode", "vllm"] = "decode"
+    coalesce: CoalesceConfig = Field(default_factory=CoalesceConfig)  # frames joined under load
 
 
 class PreemptiveOptions(BaseModel):
