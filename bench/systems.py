@@ -175,10 +175,10 @@ def vllm_sse(app_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def no_coalesce(app_args: dict[str, Any]) -> dict[str, Any]:
-    """`app_args` with every frame leaving decode the moment it is made, whatever the load (decode/feed.py)."""
+def unpaced(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with every token leaving decode the moment it is made, whatever the load (decode/pacing.py)."""
     args = copy.deepcopy(app_args)
-    args.setdefault("decode", {}).setdefault("coalesce", {})["min_streams"] = None
+    args.setdefault("decode", {}).setdefault("pacing", {})["min_streams"] = None
     return args
 
 

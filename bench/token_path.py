@@ -51,8 +51,8 @@ SYSTEMS = {
     "app_no_speech": lambda app_args: systems.app({k: v for k, v in app_args.items() if k != "speech"}),
     # The app with vLLM's own SSE generator for every answer (decode.text_encoder: vllm; decode/sse.py).
     "app_vllm_sse": lambda app_args: systems.app(systems.vllm_sse(app_args)),
-    # The app with each frame leaving decode at once under load too (decode.coalesce.min_streams: null).
-    "app_no_coalesce": lambda app_args: systems.app(systems.no_coalesce(app_args)),
+    # The app with each token leaving decode at once under load too (decode.pacing.min_streams: null).
+    "app_unpaced": lambda app_args: systems.app(systems.unpaced(app_args)),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }

@@ -116,15 +116,15 @@ class PrefillConfig(RoleConfig):
     drain_timeout_s: float = Field(default=30.0, gt=0)
 
 
-class CoalesceConfig(_Strict):
-    """How decode joins a router's frames under load (decode/feed.py `Coalesce`): fewer, larger writes on the router
-    and the proxy, at the cost of up to one engine step more between a token and its client."""
+class PacingConfig(_Strict):
+    """How many tokens a frame of a text answer carries under load (decode/pacing.py: vLLM's `stream_interval`,
+    per request): fewer frames cost decode, the router and the proxy less, at up to `tokens - 1` engine steps more
+    between a token and its client. The first token and the end leave at once."""
 
-    # A router with at least this many streams on a decode replica gets each stream's frames `frames` at a time
-    # (its first frame and its end at once); None: every frame at once, whatever the load.
+    # A chat answer of text alone that makes this many streams or more on its decode replica goes `tokens` at a
+    # time; None: every token at once, whatever the load.
     min_streams: int | None = Field(default=16, ge=1)
-    frames: int = Field(default=2, ge=1)  # frames per stream per write under load (engine steps)
-    max_delay_ms: float = Field(default=25.0, ge=0)  # a frame never waits longer than this for others
+    tokens: int = Field(default=2, ge=1)  # tokens per frame under load
 
 
 class DecodeConfig(RoleConfig):
@@ -134,7 +134,7 @@ class DecodeConfig(RoleConfig):
     # reasoning parser, `n` > 1): "decode", one template per stream filled per engine step (decode/sse.py, the same
     # bytes as vLLM's); "vllm": vLLM's own generator for every answer (three pydantic objects per token).
     text_encoder: Literal["decode", "vllm"] = "decode"
-    coalesce: CoalesceConfig = Field(default_factory=CoalesceConfig)  # frames joined under load
+    pacing: PacingConfig = Field(default_factory=PacingConfig)  # tokens per frame under load
 
 
 class PreemptiveOptions(BaseModel):

@@ -11,12 +11,6 @@ asks for the next one and anything is ready.
       feed(consumer, replica) ◄── {stream_id: frames}, {stream_id: None | error}, {stream_id: ids} ── outbox
       stop(stream_id)  ─────────►  abort (the client left)
 
-Under load an item waits for more (`Coalesce`): with many streams on the engine, each step's frames cost the router
-a write per stream and the proxy a read and a write, while one write of two steps' frames costs the same as one.
-So once a router has `min_streams` streams here, an item leaves when its streams have `frames` frames each (two
-engine steps), a stream's first frame or end is ready, or `max_delay_s` has passed since the first frame waiting;
-a stream's frames are joined into one write. Below that, each frame leaves the moment it is made.
-
 A feed with no stream left ends after a few idle seconds (the router opens a new one with its next request):
 a permanent call would keep a draining replica from ever stopping. A feed that attaches while an older one of
 the same router is still attached takes the outbox over; the older one puts back what it took and leaves.
@@ -27,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from decode.sse import Frame
@@ -74,7 +67,8 @@ class ShownIds:
     completes it. A continuation whose prompt ended at such a token is detokenized from a broken prefix, and vLLM
     then writes the whole prompt's text into the answer (a resumed session answer was seen carrying its rendered
     prompt). So the router learns an id only with the text it belongs to, and a resume regenerates the held ones.
-    (vLLM writes one token per frame unless it speculates; a frame of several shows all of their text or none.)"""
+    A frame of several (decode/pacing.py; speculation) may show the text of its first ids only: decode/sse.py says
+    how many of its last are not shown yet (`Frame.unshown`), and those are held as well."""
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep
@@ -88,34 +82,24 @@ class ShownIds:
 
     def take_frame(self, frame: Frame) -> tuple[list[int] | None, list[int]]:
         """The ids beside a frame decode/sse.py wrote (nothing to cut out of it), held back as `take` holds them."""
-        return frame.prompt_ids, self._release(frame.token_ids, frame.shows)
+        return frame.prompt_ids, self._release(frame.token_ids, frame.shows, frame.unshown)
 
-    def _release(self, tokens: list[int], shows: bool) -> list[int]:
+    def _release(self, tokens: list[int], shows: bool, unshown: int = 0) -> list[int]:
+        """The ids to report with a frame of `tokens`; `unshown`: its last ones whose text it does not show."""
         if tokens and not shows:
             self.held.extend(tokens)
             return []
         if self.held:
             tokens, self.held = self.held + tokens, []
+        if unshown:
+            tokens, self.held = tokens[:-unshown], tokens[-unshown:]
         return tokens
-
-
-@dataclass(frozen=True)
-class Coalesce:
-    """When an outbox's item waits for more frames (see the module's docstring; core/config.py `CoalesceConfig`)."""
-
-    min_streams: int | None = None  # None: never (each frame leaves at once)
-    frames: int = 2
-    max_delay_s: float = 0.025
 
 
 class Outbox:
     """What one router's streams produced and it has not yet taken."""
 
-    def __init__(self, coalesce: Coalesce | None = None) -> None:
-        self.coalesce = coalesce or Coalesce()
-        self.pending = 0  # frames waiting
-        self.first_at = 0.0  # when the oldest of them was put
-        self.urgent: set[str] = set()  # streams whose frames leave at once: a first frame (time to first token)
+    def __init__(self) -> None:
         self.frames: dict[str, list[str]] = {}
         self.ended: dict[str, dict[str, Any] | None] = {}
         self.ids: dict[str, TokenIds] = {}
@@ -132,84 +116,26 @@ class Outbox:
     def idle(self) -> bool:
         return not (self.tasks or self.frames or self.ended)
 
-    def put(
-        self,
-        stream_id: str,
-        text: str,
-        prompt: list[int] | None = None,
-        tokens: list[int] | None = None,
-        first: bool = False,
-    ) -> None:
-        """One frame of a stream; `first`: its first (never held back)."""
+    def put(self, stream_id: str, text: str, prompt: list[int] | None = None, tokens: list[int] | None = None) -> None:
         self.frames.setdefault(stream_id, []).append(text)
         if prompt is not None or tokens:
             had_prompt, had = self.ids.get(stream_id, (None, []))
             self.ids[stream_id] = (had_prompt if had_prompt is not None else prompt, had + (tokens or []))
-        if not self.pending:
-            self.first_at = time.monotonic()
-        self.pending += 1
-        if first:
-            self.urgent.add(stream_id)
-        if first or self.due():
-            self.ready.set()
-
-    def due(self) -> bool:
-        """Whether everything here leaves now: any frame or end unless under load (`Coalesce`), then once the
-        streams with frames have about `frames` each (half a frame short on average: one that started or ended
-        since the last item, with fewer, does not hold the others for another step)."""
-        if not (self.frames or self.ended):
-            return False
-        every = self.coalesce.min_streams
-        if every is None or len(self.tasks) < every:
-            return True
-        return 2 * self.pending >= (2 * self.coalesce.frames - 1) * len(self.frames)
+        self.ready.set()
 
     def end(self, stream_id: str, error: dict[str, Any] | None = None) -> None:
         self.ended[stream_id] = error
         self.tasks.pop(stream_id, None)
-        if self.due():
-            self.ready.set()
+        self.ready.set()
 
     async def take(self) -> Batch:
-        """Everything here once it is due, or only the urgent streams' frames before (waits until something is, and
-        under load for more, never past `max_delay_s`: `Coalesce`)."""
-        while not self.due():
-            if self.urgent & (self.frames.keys() | self.ended.keys()):
-                return self._take(self.urgent)
-            if self.frames:  # held back for more: never past the bound
-                left = self.first_at + self.coalesce.max_delay_s - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    async with asyncio.timeout(left):
-                        await self.ready.wait()
-                except TimeoutError:
-                    break
-            else:
-                await self.ready.wait()  # (another reader may have woken first and taken it)
+        """Everything ready now (waits until something is)."""
+        while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
+            await self.ready.wait()
             self.ready.clear()
         self.ready.clear()
-        self.pending = 0
-        self.urgent.clear()
         frames = {sid: "".join(parts) for sid, parts in self.frames.items()}
         ended, ids, self.frames, self.ended, self.ids = self.ended, self.ids, {}, {}, {}
-        self.drained_at = time.monotonic()
-        return frames, ended, ids
-
-    def _take(self, streams: set[str]) -> Batch:
-        """These streams' frames, ends and ids only (the others' wait for more)."""
-        frames: dict[str, str] = {}
-        ended: dict[str, dict[str, Any] | None] = {}
-        ids: dict[str, TokenIds] = {}
-        for sid in streams:
-            if (parts := self.frames.pop(sid, None)) is not None:
-                frames[sid] = "".join(parts)
-                self.pending -= len(parts)
-            if sid in self.ended:
-                ended[sid] = self.ended.pop(sid)
-            if sid in self.ids:
-                ids[sid] = self.ids.pop(sid)
-        streams.clear()
         self.drained_at = time.monotonic()
         return frames, ended, ids
 
@@ -223,8 +149,6 @@ class Outbox:
             self.ids[stream_id] = (prompt if prompt is not None else newer_prompt, tokens + newer)
         self.ended = {**ended, **self.ended}
         if frames or ended:
-            self.urgent |= frames.keys() | ended.keys()  # (they were due when they were taken)
-            self.pending += len(frames)
             self.ready.set()
 
     def hand_over(self, stream_id: str, to: Outbox) -> bool:
@@ -234,8 +158,6 @@ class Outbox:
             return False
         if (frames := self.frames.pop(stream_id, None)) is not None:
             to.frames.setdefault(stream_id, []).extend(frames)
-            self.pending -= len(frames)
-            to.pending += len(frames)
         if stream_id in self.ids:
             to.ids[stream_id] = self.ids.pop(stream_id)
         if stream_id in self.ended:
@@ -243,7 +165,6 @@ class Outbox:
         if (task := self.tasks.pop(stream_id, None)) is not None:
             to.tasks[stream_id] = task
         if frames or stream_id in to.ended:
-            to.urgent.add(stream_id)  # (an adopted answer's frames: its client waits for them)
             to.ready.set()
         return True
 

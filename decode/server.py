@@ -23,8 +23,8 @@ from core import logs, metrics
 from core.autoscaling import ACTIVE_STREAMS
 from core.config import AppConfig
 from core.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
-from decode import sse
-from decode.feed import Batch, Coalesce, Outbox, ShownIds
+from decode import pacing, sse
+from decode.feed import Batch, Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
 from engine.llm import Endpoint, Engine
 
@@ -59,11 +59,10 @@ class DecodeServer:
         self.engine = Engine(self.config, "decode")
         await self.engine.start()
         install(self.engine)
+        pacing.install(self.engine)
         if self.config.decode.text_encoder == "decode":
             sse.install(self.engine.serving_layers[0])  # (text-only chat streams: decode/sse.py)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        joined = self.config.decode.coalesce
-        self.coalesce = Coalesce(joined.min_streams, joined.frames, joined.max_delay_ms / 1000)
         self.outboxes: dict[str, Outbox] = {}
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
         # Preemptive answers' streams (`start(preemptive=True)`): tokens made so far (the owner counts what it
@@ -99,7 +98,12 @@ class DecodeServer:
         router/streams/resume.py); `hold_tokens`: instead, the engine holds it there with its KV and it goes on when
         confirmed, if its sampling allows (decode/hold.py)."""
         hold = Hold(hold_tokens) if hold_tokens is not None else None
-        with starting(hold), sse.ids_mode(ids):  # (the serving layer starts its engine request within this call)
+        paced = self.config.decode.pacing
+        busy = paced.min_streams is not None and self._active_streams() + 1 >= paced.min_streams  # (with this one)
+        answer = not (preemptive or park_tokens is not None or hold is not None)  # (a preemptive one counts its tokens)
+        tokens = paced.tokens if busy and answer else 1
+        # (the serving layer starts its engine request within this call)
+        with starting(hold), sse.ids_mode(ids), pacing.pacing(tokens):
             result = await self.engine.openai(endpoint, body)
         held = hold if hold is not None and hold.used else None
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
@@ -109,7 +113,7 @@ class DecodeServer:
             return payload
         if not hasattr(result, "__aiter__"):
             return {"response": result.model_dump(mode="json")}
-        outbox = self.routes[stream_id] = self._outbox(consumer)
+        outbox = self.routes[stream_id] = self.outboxes.setdefault(consumer, Outbox())
         parked = None
         if preemptive or park_tokens is not None or held is not None:
             cap = None if held is not None else park_tokens
@@ -146,7 +150,7 @@ class DecodeServer:
         keeps its cap and its rank until then. `{"replica": ...}`, or an error (404) when the stream is gone
         (cancelled, or reaped unadopted)."""
         source = self.outboxes.get(parked)
-        target = self._outbox(consumer)
+        target = self.outboxes.setdefault(consumer, Outbox())
         if source is None or not source.hand_over(stream_id, target):
             return error_body(404, f"no parked stream {stream_id}")
         if stream_id in self.routes:
@@ -179,7 +183,6 @@ class DecodeServer:
         error: dict[str, Any] | None = None
         shown = ShownIds(keep=ids == "keep") if ids is not None else None
         held = self.holds.get(stream_id)
-        first = True
         try:
             async for text in stream:
                 capped = parked is not None and parked.cap is not None and not parked.confirmed
@@ -195,7 +198,7 @@ class DecodeServer:
                     error = failed
                     break
                 if shown is None:
-                    self.routes[stream_id].put(stream_id, text, first=first)
+                    self.routes[stream_id].put(stream_id, text)
                 else:
                     if isinstance(text, sse.Frame):  # its ids beside it (decode/sse.py)
                         prompt, tokens = shown.take_frame(text)
@@ -203,8 +206,7 @@ class DecodeServer:
                         text, prompt, tokens = shown.take(text)
                     if parked is not None:
                         parked.made += len(tokens)
-                    self.routes[stream_id].put(stream_id, text, prompt, tokens, first=first)
-                first = False
+                    self.routes[stream_id].put(stream_id, text, prompt, tokens)
         except asyncio.CancelledError:  # stopped: the client left, or its router did
             error = error_body(499, "stopped")["error"]
         except Exception as e:
@@ -224,7 +226,7 @@ class DecodeServer:
         has streams here (an idle feed ends after FEED_IDLE_S; the router opens a new one when it needs it)."""
         if replica != self.replica:  # routed elsewhere: the replica it wants is gone
             raise RuntimeError(f"decode replica {replica} is gone")
-        outbox = self._outbox(consumer)
+        outbox = self.outboxes.setdefault(consumer, Outbox())
         token = outbox.owner = object()
         idle_end = False
         try:
@@ -293,11 +295,6 @@ class DecodeServer:
             if (held := self.holds.get(stream_id)) is not None:
                 held.close()
         outbox.cancel_all()
-
-    def _outbox(self, consumer: str) -> Outbox:
-        if (outbox := self.outboxes.get(consumer)) is None:
-            outbox = self.outboxes[consumer] = Outbox(self.coalesce)
-        return outbox
 
     def _active_streams(self) -> int:
         return sum(len(o.tasks) for o in self.outboxes.values())

@@ -26,6 +26,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Literal
 
+from decode import pacing
+
 IdsMode = Literal["strip", "keep"]
 # How the request the serving layer is about to start wants its token ids (decode/server.py `start`): None, as
 # the request says; "strip": beside the frames only (the router asked, the client did not); "keep": in them too.
@@ -44,11 +46,14 @@ class Frame(str):
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []  # (never mutated: each frame gets its own list)
     shows: bool = False
+    unshown: int = 0  # the last ids whose text is not shown yet (a frame of several, decode/pacing.py)
 
 
-def _frame(text: str, prompt: list[int] | None = None, tokens: list[int] | None = None, shows: bool = True) -> Frame:
+def _frame(
+    text: str, prompt: list[int] | None = None, tokens: list[int] | None = None, shows: bool = True, unshown: int = 0
+) -> Frame:
     frame = Frame(text)
-    frame.prompt_ids, frame.token_ids, frame.shows = prompt, tokens or [], shows
+    frame.prompt_ids, frame.token_ids, frame.shows, frame.unshown = prompt, tokens or [], shows, unshown
     return frame
 
 
@@ -93,8 +98,17 @@ def install(serving: Any) -> None:
         mm_token_counts: dict[str, int] | None = None,
     ) -> AsyncGenerator[str, None]:
         if text_only(serving, request):
+            pacing.apply()  # (under load: a few tokens a frame)
             return text_stream(
-                serving, request, result_generator, request_id, model_name, request_metadata, mm_token_counts, IDS.get()
+                serving,
+                request,
+                result_generator,
+                request_id,
+                model_name,
+                request_metadata,
+                mm_token_counts,
+                IDS.get(),
+                tokenizer,
             )
         return vllm_stream(
             request,
@@ -144,6 +158,7 @@ async def text_stream(
     request_metadata: Any,
     mm_token_counts: dict[str, int] | None,
     ids: IdsMode | None,
+    tokenizer: Any = None,
 ) -> AsyncGenerator[str, None]:
     """vLLM's `chat_completion_stream_generator` for a text-only request (`text_only`), frame for frame."""
     from vllm.entrypoints.openai.chat_completion import serving as chat
@@ -178,6 +193,7 @@ async def text_stream(
     first = True
     finished = False
     last: Any = None
+    recent: list[int] = []  # the last ids made (a frame of several may end inside a character: pacing.unshown)
     try:
         async for res in result_generator:
             last = res
@@ -204,6 +220,8 @@ async def text_stream(
                     continue
                 completion += len(tokens)
                 token_ids = tokens if with_ids else None
+                recent += tokens
+                del recent[:-16]
                 if output.finish_reason is None:
                     if template is None:
                         template = _content_template(with_ids, continuous, details)
@@ -217,7 +235,10 @@ async def text_stream(
                         *filled,
                         str(created),
                     )
-                    yield _frame(f"data: {data}\n\n", None, tokens, shows=bool(text))
+                    late = (
+                        pacing.unshown(tokenizer, recent, len(tokens)) if len(tokens) > 1 and text and tokenizer else 0
+                    )
+                    yield _frame(f"data: {data}\n\n", None, tokens, shows=bool(text), unshown=late)
                     continue
                 choice = ChatCompletionResponseStreamChoice(
                     index=0,

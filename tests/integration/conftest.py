@@ -54,6 +54,9 @@ def app_args(speech: bool = False) -> dict[str, Any]:
     # Every session's answer handed off over NIXL, however short its input (the tests' inputs are): what most
     # session tests are about. The tools-and-voice app keeps the shipped limit (`tools_args`).
     args["router"]["disaggregation"]["min_session_prompt_tokens"] = 0
+    # Every text answer two tokens a frame (decode/pacing.py; the shipped config does so from 16 streams): the SSE
+    # contract, realtime deltas and mid-answer resumes (faults/) are checked on frames of several tokens.
+    args.setdefault("decode", {})["pacing"] = {"min_streams": 1, "tokens": 2}
     return for_tests(args)
 
 

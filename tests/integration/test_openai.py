@@ -164,6 +164,20 @@ def test_sse_contract_frame_by_frame(server, model_name):
     assert streamed == whole.json()["choices"][0]["message"]["content"]
 
 
+def test_a_busy_decode_sends_a_few_tokens_a_frame_with_the_same_answer(server, model_name, reference):
+    """The test app paces every text answer (conftest: `decode.pacing.min_streams` 1): vLLM's stream_interval of
+    2 sends the first token alone, then two a frame; the tokens and text are the unpaced single engine's."""
+    body = {"model": model_name, "messages": PROMPTS[0], "max_tokens": 9, "temperature": 0, "stream": True}
+    frames = sse_frames(server, "/v1/chat/completions", {**body, "return_token_ids": True})
+    chunks = [json.loads(f) for f in frames[:-1]]
+    per_frame = [len(c["choices"][0].get("token_ids") or []) for c in chunks if c["choices"]]
+    assert per_frame[:2] == [0, 1] and max(per_frame) == 2, per_frame  # (the role frame, the first token, pairs)
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    assert streamed == ray.get(reference.chat.remote(PROMPTS[0], 9))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == chat(server, **{**body, "stream": False}).json()["choices"][0]["message"]["content"]
+
+
 def test_sse_without_usage_has_no_usage_chunk(server, model_name):
     body = {"model": model_name, "messages": PROMPTS[0], "max_tokens": 3, "stream": True}
     frames = sse_frames(server, "/v1/chat/completions", body)

@@ -227,3 +227,85 @@ def test_a_configured_tool_parser_is_not_run_for_a_request_without_tools() -> No
 
     frames = asyncio.run(with_hermes())
     assert '"delta":{},' in frames[-2] and '"delta":{"content":""},' in ours[-2]
+
+
+class ByteTokenizer:
+    """Byte-level BPE at its simplest: id 100 + b is the byte b (decoded as vLLM's detokenizer would, a broken
+    character as U+FFFD)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 100 for i in ids).decode("utf-8", errors="replace")
+
+
+def _ids(data: bytes) -> list[int]:
+    return [100 + b for b in data]
+
+
+def test_a_paced_frame_that_ends_inside_a_character_reports_those_ids_with_the_text_that_shows_them() -> None:
+    """Two tokens a frame (decode/pacing.py): "a" and the first two bytes of "✓" show only "a"; the ids of the
+    character's bytes are reported with the frame that completes it, so a resume never starts inside it."""
+    check = "✓".encode()
+    steps = [
+        ("Hi", _ids(b"Hi")),
+        ("a", _ids(b"a") + _ids(check[:2])),
+        ("✓b", _ids(check[2:] + b"b")),
+        ("!", _ids(b"!")),
+    ]
+    chat, req = serving(), request()
+    ours = asyncio.run(
+        _collect(
+            sse.text_stream(
+                chat,
+                req,
+                _feed(outputs(steps=steps)),
+                "c",
+                "m",
+                RequestResponseMetadata(request_id="c"),
+                None,
+                "strip",
+                ByteTokenizer(),
+            )
+        )
+    )
+    shown = ShownIds(keep=False)
+    released = [shown.take_frame(f)[1] for f in ours if isinstance(f, sse.Frame)]
+    assert released == [[], _ids(b"Hi"), _ids(b"a"), _ids(check + b"b"), _ids(b"!")]
+    assert [f.unshown for f in ours if isinstance(f, sse.Frame)] == [0, 0, 2, 0, 0]
+
+
+def test_the_ids_whose_text_is_not_shown_yet_are_counted_from_the_end() -> None:
+    from decode.pacing import unshown
+
+    tok, euro = ByteTokenizer(), "€".encode()  # (three bytes)
+    assert unshown(tok, _ids(b"xy"), 2) == 0
+    assert unshown(tok, _ids(b"x" + euro[:1]), 2) == 1
+    assert unshown(tok, _ids(b"x" + euro[:2]), 3) == 2
+    assert unshown(tok, _ids(euro[:1]) + _ids(euro[1:]), 2) == 0  # (it completes one begun in an earlier frame)
+    assert unshown(tok, _ids(b"ab" * 8 + euro), 3) == 0  # (the window reaches the character's first byte)
+
+
+async def _collect(stream: Any) -> list[Any]:
+    return [f async for f in stream]
+
+
+def test_a_request_started_while_paced_gets_vllms_stream_interval_once_it_is_known_to_be_text_only() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    from decode import pacing
+
+    class Client:
+        def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+            return (prompt, params)
+
+    client = pacing.PacedClient(Client())
+    paced, unpaced, single = SamplingParams(), SamplingParams(), SamplingParams()
+    with pacing.pacing(3):
+        client.generate("p", paced, "r1")
+        pacing.apply()  # (decode/sse.py: a text-only stream)
+    with pacing.pacing(3):
+        client.generate("p", unpaced, "r2")  # (not text-only: vLLM's own generator, never applied)
+    with pacing.pacing(1):
+        client.generate("p", single, "r3")
+        pacing.apply()
+    pacing.apply()  # (outside: nothing)
+    assert (paced.stream_interval, unpaced.stream_interval, single.stream_interval) == (3, None, None)

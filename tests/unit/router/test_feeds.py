@@ -242,10 +242,7 @@ def _decode_server() -> Any:
     from decode.server import DecodeServer
 
     server = object.__new__(DecodeServer.func_or_class)
-    from decode.feed import Coalesce
-
     server.replica, server.outboxes, server.routes, server.parked, server.holds = "d1", {}, {}, {}, {}
-    server.coalesce = Coalesce()
     return server
 
 

@@ -97,9 +97,7 @@ def test_ids_whose_text_is_held_back_are_reported_only_with_the_text_that_shows_
     seen: list[Any] = []
 
     class Box(Outbox):
-        def put(
-            self, stream_id: str, text: str, prompt: list[int] | None = None, tokens: Any = None, first: bool = False
-        ) -> None:
+        def put(self, stream_id: str, text: str, prompt: list[int] | None = None, tokens: Any = None) -> None:
             seen.append((prompt, list(tokens or [])))
 
     async def engine() -> AsyncIterator[str]:
