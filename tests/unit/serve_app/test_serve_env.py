@@ -1,0 +1,20 @@
+"""The Serve settings of one machine's cluster (serve_app/serve_env.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app import serve_env
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (4, 1), (8, 2), (12, 3), (16, 4), (96, 4)])
+def test_haproxy_gets_a_thread_per_four_cores_up_to_rays_four(cpus: int, threads: int) -> None:
+    assert serve_env.haproxy_threads(cpus) == threads
+
+
+def test_a_machines_cluster_sets_haproxys_threads_unless_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_NBTHREAD", raising=False)
+    assert serve_env.local_env()["RAY_SERVE_HAPROXY_NBTHREAD"] == str(serve_env.haproxy_threads())
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "3")
+    assert serve_env.local_env()["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
+    assert "RAY_SERVE_HAPROXY_NBTHREAD" not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
