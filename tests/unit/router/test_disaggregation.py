@@ -143,10 +143,11 @@ class Counting:
     """A real tokenizer that counts how often it tokenizes."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.tokenized = tokenizer, 0
+        self.tokenizer, self.tokenized, self.rendered = tokenizer, 0, 0
 
     def apply_chat_template(self, messages: Any, tokenize: bool, **kwargs: Any) -> Any:
         self.tokenized += tokenize
+        self.rendered += 1
         return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, **kwargs)
 
     def encode(self, text: str) -> list[int]:
@@ -219,3 +220,22 @@ def test_short_prompts_go_through_prefill_while_every_decode_replica_is_busy(tok
     assert d.choose("chat", chat("Hello there")) == ("decode", "short")
     d.config.decode_busy_streams, d.inflight = 16, 32  # prefill busy too: decode computes it after all
     assert d.choose("chat", chat("Hello there")) == ("decode", "prefill_busy")
+
+
+def test_a_plain_conversations_bound_renders_its_template_once_per_shape(tokenizer: Any) -> None:
+    """The router bounds a chat prompt's bytes without rendering it: the template is rendered once per shape of
+    conversation (roles, names), and the bound is never below the rendered prompt's bytes."""
+    if isinstance(tokenizer, FakeTokenizer):
+        pytest.skip("needs the local model's tokenizer (made by `make models`)")
+    counting = Counting(tokenizer)
+    d = disaggregation(counting, min_prompt_tokens=256)
+    bodies = [chat(text) for text in ("Hi", "é" * 40, "Hello there, how are you?", "")]
+    for body in bodies:
+        rendered = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+        assert d.at_most("chat", body) >= len(rendered.encode())
+    assert counting.rendered == 1  # (one shape: system, user)
+    named = {"messages": [{"role": "user", "content": "Hi", "name": "ann"}]}
+    assert d.at_most("chat", named) is not None and counting.rendered == 2
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    d.at_most("chat", parts)  # (content parts: rendered as a whole, as before)
+    assert counting.rendered == 3
