@@ -44,6 +44,7 @@ class TotalsStatLogger(StatLoggerBase):
     ):
         self.totals = totals if totals is not None else EngineTotals()
         self.tags = tags or {}  # role and replica, for the Prometheus metrics
+        self._kv_usage_shown: float | None = None  # the gauge's last value (set again only when it changes)
 
     @classmethod
     def factory(cls, totals: EngineTotals, tags: dict[str, str]):
@@ -68,7 +69,9 @@ class TotalsStatLogger(StatLoggerBase):
             t.kv_transfer_failures += len(data.get("num_failed_transfers", ()))
             t.kv_expired_requests += len(data.get("num_kv_expired_reqs", ()))
             role = {"role": self.tags.get("role", "")}
-            metrics.set_gauge(metrics.KV_CACHE_USAGE, t.kv_cache_usage, "KV cache usage (0-1)", **self.tags)
+            if t.kv_cache_usage != self._kv_usage_shown:  # (a block at a time: not every step; a Ray call each)
+                self._kv_usage_shown = t.kv_cache_usage
+                metrics.set_gauge(metrics.KV_CACHE_USAGE, t.kv_cache_usage, "KV cache usage (0-1)", **self.tags)
             metrics.inc(metrics.KV_TRANSFERS, len(data.get("transfer_duration", ())), "NIXL KV reads", **role)
             metrics.inc(metrics.KV_TRANSFER_BYTES, sum(data.get("bytes_transferred", ())), "NIXL KV bytes", **role)
             for seconds in data.get("transfer_duration", ()):

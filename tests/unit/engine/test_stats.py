@@ -23,3 +23,16 @@ def test_vllm_gets_no_prometheus_logger_beside_ours_and_ours_still_counts() -> N
     manager.record_admission_rejection("full")
     manager.log_engine_initialized()
     assert (totals.generation_tokens, totals.num_running) == (3, 2)
+
+
+def test_the_kv_usage_gauge_is_set_only_when_it_changes(monkeypatch) -> None:
+    """A Ray metric call costs the replica's loop per engine step; KV usage moves a block at a time."""
+    from core import metrics
+
+    shown: list[float] = []
+    monkeypatch.setattr(metrics, "set_gauge", lambda name, value, *args, **tags: shown.append(value))
+    logger = TotalsStatLogger(None, 0, EngineTotals(), {"role": "decode"})  # type: ignore[arg-type]
+    for usage in (0.1, 0.1, 0.1, 0.2, 0.2, 0.1):
+        logger.record(SchedulerStats(kv_cache_usage=usage), None)
+    assert shown == [0.1, 0.2, 0.1]
+    assert logger.totals.kv_cache_usage == 0.1
