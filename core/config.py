@@ -122,7 +122,7 @@ class PacingConfig(_Strict):
     between a token and its client. The first token and the end leave at once."""
 
     # A chat answer of text alone that makes this many streams or more on its decode replica goes `tokens` at a
-    # time; None: every token at once, whatever the load.
+    # time (with `text_encoder: decode`, the default); None: every token at once, whatever the load.
     min_streams: int | None = Field(default=16, ge=1)
     tokens: int = Field(default=2, ge=1)  # tokens per frame under load
 

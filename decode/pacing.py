@@ -7,7 +7,8 @@ CPU per token (bench/token_path.py), and those cores are the engine's on a CPU m
 a GPU one. So a chat answer that is nothing but text (decode/sse.py `text_only`) started while the replica runs at
 least `min_streams` streams gets `stream_interval` = `tokens`: vLLM sends its first token and its end at once and
 the tokens between `tokens` at a time, each at most `tokens - 1` engine steps late. With fewer streams every token
-leaves the moment it is made. The interval is chosen when the request starts and kept to its end.
+leaves the moment it is made. The interval is chosen when the request starts and kept to its end. Only decode's
+own encoder paces (`decode.text_encoder: decode`, the default): with vLLM's generator every token is a frame.
 
 A frame of several tokens can end inside a character (byte-level BPE), its last tokens' text not shown yet:
 decode/sse.py reports those ids only with the frame that shows their text (decode/feed.py `ShownIds`), as it does
@@ -33,8 +34,8 @@ class Pace:
     def apply(self) -> None:
         """The request is a text-only stream: it goes `tokens` at a time (set before the engine sees the request:
         `generate` is an async generator, run from the stream's first read)."""
-        for params in self.started:
-            params.stream_interval = self.tokens
+        for params in self.started:  # (a client's own larger interval stands)
+            params.stream_interval = max(params.stream_interval or 1, self.tokens)
 
 
 PACE: contextvars.ContextVar[Pace | None] = contextvars.ContextVar("rtpd_pace", default=None)
@@ -77,13 +78,14 @@ def install(engine: Any) -> None:
         serving.engine_client = PacedClient(serving.engine_client)
 
 
-def unshown(tokenizer: Any, generated: list[int], new: int) -> int:
+def unshown(tokenizer: Any, generated: list[int], new: int, skip_special_tokens: bool = True) -> int:
     """How many of the last `new` ids of `generated` (a frame's, whose text shows) end inside a character: their
     text is not in the frame yet. vLLM's detokenizer holds text back while the decoded bytes end in an incomplete
     character (U+FFFD), so the same test on a window of the last ids (a character is at most four bytes, each id
     at least one) tells how many."""
     for k in range(new - 1):  # (the frame shows text: its first id's at least)
         end = len(generated) - k
-        if not tokenizer.decode(generated[max(0, end - 8) : end]).endswith("\ufffd"):
+        window = generated[max(0, end - 8) : end]
+        if not tokenizer.decode(window, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
             return k
     return new - 1

@@ -64,6 +64,7 @@ class DecodeServer:
             sse.install(self.engine.serving_layers[0])  # (text-only chat streams: decode/sse.py)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.outboxes: dict[str, Outbox] = {}
+        self._starting = 0  # `start` calls in flight (the pacing decision counts them: decode/pacing.py)
         self.routes: dict[str, Outbox] = {}  # stream id -> the outbox its frames go to (an adopted one moves)
         # Preemptive answers' streams (`start(preemptive=True)`): tokens made so far (the owner counts what it
         # discards), and whether the turn is confirmed yet (a tentatively adopted one keeps its cap and rank).
@@ -99,12 +100,15 @@ class DecodeServer:
         confirmed, if its sampling allows (decode/hold.py)."""
         hold = Hold(hold_tokens) if hold_tokens is not None else None
         paced = self.config.decode.pacing
-        busy = paced.min_streams is not None and self._active_streams() + 1 >= paced.min_streams  # (with this one)
+        busy = paced.min_streams is not None and self._active_streams() + self._starting + 1 >= paced.min_streams
         answer = not (preemptive or park_tokens is not None or hold is not None)  # (a preemptive one counts its tokens)
         tokens = paced.tokens if busy and answer else 1
-        # (the serving layer starts its engine request within this call)
-        with starting(hold), sse.ids_mode(ids), pacing.pacing(tokens):
-            result = await self.engine.openai(endpoint, body)
+        self._starting += 1  # (a burst of starts: each counts the others, not yet streams)
+        try:  # (the serving layer starts its engine request within this call)
+            with starting(hold), sse.ids_mode(ids), pacing.pacing(tokens):
+                result = await self.engine.openai(endpoint, body)
+        finally:
+            self._starting -= 1
         held = hold if hold is not None and hold.used else None
         if hasattr(result, "error") and not hasattr(result, "__aiter__"):
             payload = error_payload(result)

@@ -28,6 +28,8 @@ _CHARS_PER_TOKEN_MAX = 16  # a prompt this many characters per threshold token i
 # SentencePiece prefix space): a prompt of fewer bytes than the threshold by this margin is short without counting.
 _ADDED_TOKENS_MAX = 16
 _PLAIN = {"role", "content", "name"}  # a message's keys whose rendered bytes `_chat_bytes` bounds
+_ROLES = {"system", "developer", "user", "assistant", "tool"}  # (any other role is rendered whole, as before)
+_SHAPE_MESSAGES_MAX = 64  # a longer conversation is rendered whole (one shape each would fill the cache)
 _SHAPES_KEPT = 1024  # chat templates' own bytes, by the conversation's shape (`Disaggregation._template_bytes`)
 
 
@@ -98,19 +100,25 @@ class Disaggregation:
         """A chat prompt's rendered bytes without rendering it (None: not a plain conversation): its messages' text
         plus what the template writes around them, rendered once per shape (roles, names) with one-character
         contents (a template that writes a tag only around non-empty content counts it). Rendering on the router's
-        loop was ~4% of its CPU at 1-token answers (py-spy)."""
+        loop was ~4% of its CPU at 1-token answers (py-spy). A bound for templates that write the content as it is;
+        one that adds text for some contents (a reasoning block re-wrapped) makes it a few bytes short: a prompt at
+        the threshold may then be prefilled by decode, which costs a little time, never a wrong answer. A text
+        already at the threshold is returned as it is (the caller counts its tokens), without rendering."""
         messages = body.get("messages")
-        if body.get("tools") or not isinstance(messages, list) or not messages:
+        if body.get("tools") or not isinstance(messages, list) or not 0 < len(messages) <= _SHAPE_MESSAGES_MAX:
             return None
-        shape, size = [], 0
+        shape: list[tuple[str, bool]] = []
+        size = 0
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not m.keys() <= _PLAIN:
                 return None
-            name = m.get("name")
-            if name is not None and not isinstance(name, str):
+            name, role = m.get("name"), m.get("role")
+            if role not in _ROLES or (name is not None and not isinstance(name, str)):
                 return None
-            shape.append((str(m.get("role")), name is not None))
+            shape.append((role, name is not None))
             size += len(m["content"].encode()) + len((name or "").encode())
+        if size + _ADDED_TOKENS_MAX >= self.config.min_prompt_tokens:
+            return size  # (long enough without what the template adds)
         key = tuple(shape)
         if (around := self._template_bytes.get(key)) is None:
             dummy = [{"role": r, "content": "x", **({"name": "x"} if named else {})} for r, named in key]

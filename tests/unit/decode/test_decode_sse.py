@@ -233,7 +233,7 @@ class ByteTokenizer:
     """Byte-level BPE at its simplest: id 100 + b is the byte b (decoded as vLLM's detokenizer would, a broken
     character as U+FFFD)."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - 100 for i in ids).decode("utf-8", errors="replace")
 
 
@@ -298,7 +298,11 @@ def test_a_request_started_while_paced_gets_vllms_stream_interval_once_it_is_kno
             return (prompt, params)
 
     client = pacing.PacedClient(Client())
-    paced, unpaced, single = SamplingParams(), SamplingParams(), SamplingParams()
+    paced, unpaced, single, own = SamplingParams(), SamplingParams(), SamplingParams(), SamplingParams()
+    own.stream_interval = 8  # (a client's own: a larger one stands)
+    with pacing.pacing(2):
+        client.generate("p", own, "r0")
+        pacing.apply()
     with pacing.pacing(3):
         client.generate("p", paced, "r1")
         pacing.apply()  # (decode/sse.py: a text-only stream)
@@ -309,3 +313,35 @@ def test_a_request_started_while_paced_gets_vllms_stream_interval_once_it_is_kno
         pacing.apply()
     pacing.apply()  # (outside: nothing)
     assert (paced.stream_interval, unpaced.stream_interval, single.stream_interval) == (3, None, None)
+    assert own.stream_interval == 8
+
+
+def test_a_burst_of_starts_is_paced_as_the_streams_it_makes() -> None:
+    """Starts in flight count: the answers of a burst that makes `min_streams` streams are paced, though none of
+    them is a stream yet when the others decide."""
+    from core.config import AppConfig
+    from decode import pacing
+    from decode.server import DecodeServer
+
+    seen: list[int | None] = []
+
+    class Engine:
+        async def openai(self, endpoint: str, body: dict[str, Any]) -> Any:
+            pace = pacing.PACE.get()
+            seen.append(pace.tokens if pace is not None else None)
+            await asyncio.sleep(0.01)  # (vLLM renders and tokenizes: the others start meanwhile)
+            return {"error": {"message": "stop here", "code": 400}}
+
+        def shutdown(self) -> None:
+            pass
+
+    server = object.__new__(DecodeServer.func_or_class)
+    server.config = AppConfig.model_validate({"decode": {"pacing": {"min_streams": 3, "tokens": 2}}})
+    server.engine, server.outboxes, server._starting = Engine(), {}, 0
+
+    async def burst() -> None:
+        starts = [server.start(consumer="r", stream_id=f"s{i}", endpoint="chat", body={}) for i in range(4)]
+        await asyncio.gather(*starts, return_exceptions=True)
+
+    asyncio.run(burst())
+    assert seen == [None, None, 2, 2] and server._starting == 0

@@ -224,7 +224,9 @@ def test_short_prompts_go_through_prefill_while_every_decode_replica_is_busy(tok
 
 def test_a_plain_conversations_bound_renders_its_template_once_per_shape(tokenizer: Any) -> None:
     """The router bounds a chat prompt's bytes without rendering it: the template is rendered once per shape of
-    conversation (roles, names), and the bound is never below the rendered prompt's bytes."""
+    conversation (roles, names), and for a template that writes contents as they are the bound is never below the
+    rendered prompt's bytes; a text already at the threshold, an unknown role or a long conversation is not
+    rendered for a shape."""
     if isinstance(tokenizer, FakeTokenizer):
         pytest.skip("needs the local model's tokenizer (made by `make models`)")
     counting = Counting(tokenizer)
@@ -239,3 +241,7 @@ def test_a_plain_conversations_bound_renders_its_template_once_per_shape(tokeniz
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
     d.at_most("chat", parts)  # (content parts: rendered as a whole, as before)
     assert counting.rendered == 3
+    assert d._chat_bytes(chat("y" * 300)) == len("Be brief.") + 300 and counting.rendered == 3
+    assert d._chat_bytes({"messages": [{"role": "narrator", "content": "Hi"}]}) is None
+    assert d._chat_bytes({"messages": [{"role": "user", "content": ""}] * 65}) is None
+    assert len(d._template_bytes) == 2
