@@ -23,6 +23,7 @@ import re
 import time
 from typing import Any
 
+from decode import pacing
 from decode.sse import Frame
 
 TokenIds = tuple[list[int] | None, list[int]]  # (the prompt's ids, once; the ids generated since the last item)
@@ -70,15 +71,26 @@ class ShownIds:
     A frame of several (decode/pacing.py; speculation) may show the text of its first ids only: decode/sse.py says
     how many of its last are not shown yet (`Frame.unshown`), and those are held as well."""
 
-    def __init__(self, keep: bool) -> None:
+    def __init__(self, keep: bool, tokenizer: Any = None) -> None:
         self.keep = keep
         self.held: list[int] = []
+        self.tokenizer = tokenizer  # (vLLM's frames of several ids: which of their last ones show no text yet)
+        self.recent: list[int] = []
 
     def take(self, text: str) -> tuple[str, list[int] | None, list[int]]:
-        """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer)."""
+        """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer). A
+        frame of vLLM's generator with several ids (a client's own `stream_interval`, speculation) has its last ids
+        that show no text yet held as well (`pacing.unshown`, as decode/sse.py does for its own frames)."""
         text, prompt, tokens = take_token_ids(text, self.keep)
-        shows = _FINISHED in text or _SHOWS_TEXT.search(text) is not None
-        return text, prompt, self._release(tokens, shows)
+        ended = _FINISHED in text
+        shows = ended or _SHOWS_TEXT.search(text) is not None
+        unshown = 0
+        if self.tokenizer is not None and tokens:
+            self.recent += tokens
+            del self.recent[:-16]
+            if len(tokens) > 1 and shows and not ended:
+                unshown = pacing.unshown(self.tokenizer, self.recent, len(tokens))
+        return text, prompt, self._release(tokens, shows, unshown)
 
     def take_frame(self, frame: Frame) -> tuple[list[int] | None, list[int]]:
         """The ids beside a frame decode/sse.py wrote (nothing to cut out of it), held back as `take` holds them."""

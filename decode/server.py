@@ -185,7 +185,7 @@ class DecodeServer:
     ) -> None:
         """Engine output into the stream's outbox; `parked`: a preemptive answer's (see `start`)."""
         error: dict[str, Any] | None = None
-        shown = ShownIds(keep=ids == "keep") if ids is not None else None
+        shown = ShownIds(keep=ids == "keep", tokenizer=self.engine.tokenizer) if ids is not None else None
         held = self.holds.get(stream_id)
         try:
             async for text in stream:

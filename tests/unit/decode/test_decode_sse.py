@@ -5,6 +5,7 @@ the frames equal to what decode cut out of vLLM's frames before (decode/feed.py 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -345,3 +346,22 @@ def test_a_burst_of_starts_is_paced_as_the_streams_it_makes() -> None:
 
     asyncio.run(burst())
     assert seen == [None, None, 2, 2] and server._starting == 0
+
+
+def test_vllms_frames_of_several_ids_hold_those_that_show_no_text_yet() -> None:
+    """vLLM's generator (a client's own stream_interval, speculation): a frame of several ids whose last ones end
+    inside a character reports them with the frame that shows their text, as decode's own frames do."""
+    check = "✓".encode()
+
+    def frame(text: str, ids: list[int], finish: str | None = None) -> str:
+        end = f'"{finish}"' if finish else "null"
+        delta = json.dumps({"content": text}, ensure_ascii=False, separators=(",", ":"))
+        return f'data: {{"choices":[{{"delta":{delta},"finish_reason":{end},"token_ids":{ids}}}]}}\n\n'
+
+    shown = ShownIds(keep=False, tokenizer=ByteTokenizer())
+    frames = [
+        frame("a", _ids(b"a") + _ids(check[:2])),
+        frame("✓b", _ids(check[2:] + b"b")),
+        frame("c", _ids(b"c") + _ids(check[:1]), finish="length"),  # (the end: nothing is held any more)
+    ]
+    assert [shown.take(f)[2] for f in frames] == [_ids(b"a"), _ids(check + b"b"), _ids(b"c" + check[:1])]

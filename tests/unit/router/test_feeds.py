@@ -225,6 +225,8 @@ def test_cancel_stops_the_request_on_decode_once_and_non_streams_are_answers() -
 class FakeEngine:
     """A decode replica's engine as the feed logic uses it: the priority calls, recorded."""
 
+    tokenizer = None  # (frames of one id each: nothing to tell apart)
+
     def __init__(self) -> None:
         self.priorities: list[tuple[str, int]] = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -107,6 +108,7 @@ def test_ids_whose_text_is_held_back_are_reported_only_with_the_text_that_shows_
     box = Box()
     server = object.__new__(DecodeServer.func_or_class)
     server.routes, server.holds = {"s": box}, {}
+    server.engine = types.SimpleNamespace(tokenizer=None)  # (vLLM's frames of one id each: no tokenizer needed)
     asyncio.run(server._pump(engine(), "s", "strip"))
     assert seen == [([1, 2], [10]), (None, []), (None, []), (None, [11, 12, 13]), (None, [14])]
 
