@@ -171,9 +171,8 @@ def vllm_spin(app_args: dict[str, Any]) -> dict[str, Any]:
 def vllm_sse(app_args: dict[str, Any]) -> dict[str, Any]:
     """`app_args` with vLLM's own SSE generator for every decode answer (decode/sse.py off; so no pacing, which
     decode's encoder alone does: off in both for a like-for-like A/B)."""
-    args = copy.deepcopy(app_args)
-    args.setdefault("decode", {})["text_encoder"] = "vllm"
-    args["decode"].setdefault("pacing", {})["min_streams"] = None
+    args = unpaced(app_args)
+    args["decode"]["text_encoder"] = "vllm"
     return args
 
 

@@ -68,36 +68,35 @@ class ShownIds:
     completes it. A continuation whose prompt ended at such a token is detokenized from a broken prefix, and vLLM
     then writes the whole prompt's text into the answer (a resumed session answer was seen carrying its rendered
     prompt). So the router learns an id only with the text it belongs to, and a resume regenerates the held ones.
-    A frame of several (decode/pacing.py; speculation) may show the text of its first ids only: decode/sse.py says
-    how many of its last are not shown yet (`Frame.unshown`), and those are held as well."""
+    A frame of several ids (decode/pacing.py, a client's own `stream_interval`, speculation) may show the text of its
+    first ids only: with the engine's tokenizer, its last ids that show no text yet are held as well
+    (`pacing.unshown`), unless it ends the answer."""
 
-    def __init__(self, keep: bool, tokenizer: Any = None) -> None:
+    def __init__(self, keep: bool, tokenizer: Any = None, skip_special_tokens: bool = True) -> None:
         self.keep = keep
         self.held: list[int] = []
-        self.tokenizer = tokenizer  # (vLLM's frames of several ids: which of their last ones show no text yet)
-        self.recent: list[int] = []
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # (the request's: how its detokenizer shows them)
+        self.recent: list[int] = []  # the last ids made (a character may begin in an earlier frame)
 
     def take(self, text: str) -> tuple[str, list[int] | None, list[int]]:
-        """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer). A
-        frame of vLLM's generator with several ids (a client's own `stream_interval`, speculation) has its last ids
-        that show no text yet held as well (`pacing.unshown`, as decode/sse.py does for its own frames)."""
+        """`take_token_ids` of one frame, its ids held back while it shows no text (unless it ends the answer)."""
         text, prompt, tokens = take_token_ids(text, self.keep)
-        ended = _FINISHED in text
-        shows = ended or _SHOWS_TEXT.search(text) is not None
+        shows = _FINISHED in text or _SHOWS_TEXT.search(text) is not None
+        return text, prompt, self._release(tokens, shows, text)
+
+    def take_frame(self, frame: Frame) -> tuple[list[int] | None, list[int]]:
+        """The ids beside a frame decode/sse.py wrote (nothing to cut out of it), held back as `take` holds them."""
+        return frame.prompt_ids, self._release(frame.token_ids, frame.shows, frame)
+
+    def _release(self, tokens: list[int], shows: bool, text: str) -> list[int]:
+        """The ids to report with a frame of `tokens` whose SSE text is `text`."""
         unshown = 0
         if self.tokenizer is not None and tokens:
             self.recent += tokens
             del self.recent[:-16]
-            if len(tokens) > 1 and shows and not ended:
-                unshown = pacing.unshown(self.tokenizer, self.recent, len(tokens))
-        return text, prompt, self._release(tokens, shows, unshown)
-
-    def take_frame(self, frame: Frame) -> tuple[list[int] | None, list[int]]:
-        """The ids beside a frame decode/sse.py wrote (nothing to cut out of it), held back as `take` holds them."""
-        return frame.prompt_ids, self._release(frame.token_ids, frame.shows, frame.unshown)
-
-    def _release(self, tokens: list[int], shows: bool, unshown: int = 0) -> list[int]:
-        """The ids to report with a frame of `tokens`; `unshown`: its last ones whose text it does not show."""
+            if len(tokens) > 1 and shows and _FINISHED not in text:
+                unshown = pacing.unshown(self.tokenizer, self.recent, len(tokens), self.skip_special_tokens)
         if tokens and not shows:
             self.held.extend(tokens)
             return []

@@ -11,8 +11,8 @@ leaves the moment it is made. The interval is chosen when the request starts and
 own encoder paces (`decode.text_encoder: decode`, the default): with vLLM's generator every token is a frame.
 
 A frame of several tokens can end inside a character (byte-level BPE), its last tokens' text not shown yet:
-decode/sse.py reports those ids only with the frame that shows their text (decode/feed.py `ShownIds`), as it does
-for a frame of one such token.
+decode/feed.py `ShownIds` reports those ids only with the frame that shows their text (`unshown`), as it does for a
+frame of one such token.
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ class DecodeServer:
             self.parked[stream_id] = parked
             if held is not None:
                 self.holds[stream_id] = held
-        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked))
+        skip_special = body.get("skip_special_tokens", True) is not False  # (vLLM's default: skipped)
+        outbox.tasks[stream_id] = asyncio.create_task(self._pump(result, stream_id, ids, parked, skip_special))
         return {"replica": self.replica}
 
     async def release(self, *, request_id: str, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
@@ -182,10 +183,14 @@ class DecodeServer:
         stream_id: str,
         ids: IdsMode | None = None,
         parked: ParkedStream | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
-        """Engine output into the stream's outbox; `parked`: a preemptive answer's (see `start`)."""
+        """Engine output into the stream's outbox; `parked`: a preemptive answer's (see `start`);
+        `skip_special_tokens`: the request's (how its text shows them: `ShownIds`)."""
         error: dict[str, Any] | None = None
-        shown = ShownIds(keep=ids == "keep", tokenizer=self.engine.tokenizer) if ids is not None else None
+        shown = None
+        if ids is not None:
+            shown = ShownIds(ids == "keep", self.engine.tokenizer, skip_special_tokens)
         held = self.holds.get(stream_id)
         try:
             async for text in stream:

@@ -46,14 +46,11 @@ class Frame(str):
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []  # (never mutated: each frame gets its own list)
     shows: bool = False
-    unshown: int = 0  # the last ids whose text is not shown yet (a frame of several, decode/pacing.py)
 
 
-def _frame(
-    text: str, prompt: list[int] | None = None, tokens: list[int] | None = None, shows: bool = True, unshown: int = 0
-) -> Frame:
+def _frame(text: str, prompt: list[int] | None = None, tokens: list[int] | None = None, shows: bool = True) -> Frame:
     frame = Frame(text)
-    frame.prompt_ids, frame.token_ids, frame.shows, frame.unshown = prompt, tokens or [], shows, unshown
+    frame.prompt_ids, frame.token_ids, frame.shows = prompt, tokens or [], shows
     return frame
 
 
@@ -100,15 +97,7 @@ def install(serving: Any) -> None:
         if text_only(serving, request):
             pacing.apply()  # (under load: a few tokens a frame)
             return text_stream(
-                serving,
-                request,
-                result_generator,
-                request_id,
-                model_name,
-                request_metadata,
-                mm_token_counts,
-                IDS.get(),
-                tokenizer,
+                serving, request, result_generator, request_id, model_name, request_metadata, mm_token_counts, IDS.get()
             )
         return vllm_stream(
             request,
@@ -158,7 +147,6 @@ async def text_stream(
     request_metadata: Any,
     mm_token_counts: dict[str, int] | None,
     ids: IdsMode | None,
-    tokenizer: Any = None,
 ) -> AsyncGenerator[str, None]:
     """vLLM's `chat_completion_stream_generator` for a text-only request (`text_only`), frame for frame."""
     from vllm.entrypoints.openai.chat_completion import serving as chat
@@ -193,7 +181,6 @@ async def text_stream(
     first = True
     finished = False
     last: Any = None
-    recent: list[int] = []  # the last ids made (a frame of several may end inside a character: pacing.unshown)
     try:
         async for res in result_generator:
             last = res
@@ -220,8 +207,6 @@ async def text_stream(
                     continue
                 completion += len(tokens)
                 token_ids = tokens if with_ids else None
-                recent += tokens
-                del recent[:-16]
                 if output.finish_reason is None:
                     if template is None:
                         template = _content_template(with_ids, continuous, details)
@@ -235,10 +220,7 @@ async def text_stream(
                         *filled,
                         str(created),
                     )
-                    late = (
-                        pacing.unshown(tokenizer, recent, len(tokens)) if len(tokens) > 1 and text and tokenizer else 0
-                    )
-                    yield _frame(f"data: {data}\n\n", None, tokens, shows=bool(text), unshown=late)
+                    yield _frame(f"data: {data}\n\n", None, tokens, shows=bool(text))
                     continue
                 choice = ChatCompletionResponseStreamChoice(
                     index=0,
