@@ -176,6 +176,14 @@ def vllm_sse(app_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def serve_feed(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with decode's feeds as their Serve calls' items (`decode.feed: serve`), not over their direct
+    connection (decode/wire.py)."""
+    args = copy.deepcopy(app_args)
+    args.setdefault("decode", {})["feed"] = "serve"
+    return args
+
+
 def unpaced(app_args: dict[str, Any]) -> dict[str, Any]:
     """`app_args` with every token leaving decode the moment it is made, whatever the load (decode/pacing.py)."""
     args = copy.deepcopy(app_args)

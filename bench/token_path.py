@@ -53,6 +53,8 @@ SYSTEMS = {
     "app_vllm_sse": lambda app_args: systems.app(systems.vllm_sse(app_args)),
     # The app with each token leaving decode at once under load too (decode.pacing.min_streams: null).
     "app_unpaced": lambda app_args: systems.app(systems.unpaced(app_args)),
+    # The app with decode's feeds as Serve items (decode.feed: serve), not over their direct connection.
+    "app_serve_feed": lambda app_args: systems.app(systems.serve_feed(app_args)),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }

@@ -135,6 +135,10 @@ class DecodeConfig(RoleConfig):
     # bytes as vLLM's); "vllm": vLLM's own generator for every answer (three pydantic objects per token).
     text_encoder: Literal["decode", "vllm"] = "decode"
     pacing: PacingConfig = Field(default_factory=PacingConfig)  # tokens per frame under load
+    # How a decode replica's feed (decode/feed.py) reaches each router: "direct", its batches over a TCP connection
+    # the router opens to the replica's node (decode/wire.py; a router that cannot connect falls back by itself);
+    # "serve", as the items of the feed's Serve call (Serve's per-item cost, ~0.1-0.2 ms of CPU each).
+    feed: Literal["direct", "serve"] = "direct"
 
 
 class PreemptiveOptions(BaseModel):

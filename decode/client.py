@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from core.handles import MethodHandles
 from core.protocol import Endpoint
 from decode.feed import Batch, TokenIds
+from decode.wire import Address
 
 __all__ = ["Batch", "DecodeClient", "Started", "Stopped", "TokenIds"]
 
@@ -96,9 +97,10 @@ class DecodeClient:
         """Abort a stream (the client left): `{"tokens": n}`, what a preemptive answer had made."""
         return self._method("stop").remote(consumer=consumer, stream_id=stream_id, replica=replica)
 
-    def feed(self, *, consumer: str, replica: str) -> AsyncIterator[Batch]:
-        """Every frame of `consumer`'s streams on `replica`, one item per engine step (decode/feed.py)."""
-        return self._method("feed", stream=True).remote(consumer=consumer, replica=replica)
+    def feed(self, *, consumer: str, replica: str, direct: bool = False) -> AsyncIterator[Batch | Address]:
+        """Every frame of `consumer`'s streams on `replica`, one item per engine step (decode/feed.py); `direct`:
+        one item, where to read them from (decode/wire.py `batches`), unless the replica could not wait for it."""
+        return self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=direct)
 
     def check_health(self) -> Awaitable[None]:
         return self._method("check_health").remote()

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import ray
 from ray import serve
 
 from core import logs, metrics
@@ -24,8 +25,9 @@ from core.autoscaling import ACTIVE_STREAMS
 from core.config import AppConfig
 from core.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
 from decode import pacing, sse
-from decode.feed import Batch, Outbox, ShownIds
+from decode.feed import Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
+from decode.wire import Connection, Listener
 from engine.llm import Endpoint, Engine
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class DecodeServer:
         self._reaper = asyncio.create_task(self._reap())
         self._stats: dict[str, Any] = {}
         self._exporter = asyncio.create_task(self._export_stats())
+        self.listener = Listener(ray.util.get_node_ip_address())  # feeds' direct connections (decode/wire.py)
+        await self.listener.start()
 
     async def start(
         self,
@@ -230,15 +234,24 @@ class DecodeServer:
             finally:
                 self.routes.pop(stream_id).end(stream_id, error)  # whatever happens, the router learns it ended
 
-    async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
+    async def feed(self, *, consumer: str, replica: str, direct: bool = False) -> AsyncGenerator[Any, None]:
         """`consumer`'s frames from every one of its streams on this replica, for as long as it listens and
-        has streams here (an idle feed ends after FEED_IDLE_S; the router opens a new one when it needs it)."""
+        has streams here (an idle feed ends after FEED_IDLE_S; the router opens a new one when it needs it).
+        `direct`: the call's one item is where the router connects (decode/wire.py); the batches go there."""
         if replica != self.replica:  # routed elsewhere: the replica it wants is gone
             raise RuntimeError(f"decode replica {replica} is gone")
         outbox = self.outboxes.setdefault(consumer, Outbox())
         token = outbox.owner = object()
         idle_end = False
+        connection: Connection | None = None
         try:
+            if direct:
+                address = self.listener.expect()
+                yield address
+                if (connection := await self.listener.accept(address["ticket"])) is None:
+                    logger.warning("router %s did not connect to its feed: its batches go as items", consumer)
+                else:  # (the router left: this feed's streams stop, as when its call is cancelled)
+                    connection.on_lost = asyncio.current_task().cancel
             while outbox.owner is token:
                 try:
                     batch = await asyncio.wait_for(outbox.take(), FEED_IDLE_S)
@@ -250,8 +263,13 @@ class DecodeServer:
                 if outbox.owner is not token:  # a newer feed of this router took over: it delivers this
                     outbox.restore(batch)
                     return
-                yield batch
+                if connection is None:
+                    yield batch
+                else:
+                    await connection.send(batch)
         finally:
+            if connection is not None:
+                connection.close()  # (after the last batch: the router then reads how the call ended)
             if outbox.owner is token:
                 outbox.owner = None
                 if not idle_end:  # the router stopped listening (it left or died): nobody reads these streams
@@ -350,6 +368,8 @@ class DecodeServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        if (listener := getattr(self, "listener", None)) is not None:
+            listener.close()
         if (engine := getattr(self, "engine", None)) is not None:
             engine.shutdown()
 

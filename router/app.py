@@ -231,7 +231,7 @@ class Router:
         self.prefill = PrefillClient(prefill)
         self.decode = decode.options(_by_reference=False)
         replica_id = serve.get_replica_context().replica_id
-        self.feeds = Feeds(self.decode, replica_id.unique_id)
+        self.feeds = Feeds(self.decode, replica_id.unique_id, direct=self.config.decode.feed == "direct")
         # This replica's Ray actor name: the sessions whose client connection it holds (realtime, NDJSON) are
         # closed by their owners if it dies (prefill/session.py `orphaned`).
         self.replica_name = replica_id.to_full_id_str()

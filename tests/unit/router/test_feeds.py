@@ -47,6 +47,20 @@ class FakeCall:
         return result().__await__()
 
 
+class FakeStreamingCall:
+    """A streaming Serve call's response: iterated, or cancelled."""
+
+    def __init__(self, items: AsyncIterator[Any]) -> None:
+        self.items = items
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self.items
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class FakeDecode:
     """A decode deployment handle: `start` answers with its replica; `feed` yields what the test pushes."""
 
@@ -89,7 +103,7 @@ class FakeDecode:
                             raise batch
                         yield batch
 
-                return gen()
+                return FakeStreamingCall(gen())
 
         return Method()
 
@@ -153,7 +167,7 @@ def test_feeds_demultiplex_one_feed_into_each_requests_stream() -> None:
 
     got_a, got_b, decode = asyncio.run(run())
     assert "".join(got_a) == "A1A2" and "".join(got_b) == "B1B2"
-    assert len(decode.feeds) == 1 and decode.feeds[0] == {"consumer": "router-1", "replica": "d1"}  # one feed
+    assert len(decode.feeds) == 1 and decode.feeds[0] == {"consumer": "router-1", "replica": "d1", "direct": True}  # one feed
 
 
 def test_a_stream_ending_with_an_error_raises_it_even_a_stop_it_did_not_ask_for() -> None:

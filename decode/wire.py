@@ -1,0 +1,163 @@
+"""A feed's batches (decode/feed.py) over a TCP connection from the router, not as items of its Serve call.
+
+Each item of a Serve streaming call costs both processes Serve's per-item machinery: cloudpickle, gRPC's stream
+write and read, the handle's response generator. At one stream a feed item is one token, and that machinery was
+most of what the router and the decode replica spent per token (bench/results/token_path_direct_feed.md). So the
+Serve call keeps what it is good at, and carries no batch:
+- it places the feed on its replica, a draining replica waits for it, a dead replica fails it, and a router that
+  leaves cancels it (decode/server.py `feed`);
+- its one item is where to connect and a one-time ticket.
+
+The batches go over a connection the router opens with that ticket, each a 4-byte length and a msgpack body. NVIDIA
+Dynamo streams responses the same way: the request through its request plane, the answer over a TCP stream back to
+the frontend.
+
+    router                                      decode replica
+      feed(consumer, replica, direct=True) ───►  Address {host, port, ticket}: the call's one item
+      connect(host, port), the ticket ────────►  handed to the feed waiting for it
+      ◄──── [length][Batch] ... ───────────────  every batch, then closed when the feed ends
+      the call ends: how the feed ended (normally, or its error)
+
+A router that cannot connect within CONNECT_S (a network policy between pods) gets the batches as the call's items,
+as before; so does one that does not ask (`decode.feed: serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypedDict
+
+import msgspec
+
+from decode.feed import Batch
+
+logger = logging.getLogger(__name__)
+CONNECT_S = 2.0  # a router connects within this, or the feed's batches go as the call's items
+_TICKET_BYTES = 32  # (hex of 16 random bytes)
+_HEADER = 4
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(
+    tuple[dict[str, str], dict[str, dict[str, Any] | None], dict[str, tuple[list[int] | None, list[int]]]]
+)
+
+
+class Address(TypedDict):
+    """Where a feed's batches come from: the Serve call's one item when it goes direct."""
+
+    host: str
+    port: int
+    ticket: str
+
+
+def is_address(item: Any) -> bool:
+    return isinstance(item, dict) and "ticket" in item
+
+
+def pack(batch: Batch) -> bytearray:
+    """A batch as it goes on the wire: its length, then msgpack (encoded in place behind the header)."""
+    buffer = bytearray(_HEADER)
+    _ENCODER.encode_into(batch, buffer, _HEADER)
+    buffer[:_HEADER] = (len(buffer) - _HEADER).to_bytes(_HEADER, "big")
+    return buffer
+
+
+class Connection:
+    """A router's connection, as the feed that writes to it sees it. The router sends nothing after its ticket, so
+    the end of what it sends is its end of the connection closing: `on_lost` is called then (the router left)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.on_lost: Callable[[], Any] | None = None
+        self._watch = asyncio.ensure_future(self._watch_for_end(reader))
+
+    async def _watch_for_end(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(Exception):
+            while await reader.read(4096):
+                pass
+        if self.on_lost is not None:
+            self.on_lost()
+
+    async def send(self, batch: Batch) -> None:
+        """Raises ConnectionError once the router is gone (its end closed the connection)."""
+        if self.writer.is_closing():
+            raise ConnectionResetError("the router closed the feed's connection")
+        self.writer.write(pack(batch))
+        await self.writer.drain()  # (returns at once unless the router lags: then the outbox gathers the steps)
+
+    def close(self) -> None:
+        self.on_lost = None  # (closed here: nobody left)
+        self._watch.cancel()
+        self.writer.close()
+
+
+class Listener:
+    """A decode replica's port for its feeds' connections: one connection per feed, matched by its ticket."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._waiting: dict[str, asyncio.Future[Connection]] = {}
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._connected, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def expect(self) -> Address:
+        """A ticket for one connection, and where to bring it."""
+        ticket = secrets.token_hex(_TICKET_BYTES // 2)
+        self._waiting[ticket] = asyncio.get_running_loop().create_future()
+        return Address(host=self.host, port=self.port, ticket=ticket)
+
+    async def accept(self, ticket: str, timeout: float = CONNECT_S) -> Connection | None:
+        """The connection that brought `ticket`, or None if none came within `timeout`."""
+        try:
+            return await asyncio.wait_for(self._waiting[ticket], timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._waiting.pop(ticket, None)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            ticket = (await asyncio.wait_for(reader.readexactly(_TICKET_BYTES), CONNECT_S)).decode("ascii", "replace")
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        waiting = self._waiting.get(ticket)
+        if waiting is None or waiting.done():  # (no feed expects it: a stale or forged ticket)
+            logger.warning("a feed connection from %s brought an unknown ticket", writer.get_extra_info("peername"))
+            writer.close()
+            return
+        waiting.set_result(Connection(reader, writer))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+
+async def connect(address: Address, timeout: float = CONNECT_S) -> AsyncGenerator[Batch, None]:
+    """The router's side: the batches on a new connection to `address`, until the feed closes it. Raises OSError
+    (or TimeoutError) if it cannot connect; iterating raises IncompleteReadError or OSError if the connection
+    breaks mid-batch."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(address["host"], address["port"]), timeout)
+    writer.write(address["ticket"].encode("ascii"))
+    return _batches(reader, writer)
+
+
+async def _batches(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AsyncGenerator[Batch, None]:
+    try:
+        while True:
+            try:
+                header = await reader.readexactly(_HEADER)
+            except asyncio.IncompleteReadError as e:
+                if e.partial:
+                    raise
+                return  # closed between batches: the feed ended (its call says how)
+            yield _DECODER.decode(await reader.readexactly(int.from_bytes(header, "big")))
+    finally:
+        writer.close()
