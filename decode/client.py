@@ -2,22 +2,28 @@
 replicas (decode/server.py), with typed arguments.
 
 Calls go by value over gRPC, each method's Serve handle made once (core/handles.py). A `replica` argument pins a
-call to that replica (router/placement.py); `avoid` and `prefer` steer a new stream away from or towards one.
+call to that replica (router/placement.py); `avoid` and `prefer` steer a new stream away from or towards one. A
+feed's batches come over a connection of their own (decode/wire.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypedDict
 
 from ray.serve.handle import DeploymentHandle
 
 from core.handles import MethodHandles
 from core.protocol import Endpoint
+from decode import wire
 from decode.feed import Batch, TokenIds
-from decode.wire import Address
 
 __all__ = ["Batch", "DecodeClient", "Started", "Stopped", "TokenIds"]
+logger = logging.getLogger(__name__)
+FEED_END_S = 10.0  # a feed's call ends within this once its connection closed (decode/wire.py), or it failed
 
 
 class Started(TypedDict, total=False):
@@ -39,8 +45,9 @@ class Stopped(TypedDict, total=False):
 class DecodeClient:
     """Each call returns what its handle returns (awaitable); `feed` an async iterator of batches."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, direct: bool = True) -> None:
         self._method = MethodHandles(handle)
+        self.direct = direct  # feeds' batches over their own connection (decode/wire.py), not the call's items
 
     def start(
         self,
@@ -97,10 +104,38 @@ class DecodeClient:
         """Abort a stream (the client left): `{"tokens": n}`, what a preemptive answer had made."""
         return self._method("stop").remote(consumer=consumer, stream_id=stream_id, replica=replica)
 
-    def feed(self, *, consumer: str, replica: str, direct: bool = False) -> AsyncIterator[Batch | Address]:
-        """Every frame of `consumer`'s streams on `replica`, one item per engine step (decode/feed.py); `direct`:
-        one item, where to read them from (decode/wire.py `batches`), unless the replica could not wait for it."""
-        return self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=direct)
+    async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
+        """Every frame of `consumer`'s streams on `replica`, one batch per engine step (decode/feed.py): over the
+        feed's own connection when the replica gives one (decode/wire.py), else as the call's items. Ends when the
+        call ends; raises what it raises. A router that cannot connect asks for items from then on."""
+        call = self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=self.direct)
+        items, ended = aiter(call), False
+        after: asyncio.Future[Any] | None = None  # the call's end, awaited while the batches come directly
+        try:
+            while True:
+                try:
+                    item = await (asyncio.wait_for(after, FEED_END_S) if after is not None else anext(items))
+                except StopAsyncIteration:
+                    ended = True
+                    return
+                if not wire.is_address(item):
+                    yield item
+                    continue
+                try:
+                    connection = await wire.connect(item)
+                except (OSError, TimeoutError) as e:  # (the replica sends the batches as items instead)
+                    logger.warning("no connection to decode replica %s (%s): its feed goes via Serve", replica, e)
+                    self.direct = False
+                    continue
+                after = asyncio.ensure_future(anext(items))  # (the replica's generator goes on meanwhile)
+                async with contextlib.aclosing(connection):
+                    async for batch in connection:
+                        yield batch
+        finally:
+            if not ended:
+                if after is not None:
+                    after.cancel()
+                call.cancel()  # (its reader stopped, or the connection broke: decode ends the feed's streams)
 
     def check_health(self) -> Awaitable[None]:
         return self._method("check_health").remote()

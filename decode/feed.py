@@ -139,9 +139,27 @@ class Outbox:
         self.tasks.pop(stream_id, None)
         self.ready.set()
 
-    async def take(self) -> Batch:
-        """Everything ready now (waits until something is)."""
-        while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
+    async def take(self, idle_s: float | None = None) -> Batch | None:
+        """Everything ready now (waits until something is); None if nothing came within `idle_s`. (A timer, not
+        `asyncio.wait_for`, which makes a task per call: this is every engine step's path.)"""
+        if not (self.frames or self.ended) and idle_s is not None:
+            expired = False
+
+            def expire() -> None:
+                nonlocal expired
+                expired = True
+                self.ready.set()
+
+            timer = asyncio.get_running_loop().call_later(idle_s, expire)
+            try:
+                while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
+                    await self.ready.wait()
+                    self.ready.clear()
+                    if expired and not (self.frames or self.ended):
+                        return None
+            finally:
+                timer.cancel()
+        while not (self.frames or self.ended):
             await self.ready.wait()
             self.ready.clear()
         self.ready.clear()

@@ -253,9 +253,7 @@ class DecodeServer:
                 else:  # (the router left: this feed's streams stop, as when its call is cancelled)
                     connection.on_lost = asyncio.current_task().cancel
             while outbox.owner is token:
-                try:
-                    batch = await asyncio.wait_for(outbox.take(), FEED_IDLE_S)
-                except TimeoutError:
+                if (batch := await outbox.take(FEED_IDLE_S)) is None:
                     if outbox.idle:
                         idle_end = True
                         return

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ray.exceptions import RayActorError
@@ -25,15 +25,13 @@ from ray.serve.handle import DeploymentHandle
 from core import metrics
 from core.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
 from core.tasks import detached
-from decode import wire
-from decode.client import Batch, DecodeClient, TokenIds
+from decode.client import DecodeClient, TokenIds
 from router.streams import resume
 
 logger = logging.getLogger(__name__)
 START_ATTEMPTS = 3  # a start whose replica died (or whose engine did) goes to another replica, this many times
 START_RETRY_S = 0.5  # doubled each time: Serve learns of a dead replica from the failed call itself
 MAX_BACKLOG_BYTES = 4 * 2**20  # frames waiting for a client whose transport stays paused, before it is ended
-FEED_END_S = 10.0  # a feed's call ends within this once its connection closed (decode/wire.py), or it failed
 
 
 class Sink(Protocol):
@@ -156,9 +154,8 @@ class DecodeStream:
 
 class Feeds:
     def __init__(self, decode: DeploymentHandle, consumer: str, direct: bool = True) -> None:
-        self.decode = DecodeClient(decode)
+        self.decode = DecodeClient(decode, direct)  # (`direct`: feeds over their own connection, decode/wire.py)
         self.consumer = consumer
-        self.direct = direct  # batches over a connection to the decode replica (decode/wire.py), not Serve items
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
         # Session id -> the reader holding its preemptive answer (router/sessions/provisional.py).
@@ -364,7 +361,7 @@ class Feeds:
         error: dict[str, Any] | None = None
         cancelled = False
         try:
-            async with contextlib.aclosing(self._batches(replica)) as batches:
+            async with contextlib.aclosing(self.decode.feed(consumer=self.consumer, replica=replica)) as batches:
                 async for batch in batches:
                     frames, ended, ids = batch if len(batch) == 3 else (*batch, {})
                     for stream_id, text in frames.items():
@@ -391,38 +388,6 @@ class Feeds:
                 for stream_id, stream in mine:
                     self.streams.pop(stream_id, None)
                     stream.queue.put_nowait(_End(error))
-
-    async def _batches(self, replica: str) -> AsyncGenerator[Batch, None]:
-        """The batches of this router's feed from `replica`: over their direct connection when the replica gives
-        one (decode/wire.py), else as the call's items. Ends when the call ends; raises what it raises."""
-        feed = self.decode.feed(consumer=self.consumer, replica=replica, direct=self.direct)
-        items, ended = aiter(feed), False
-        after: asyncio.Future[Any] | None = None  # the call's next item, read while the batches come directly
-        try:
-            while True:
-                try:
-                    item = await (asyncio.wait_for(after, FEED_END_S) if after is not None else anext(items))
-                except StopAsyncIteration:
-                    ended = True
-                    return
-                if not wire.is_address(item):
-                    yield item
-                    continue
-                try:
-                    connection = await wire.connect(item)
-                except (OSError, TimeoutError) as e:  # (the replica sends the batches as items instead)
-                    logger.warning("no connection to decode replica %s (%s): its feed goes via Serve", replica, e)
-                    self.direct = False
-                    continue
-                after = asyncio.ensure_future(anext(items))  # (its end; the replica's generator goes on meanwhile)
-                async with contextlib.aclosing(connection):
-                    async for batch in connection:
-                        yield batch
-        finally:
-            if not ended:
-                if after is not None:
-                    after.cancel()
-                feed.cancel()  # (this router stopped reading, or the connection broke: decode ends the feed's streams)
 
     def stop(self, stream: DecodeStream) -> None:
         """Abort the stream's request on decode (detached: its client's request is being cancelled)."""

@@ -77,7 +77,7 @@ def test_a_streams_frames_reach_its_router_over_the_direct_connection_and_its_en
         outbox.end("s1")
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(stream.__anext__(), 2)
-        direct = feeds.direct and handle.calls[0].cancelled is False
+        direct = feeds.decode.direct and handle.calls[0].cancelled is False
         progress = {"prompt": stream.progress.prompt, "generated": stream.progress.generated}
         server.listener.close()
         feeds.readers["d1"].cancel()
@@ -107,7 +107,7 @@ def test_a_router_that_cannot_connect_gets_the_batches_as_the_calls_items(monkey
         for task in server.outboxes["r"].tasks.values():
             task.cancel()
         feeds.readers["d1"].cancel()
-        return text, feeds.direct
+        return text, feeds.decode.direct
 
     text, direct = asyncio.run(run())
     assert text == "data: late\n\n"

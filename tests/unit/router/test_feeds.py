@@ -34,6 +34,20 @@ def test_outbox_hands_over_everything_ready_in_one_item() -> None:
     assert blocked is False  # nothing ready: the feed waits, it does not spin
 
 
+def test_an_outbox_take_with_an_idle_limit_gives_none_only_when_nothing_came() -> None:
+    async def run() -> list[Any]:
+        box = Outbox()
+        nothing = await box.take(0.05)
+        later = asyncio.ensure_future(box.take(5))
+        await asyncio.sleep(0.01)
+        box.put("a", "data: 1\n\n")
+        return [nothing, await asyncio.wait_for(later, 1)]
+
+    nothing, got = asyncio.run(run())
+    assert nothing is None
+    assert got == ({"a": "data: 1\n\n"}, {}, {})
+
+
 class FakeCall:
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -167,7 +181,11 @@ def test_feeds_demultiplex_one_feed_into_each_requests_stream() -> None:
 
     got_a, got_b, decode = asyncio.run(run())
     assert "".join(got_a) == "A1A2" and "".join(got_b) == "B1B2"
-    assert len(decode.feeds) == 1 and decode.feeds[0] == {"consumer": "router-1", "replica": "d1", "direct": True}  # one feed
+    assert len(decode.feeds) == 1 and decode.feeds[0] == {
+        "consumer": "router-1",
+        "replica": "d1",
+        "direct": True,
+    }  # one feed
 
 
 def test_a_stream_ending_with_an_error_raises_it_even_a_stop_it_did_not_ask_for() -> None:

@@ -18,6 +18,7 @@ from core.protocol import parse_sse
 from decode.feed import Outbox, take_token_ids
 from router.streams import resume
 from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
+from tests.unit.router.test_feeds import FakeStreamingCall
 
 # Frames as vLLM 0.32 writes them with `return_token_ids` (and, below, without: `null`).
 CHAT_ROLE = (
@@ -248,7 +249,7 @@ class Pool:
         self.started.append(kwargs)
         return FakeCall(self.starts.pop(0))
 
-    def _feed(self, *, consumer: str, replica: str) -> AsyncIterator[Any]:
+    def _feed(self, *, consumer: str, replica: str, direct: bool = False) -> FakeStreamingCall:
         async def gen() -> AsyncIterator[Any]:
             while True:
                 batch = await self.queue(replica).get()
@@ -256,7 +257,7 @@ class Pool:
                     raise batch
                 yield batch
 
-        return gen()
+        return FakeStreamingCall(gen())  # (its batches as the call's items, as a replica that could not wait)
 
 
 def batch(stream_id: str, text: str, ended: bool = False) -> Any:
