@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypedDict
@@ -48,6 +49,7 @@ class DecodeClient:
     def __init__(self, handle: DeploymentHandle, direct: bool = True) -> None:
         self._method = MethodHandles(handle)
         self.direct = direct  # feeds' batches over their own connection (decode/wire.py), not the call's items
+        self.unreachable: set[str] = set()  # replicas this router could not connect to: their feeds go via Serve
 
     def start(
         self,
@@ -107,14 +109,18 @@ class DecodeClient:
     async def feed(self, *, consumer: str, replica: str) -> AsyncGenerator[Batch, None]:
         """Every frame of `consumer`'s streams on `replica`, one batch per engine step (decode/feed.py): over the
         feed's own connection when the replica gives one (decode/wire.py), else as the call's items. Ends when the
-        call ends; raises what it raises. A router that cannot connect asks for items from then on."""
-        call = self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=self.direct)
+        call ends; raises what it raises. A replica this router cannot connect to gets asked for items from then on."""
+        direct = self.direct and replica not in self.unreachable
+        call = self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=direct)
         items, ended = aiter(call), False
-        after: asyncio.Future[Any] | None = None  # the call's end, awaited while the batches come directly
+        end: asyncio.Future[Any] | None = None  # the call's next item, awaited while the batches come directly
         try:
             while True:
                 try:
-                    item = await (asyncio.wait_for(after, FEED_END_S) if after is not None else anext(items))
+                    if end is None:
+                        item = await anext(items)
+                    else:  # (the connection closed: the call says how the feed ended)
+                        item, end = await asyncio.wait_for(end, FEED_END_S), None
                 except StopAsyncIteration:
                     ended = True
                     return
@@ -123,19 +129,32 @@ class DecodeClient:
                     continue
                 try:
                     connection = await wire.connect(item)
-                except (OSError, TimeoutError) as e:  # (the replica sends the batches as items instead)
-                    logger.warning("no connection to decode replica %s (%s): its feed goes via Serve", replica, e)
-                    self.direct = False
+                except (OSError, TimeoutError) as e:
+                    connection, why = None, str(e) or type(e).__name__
+                else:
+                    why = "it stopped waiting"
+                if connection is None:  # (the replica sends the batches as the call's items instead)
+                    logger.warning("no connection to decode replica %s (%s): its feed goes via Serve", replica, why)
+                    self.unreachable.add(replica)
                     continue
-                after = asyncio.ensure_future(anext(items))  # (the replica's generator goes on meanwhile)
-                async with contextlib.aclosing(connection):
-                    async for batch in connection:
+                end = asyncio.ensure_future(anext(items))  # (the replica's generator goes on meanwhile)
+                # The call failing (the replica is gone) cuts the connection: a read never outlives its replica.
+                end.add_done_callback(functools.partial(_cut_if_failed, connection))
+                async with contextlib.aclosing(aiter(connection)) as batches:
+                    async for batch in batches:
                         yield batch
         finally:
             if not ended:
-                if after is not None:
-                    after.cancel()
+                if end is not None:
+                    end.cancel()
                 call.cancel()  # (its reader stopped, or the connection broke: decode ends the feed's streams)
 
     def check_health(self) -> Awaitable[None]:
         return self._method("check_health").remote()
+
+
+def _cut_if_failed(connection: wire.Feed, end: asyncio.Future[Any]) -> None:
+    """A feed's call ended while its connection is read: if it failed (not its end: StopAsyncIteration), the replica
+    is gone, and so is what the connection would still carry."""
+    if not end.cancelled() and not isinstance(end.exception(), StopAsyncIteration | type(None)):
+        connection.abort()

@@ -27,7 +27,7 @@ from core.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_statu
 from decode import pacing, sse
 from decode.feed import Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
-from decode.wire import Connection, Listener
+from decode.wire import Address, Connection, Listener, direct_allowed
 from engine.llm import Endpoint, Engine
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,9 @@ class DecodeServer:
         token = outbox.owner = object()
         idle_end = False
         connection: Connection | None = None
+        address: Address | None = None
         try:
-            if direct:
+            if direct and direct_allowed():
                 address = self.listener.expect()
                 yield address
                 if (connection := await self.listener.accept(address["ticket"])) is None:
@@ -266,6 +267,8 @@ class DecodeServer:
                 else:
                     await connection.send(batch)
         finally:
+            if address is not None:
+                self.listener.forget(address["ticket"])  # (closed before it came: Serve cancelled the call)
             if connection is not None:
                 connection.close()  # (after the last batch: the router then reads how the call ended)
             if outbox.owner is token:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import socket
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypedDict
 
@@ -36,9 +38,13 @@ import msgspec
 from decode.feed import Batch
 
 logger = logging.getLogger(__name__)
-CONNECT_S = 2.0  # a router connects within this, or the feed's batches go as the call's items
+CONNECT_S = 2.0  # a router connects and is accepted within this, or asks for the batches as the call's items
+ACCEPT_S = 5.0  # a feed waits this long for its router (longer: a router still trying is never refused)
 _TICKET_BYTES = 32  # (hex of 16 random bytes)
 _HEADER = 4
+_ACCEPTED = b"\x01"  # the replica's answer to a ticket it was waiting for (EOF instead: refused)
+# A peer gone without a word (its node lost) is noticed in ~25 s, not TCP's ~15 min of retransmits.
+_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(
     tuple[dict[str, str], dict[str, dict[str, Any] | None], dict[str, tuple[list[int] | None, list[int]]]]
@@ -57,6 +63,23 @@ def is_address(item: Any) -> bool:
     return isinstance(item, dict) and "ticket" in item
 
 
+def direct_allowed() -> bool:
+    """Ray's TLS (`RAY_USE_TLS`) encrypts its own traffic, Serve calls included; this connection is plain TCP, so
+    with TLS on the batches stay the call's items."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true")
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE.items():
+            if hasattr(socket, name):  # (Linux)
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def pack(batch: Batch) -> bytearray:
     """A batch as it goes on the wire: its length, then msgpack (encoded in place behind the header)."""
     buffer = bytearray(_HEADER)
@@ -72,6 +95,7 @@ class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.on_lost: Callable[[], Any] | None = None
+        self.taken = False  # (a feed took it: `Listener.forget` leaves it alone)
         self._watch = asyncio.ensure_future(self._watch_for_end(reader))
 
     async def _watch_for_end(self, reader: asyncio.StreamReader) -> None:
@@ -113,14 +137,28 @@ class Listener:
         self._waiting[ticket] = asyncio.get_running_loop().create_future()
         return Address(host=self.host, port=self.port, ticket=ticket)
 
-    async def accept(self, ticket: str, timeout: float = CONNECT_S) -> Connection | None:
-        """The connection that brought `ticket`, or None if none came within `timeout`."""
+    async def accept(self, ticket: str, timeout: float | None = None) -> Connection | None:
+        """The connection that brought `ticket`, or None if none came within `timeout` (ACCEPT_S)."""
+        waiting = self._waiting[ticket]
         try:
-            return await asyncio.wait_for(self._waiting[ticket], timeout)
-        except TimeoutError:
-            return None
+            done, _ = await asyncio.wait({waiting}, timeout=ACCEPT_S if timeout is None else timeout)
+            if not done:
+                return None
+            connection = waiting.result()
+            connection.taken = True
+            return connection  # (a cancel while waiting raises in `wait`, and is not lost)
         finally:
-            self._waiting.pop(ticket, None)
+            self.forget(ticket)
+
+    def forget(self, ticket: str) -> None:
+        """No feed waits for `ticket` any more; a connection it brought that nobody took is closed."""
+        waiting = self._waiting.pop(ticket, None)
+        if waiting is None:
+            return
+        if not waiting.done():
+            waiting.cancel()
+        elif not waiting.result().taken:
+            waiting.result().close()
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -129,10 +167,12 @@ class Listener:
             writer.close()
             return
         waiting = self._waiting.get(ticket)
-        if waiting is None or waiting.done():  # (no feed expects it: a stale or forged ticket)
-            logger.warning("a feed connection from %s brought an unknown ticket", writer.get_extra_info("peername"))
+        if waiting is None or waiting.done():  # (no feed expects it: late, stale or forged; the router falls back)
+            logger.debug("a feed connection from %s: no feed waits for its ticket", writer.get_extra_info("peername"))
             writer.close()
             return
+        _keepalive(writer)
+        writer.write(_ACCEPTED)
         waiting.set_result(Connection(reader, writer))
 
     def close(self) -> None:
@@ -140,24 +180,44 @@ class Listener:
             self._server.close()
 
 
-async def connect(address: Address, timeout: float = CONNECT_S) -> AsyncGenerator[Batch, None]:
-    """The router's side: the batches on a new connection to `address`, until the feed closes it. Raises OSError
-    (or TimeoutError) if it cannot connect; iterating raises IncompleteReadError or OSError if the connection
-    breaks mid-batch."""
+class Feed:
+    """The router's side of one feed's connection: async-iterate its batches until the replica closes it."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    def abort(self) -> None:
+        """Cut the connection (its call failed: the replica is gone); a read in progress ends at once."""
+        self.writer.transport.abort()
+
+    async def __aiter__(self) -> AsyncGenerator[Batch, None]:
+        try:
+            while True:
+                try:
+                    header = await self.reader.readexactly(_HEADER)
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        raise
+                    return  # closed between batches: the feed ended (its call says how)
+                yield _DECODER.decode(await self.reader.readexactly(int.from_bytes(header, "big")))
+        finally:
+            self.writer.close()
+
+
+async def connect(address: Address, timeout: float | None = None) -> Feed | None:
+    """A connection to `address`, accepted by its replica; None if the replica refused the ticket (its feed stopped
+    waiting: it sends the batches as items). Raises OSError or TimeoutError if it cannot connect within `timeout`
+    (CONNECT_S)."""
+    timeout = CONNECT_S if timeout is None else timeout
     reader, writer = await asyncio.wait_for(asyncio.open_connection(address["host"], address["port"]), timeout)
-    writer.write(address["ticket"].encode("ascii"))
-    return _batches(reader, writer)
-
-
-async def _batches(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AsyncGenerator[Batch, None]:
     try:
-        while True:
-            try:
-                header = await reader.readexactly(_HEADER)
-            except asyncio.IncompleteReadError as e:
-                if e.partial:
-                    raise
-                return  # closed between batches: the feed ended (its call says how)
-            yield _DECODER.decode(await reader.readexactly(int.from_bytes(header, "big")))
-    finally:
+        _keepalive(writer)
+        writer.write(address["ticket"].encode("ascii"))
+        accepted = await asyncio.wait_for(reader.read(len(_ACCEPTED)), timeout)
+    except BaseException:
         writer.close()
+        raise
+    if accepted != _ACCEPTED:
+        writer.close()
+        return None
+    return Feed(reader, writer)

@@ -19,6 +19,33 @@ def _server_with_listener() -> Any:
     return server
 
 
+class EagerCall(FakeStreamingCall):
+    """A streaming Serve call as Serve runs it: the replica's generator goes on whether or not the caller reads."""
+
+    def __init__(self, generator: Any) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.pump = asyncio.ensure_future(self._pump(generator))
+        super().__init__(self._items())
+
+    async def _pump(self, generator: Any) -> None:
+        try:
+            async for item in generator:
+                self.queue.put_nowait(item)
+            self.queue.put_nowait(StopAsyncIteration())
+        except BaseException as e:
+            self.queue.put_nowait(e)
+
+    async def _items(self) -> Any:
+        while not isinstance(item := await self.queue.get(), StopAsyncIteration):
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.pump.cancel()
+
+
 class ServerHandle:
     """A decode handle whose `feed` runs the decode replica's own feed generator (and `start` starts nothing)."""
 
@@ -35,7 +62,7 @@ class ServerHandle:
 
         class Method:
             def remote(self, **kwargs: Any) -> FakeStreamingCall:
-                outer.calls.append(FakeStreamingCall(outer.server.feed(**kwargs)))
+                outer.calls.append(EagerCall(outer.server.feed(**kwargs)))
                 return outer.calls[-1]
 
         return Method()
@@ -77,7 +104,8 @@ def test_a_streams_frames_reach_its_router_over_the_direct_connection_and_its_en
         outbox.end("s1")
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(stream.__anext__(), 2)
-        direct = feeds.decode.direct and handle.calls[0].cancelled is False
+        direct = not feeds.decode.unreachable and handle.calls[0].cancelled is False
+        direct = direct and handle.calls[0].queue.empty()  # (the call's one item was the address)
         progress = {"prompt": stream.progress.prompt, "generated": stream.progress.generated}
         server.listener.close()
         feeds.readers["d1"].cancel()
@@ -90,7 +118,7 @@ def test_a_streams_frames_reach_its_router_over_the_direct_connection_and_its_en
 
 
 def test_a_router_that_cannot_connect_gets_the_batches_as_the_calls_items(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "CONNECT_S", 0.3)
+    monkeypatch.setattr(wire, "ACCEPT_S", 0.3)
 
     async def run() -> tuple[str, bool]:
         server = _server_with_listener()
@@ -107,11 +135,11 @@ def test_a_router_that_cannot_connect_gets_the_batches_as_the_calls_items(monkey
         for task in server.outboxes["r"].tasks.values():
             task.cancel()
         feeds.readers["d1"].cancel()
-        return text, feeds.decode.direct
+        return text, feeds.decode.unreachable
 
-    text, direct = asyncio.run(run())
+    text, unreachable = asyncio.run(run())
     assert text == "data: late\n\n"
-    assert direct is False  # (this router's next feeds ask for Serve items from the start)
+    assert unreachable == {"d1"}  # (this router's next feeds from d1 ask for Serve items from the start)
 
 
 def test_a_connection_without_a_ticket_the_replica_gave_is_closed() -> None:
@@ -139,11 +167,13 @@ def test_a_router_that_drops_its_connection_ends_its_streams_on_decode() -> None
         address = await feed.__anext__()
         rest = asyncio.ensure_future(feed.__anext__())
         connection = await wire.connect(address)
+        assert connection is not None
+        batches = aiter(connection)
         outbox = server.outboxes["r"]
         task = outbox.tasks["s1"] = asyncio.ensure_future(asyncio.sleep(60))
         outbox.put("s1", "data: 1\n\n")
-        assert (await asyncio.wait_for(connection.__anext__(), 2))[0] == {"s1": "data: 1\n\n"}
-        await connection.aclose()  # the router's end closes, with nothing more to send
+        assert (await asyncio.wait_for(anext(batches), 2))[0] == {"s1": "data: 1\n\n"}
+        connection.writer.close()  # the router's end closes, with nothing more to send
         with pytest.raises(asyncio.CancelledError):  # (decode ends the feed as when its call is cancelled)
             await asyncio.wait_for(rest, 2)
         await asyncio.sleep(0)
@@ -159,3 +189,98 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_router_that_connects_after_its_feed_stopped_waiting_gets_each_batch_once_as_items(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its ticket is refused (the replica sends the batches as the call's items by then): the router reads those,
+    each once, and the feed ends as it should."""
+    monkeypatch.setattr(wire, "ACCEPT_S", 0.05)
+    connect = wire.connect
+
+    async def late(address: Any, timeout: float | None = None) -> Any:
+        await asyncio.sleep(0.3)
+        return await connect(address, timeout)
+
+    monkeypatch.setattr(wire, "connect", late)
+
+    async def run() -> tuple[list[str], set[str]]:
+        server = _server_with_listener()
+        await server.listener.start()
+        feeds = Feeds(ServerHandle(server), "r")  # type: ignore[arg-type]
+        stream = await _open_stream(feeds, server, "s1")
+        outbox = server.outboxes["r"]
+        outbox.put("s1", "data: 1\n\n")
+        outbox.put("s1", "data: 2\n\n")
+        await asyncio.sleep(0.5)
+        outbox.tasks.pop("s1").cancel()
+        outbox.end("s1")
+        got = [text async for text in stream]
+        server.listener.close()
+        feeds.readers["d1"].cancel()
+        return got, feeds.decode.unreachable
+
+    got, unreachable = asyncio.run(run())
+    assert "".join(got) == "data: 1\n\ndata: 2\n\n"
+    assert unreachable == {"d1"}
+
+
+def test_a_feed_whose_call_fails_while_its_connection_stays_open_fails_at_once() -> None:
+    """The replica is gone (Ray says so: the call fails) but no FIN came (its node is lost): the router does not
+    wait on the silent connection; the feed fails, and its streams are resumed elsewhere."""
+
+    async def run() -> float:
+        listener = wire.Listener("127.0.0.1")
+        await listener.start()
+        address = listener.expect()
+        gone = asyncio.Event()
+
+        async def items() -> Any:
+            yield address
+            await gone.wait()
+            raise RuntimeError("the actor died")
+
+        class Handle:
+            def options(self, **_: Any) -> Any:
+                return self
+
+            @property
+            def feed(self) -> Any:
+                class Method:
+                    def remote(self, **_: Any) -> FakeStreamingCall:
+                        return FakeStreamingCall(items())
+
+                return Method()
+
+        from decode.client import DecodeClient
+
+        feed = DecodeClient(Handle()).feed(consumer="r", replica="d1")  # type: ignore[arg-type]
+        reading = asyncio.ensure_future(anext(feed))
+        connection = await listener.accept(address["ticket"])  # (kept open, silent)
+        await asyncio.sleep(0.1)
+        started = asyncio.get_running_loop().time()
+        gone.set()
+        with pytest.raises(Exception) as failed:
+            await asyncio.wait_for(reading, 2)
+        assert not isinstance(failed.value, TimeoutError)
+        elapsed = asyncio.get_running_loop().time() - started
+        assert connection is not None
+        connection.close()
+        listener.close()
+        return elapsed
+
+    assert asyncio.run(run()) < 1
+
+
+def test_a_feed_closed_before_its_router_connects_forgets_its_ticket() -> None:
+    async def run() -> dict[str, Any]:
+        server = _server_with_listener()
+        await server.listener.start()
+        feed = server.feed(consumer="r", replica="d1", direct=True)
+        await feed.__anext__()
+        await feed.aclose()  # (Serve cancelled the call at its first item)
+        server.listener.close()
+        return server.listener._waiting
+
+    assert asyncio.run(run()) == {}
