@@ -137,7 +137,9 @@ class DecodeConfig(RoleConfig):
     pacing: PacingConfig = Field(default_factory=PacingConfig)  # tokens per frame under load
     # How a decode replica's feed (decode/feed.py) reaches each router: "direct", its batches over a TCP connection
     # the router opens to the replica's node (decode/wire.py; a router that cannot connect falls back by itself);
-    # "serve", as the items of the feed's Serve call (Serve's per-item cost, ~0.1-0.2 ms of CPU each).
+    # "serve", as the items of the feed's Serve call (Serve's per-item cost, ~0.1-0.2 ms of CPU each). Ray's TLS on:
+    # always "serve". Upgrading from a version without this setting: roll out with "serve" (older decode replicas
+    # refuse the new argument), then "direct".
     feed: Literal["direct", "serve"] = "direct"
 
 

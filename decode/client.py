@@ -111,7 +111,8 @@ class DecodeClient:
         feed's own connection when the replica gives one (decode/wire.py), else as the call's items. Ends when the
         call ends; raises what it raises. A replica this router cannot connect to gets asked for items from then on."""
         direct = self.direct and replica not in self.unreachable
-        call = self._method("feed", stream=True).remote(consumer=consumer, replica=replica, direct=direct)
+        more = {"direct": True} if direct else {}  # (not sent otherwise: a replica older than it takes the call)
+        call = self._method("feed", stream=True).remote(consumer=consumer, replica=replica, **more)
         items, ended = aiter(call), False
         end: asyncio.Future[Any] | None = None  # the call's next item, awaited while the batches come directly
         try:
