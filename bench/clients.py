@@ -251,6 +251,7 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
     ttfts = [s.ttft for s in ok if s.ttft is not None]
     itls = [x for s in ok for x in s.itls]
     tokens = sum(s.tokens for s in ok)
+    frames = sum(len(s.itls) + (s.ttft is not None) for s in ok)  # (the frames with text the clients read)
     return {
         "requests": len(samples),
         "errors": len(samples) - len(ok),
@@ -261,4 +262,7 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
         **{f"ttft_p{q}_ms": pct_ms(ttfts, q) for q in (50, 90)},
         **{f"itl_p{q}_ms": pct_ms(itls, q) for q in (50, 90, 99)},
         "output_tok_s": tokens / wall if wall > 0 else None,
+        # A server whose loop lags writes several tokens a frame: it pays for fewer frames (plain vLLM's API server
+        # has run both ways on the same machine, its per-token CPU and tokens/s changing with it).
+        "tokens_per_frame": tokens / frames if frames else None,
     }

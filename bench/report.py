@@ -38,6 +38,7 @@ def progress_line(kind: str, level: dict[str, Any]) -> str:
         f"{kind} c={level['concurrency']}: {level['requests']} answers, {level['errors']} errors, "
         f"{level['wall_s']:.1f}s, {_fmt(level['output_tok_s'])} tok/s, TTFT p50 {_fmt(level['ttft_p50_ms'])} ms, "
         f"ITL p50/p99 {_fmt(level['itl_p50_ms'], 2)}/{_fmt(level['itl_p99_ms'], 2)} ms, "
+        f"{_fmt(level.get('tokens_per_frame'), 2)} tok/frame, "
         f"router+proxy {_fmt(pct)}% core, {_fmt(per_k)} ms/1k tok"
         + (f" {level['error_examples'][:1]}" if level["errors"] else "")
     )
@@ -117,14 +118,15 @@ def overload_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main_table(results: dict[str, Any]) -> str:
     head = "| system | API | c | answers | errors | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | out tok/s "
-    head += "| router %core | proxy %core | router+proxy CPU ms / 1k tok |"
-    lines = [head, "|" + "---|" * 14]
+    head += "| tok/frame | router %core | proxy %core | router+proxy CPU ms / 1k tok |"
+    lines = [head, "|" + "---|" * 15]
     for name, result in results.items():
         for kind, label in KINDS.items():
             for c, lv in result.get(kind, {}).items():
                 router = _role(lv, "frontend" if name.startswith("plain") else "router", "pct_core")
                 cells = [name, label, c, lv["requests"], lv["errors"], *(_fmt(lv[k], 2) for k in LATENCY)]
-                cells += [_fmt(lv["output_tok_s"]), _fmt(router), _fmt(_role(lv, "proxy", "pct_core"))]
+                cells += [_fmt(lv["output_tok_s"]), _fmt(lv.get("tokens_per_frame"), 2)]
+                cells += [_fmt(router), _fmt(_role(lv, "proxy", "pct_core"))]
                 cells += [_fmt(front_cpu(lv)[1])]
                 lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
@@ -191,7 +193,8 @@ def markdown(meta: dict[str, Any], results: dict[str, Any], summary: dict[str, A
         f"Machine: {m['nproc']} CPUs, {m['cpu_model']}. Model: {meta['model']}, max_tokens {meta['max_tokens']}, "
         f"prompt {meta.get('prompt', 'long')}, ignore_eos, temperature 0. "
         "Latencies in ms; ITL is the gap between frames with text as the client reads them (a frame may carry "
-        "several tokens: plain vLLM's when its loop lags, the app's under load, decode/pacing.py); "
+        "several tokens: plain vLLM's when its loop lags, the app's under load, decode/pacing.py; tok/frame says "
+        "how many); "
         "CPU in % of one core over the level's wall time; "
         "for `plain` the router column is its API server process.\n\n"
         f"{main_table(results)}\n\n## Ratios (app / other)\n\n{ratio_table(summary['ratios'])}\n\n"

@@ -67,3 +67,13 @@ def test_the_goals_compare_the_apps_serving_processes_with_plain_vllms_api_serve
     idle = goals["idle: the app's own processes < 5% of a core"]
     assert idle["value"] == pytest.approx(4.0) and idle["met"]  # Ray's own are beside, not in it
     assert "Where the CPU goes" in cost_report.section(results)
+
+
+def test_a_levels_summary_says_how_many_tokens_its_frames_carried() -> None:
+    """A server whose loop lags writes many tokens a frame (plain vLLM has run both ways): the report says so."""
+    import clients
+
+    one_a_frame, bursts = clients.Sample(ttft=0.01, itls=[0.001] * 7, tokens=8), clients.Sample(ttft=0.1, tokens=8)
+    assert clients.summarise([one_a_frame], 1.0)["tokens_per_frame"] == pytest.approx(1.0)
+    assert clients.summarise([bursts], 1.0)["tokens_per_frame"] == pytest.approx(8.0)
+    assert clients.summarise([], 1.0)["tokens_per_frame"] is None
