@@ -142,26 +142,25 @@ class Outbox:
     async def take(self, idle_s: float | None = None) -> Batch | None:
         """Everything ready now (waits until something is); None if nothing came within `idle_s`. (A timer, not
         `asyncio.wait_for`, which makes a task per call: this is every engine step's path.)"""
-        if not (self.frames or self.ended) and idle_s is not None:
-            expired = False
+        expired = False
 
-            def expire() -> None:
-                nonlocal expired
-                expired = True
-                self.ready.set()
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            self.ready.set()
 
+        timer = None
+        if idle_s is not None and not (self.frames or self.ended):
             timer = asyncio.get_running_loop().call_later(idle_s, expire)
-            try:
-                while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
-                    await self.ready.wait()
-                    self.ready.clear()
-                    if expired and not (self.frames or self.ended):
-                        return None
-            finally:
+        try:
+            while not (self.frames or self.ended):  # (another reader may have woken first and taken it)
+                if expired:
+                    return None
+                await self.ready.wait()
+                self.ready.clear()
+        finally:
+            if timer is not None:
                 timer.cancel()
-        while not (self.frames or self.ended):
-            await self.ready.wait()
-            self.ready.clear()
         self.ready.clear()
         frames = {sid: "".join(parts) for sid, parts in self.frames.items()}
         ended, ids, self.frames, self.ended, self.ids = self.ended, self.ids, {}, {}, {}
