@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from decode import wire
+from decode.feed import Outbox
 from router.streams.feeds import DecodeStream, Feeds
-from tests.unit.router.test_feeds import FakeStreamingCall, _decode_server
+from tests.unit.router.test_feeds import FakeStreamingCall, Method, _decode_server
 
 
 def _server_with_listener() -> Any:
@@ -52,20 +53,14 @@ class ServerHandle:
     def __init__(self, server: Any) -> None:
         self.server = server
         self.calls: list[FakeStreamingCall] = []
+        self.feed = Method(self._feed)
 
     def options(self, **_: Any) -> ServerHandle:
         return self
 
-    @property
-    def feed(self) -> Any:
-        outer = self
-
-        class Method:
-            def remote(self, **kwargs: Any) -> FakeStreamingCall:
-                outer.calls.append(EagerCall(outer.server.feed(**kwargs)))
-                return outer.calls[-1]
-
-        return Method()
+    def _feed(self, **kwargs: Any) -> FakeStreamingCall:
+        self.calls.append(EagerCall(self.server.feed(**kwargs)))
+        return self.calls[-1]
 
 
 async def _open_stream(feeds: Feeds, server: Any, stream_id: str) -> DecodeStream:
@@ -73,7 +68,7 @@ async def _open_stream(feeds: Feeds, server: Any, stream_id: str) -> DecodeStrea
     stream = DecodeStream(feeds, stream_id)
     stream.replica = "d1"
     feeds.streams[stream_id] = stream
-    outbox = server.outboxes.setdefault("r", __import__("decode.feed", fromlist=["Outbox"]).Outbox())
+    outbox = server.outboxes.setdefault("r", Outbox())
     outbox.tasks[stream_id] = asyncio.ensure_future(asyncio.sleep(60))
     server.routes[stream_id] = outbox
     feeds._read("d1")
@@ -242,16 +237,10 @@ def test_a_feed_whose_call_fails_while_its_connection_stays_open_fails_at_once()
             raise RuntimeError("the actor died")
 
         class Handle:
+            feed = Method(lambda **_: FakeStreamingCall(items()))
+
             def options(self, **_: Any) -> Any:
                 return self
-
-            @property
-            def feed(self) -> Any:
-                class Method:
-                    def remote(self, **_: Any) -> FakeStreamingCall:
-                        return FakeStreamingCall(items())
-
-                return Method()
 
         from decode.client import DecodeClient
 

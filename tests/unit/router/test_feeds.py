@@ -75,6 +75,13 @@ class FakeStreamingCall:
         self.cancelled = True
 
 
+class Method:
+    """A handle's method: `remote` is `fn`."""
+
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
 class FakeDecode:
     """A decode deployment handle: `start` answers with its replica; `feed` yields what the test pushes."""
 

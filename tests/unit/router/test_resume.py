@@ -18,7 +18,7 @@ from core.protocol import parse_sse
 from decode.feed import Outbox, take_token_ids
 from router.streams import resume
 from router.streams.feeds import DecodeFailed, DecodeStream, Feeds
-from tests.unit.router.test_feeds import FakeStreamingCall
+from tests.unit.router.test_feeds import FakeStreamingCall, Method
 
 # Frames as vLLM 0.32 writes them with `return_token_ids` (and, below, without: `null`).
 CHAT_ROLE = (
@@ -219,11 +219,6 @@ class FakeCall:
             return self.value
 
         return result().__await__()
-
-
-class Method:
-    def __init__(self, fn: Any) -> None:
-        self.remote = fn
 
 
 class Pool:
