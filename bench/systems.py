@@ -184,6 +184,14 @@ def serve_feed(app_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def serve_start(app_args: dict[str, Any]) -> dict[str, Any]:
+    """`app_args` with every request's decode start a Serve call (`decode.start: serve`), not over the feed's open
+    connection (decode/wire.py)."""
+    args = copy.deepcopy(app_args)
+    args.setdefault("decode", {})["start"] = "serve"
+    return args
+
+
 def unpaced(app_args: dict[str, Any]) -> dict[str, Any]:
     """`app_args` with every token leaving decode the moment it is made, whatever the load (decode/pacing.py)."""
     args = copy.deepcopy(app_args)

@@ -55,6 +55,8 @@ SYSTEMS = {
     "app_unpaced": lambda app_args: systems.app(systems.unpaced(app_args)),
     # The app with decode's feeds as Serve items (decode.feed: serve), not over their direct connection.
     "app_serve_feed": lambda app_args: systems.app(systems.serve_feed(app_args)),
+    # The app with each request's decode start a Serve call (decode.start: serve), not over the feed's connection.
+    "app_serve_start": lambda app_args: systems.app(systems.serve_start(app_args)),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }

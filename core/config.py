@@ -141,6 +141,11 @@ class DecodeConfig(RoleConfig):
     # always "serve". Upgrading from a version without this setting: roll out with "serve" (older decode replicas
     # refuse the new argument), then "direct".
     feed: Literal["direct", "serve"] = "direct"
+    # How a router starts a request on a decode replica whose feed connection it has open: "direct", over that
+    # connection, placed by the router itself with the decode pool's policy (router/placement.py `choose_decode`);
+    # "serve", a Serve call per request, placed by Serve's request router (~0.5 ms more CPU per request across the
+    # router and the replica). No open connection (the first request, `feed: serve`): always "serve".
+    start: Literal["direct", "serve"] = "direct"
 
 
 class PreemptiveOptions(BaseModel):

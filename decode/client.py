@@ -50,6 +50,7 @@ class DecodeClient:
         self._method = MethodHandles(handle)
         self.direct = direct  # feeds' batches over their own connection (decode/wire.py), not the call's items
         self.unreachable: set[str] = set()  # replicas this router could not connect to: their feeds go via Serve
+        self.connections: dict[str, wire.Feed] = {}  # replica -> its feed's connection, while it is read
 
     def start(
         self,
@@ -64,22 +65,28 @@ class DecodeClient:
         park_tokens: int | None = None,
         hold_tokens: int | None = None,
         preemptive: bool = False,
+        via: str | None = None,
     ) -> Awaitable[Started]:
         """`{"replica": ...}` (its frames come on `consumer`'s feed), `{"response": ...}` or `{"error": ...}`.
         `preemptive` (a prefill replica's preemptive answer, parked under `consumer`): it stops at `park_tokens`,
-        or is held at `hold_tokens` until confirmed (decode/server.py `start`)."""
-        return self._method("start").remote(
-            consumer=consumer,
-            stream_id=stream_id,
-            endpoint=endpoint,
-            body=body,
-            ids=ids,
-            avoid=avoid,
-            prefer=prefer,
-            park_tokens=park_tokens,
-            hold_tokens=hold_tokens,
-            preemptive=preemptive,
-        )
+        or is held at `hold_tokens` until confirmed (decode/server.py `start`). `via`: on that replica, over its
+        feed's connection if one is open (decode/wire.py; it fails with ConnectionError if the connection ends
+        first), else through Serve, which places it."""
+        kwargs = {
+            "stream_id": stream_id,
+            "endpoint": endpoint,
+            "body": body,
+            "ids": ids,
+            "avoid": avoid,
+            "prefer": prefer,
+            "park_tokens": park_tokens,
+            "hold_tokens": hold_tokens,
+            "preemptive": preemptive,
+        }
+        if via is not None and (connection := self.connections.get(via)) is not None:
+            with contextlib.suppress(TypeError):  # (what msgpack cannot carry goes through Serve)
+                return connection.call("start", kwargs)
+        return self._method("start").remote(consumer=consumer, **kwargs)
 
     def release(self, *, request_id: str, kv_transfer_params: dict[str, Any]) -> Awaitable[dict[str, Any]]:
         """Free the KV a prefill replica holds for a hand-off nobody will read (through any decode replica)."""
@@ -141,9 +148,15 @@ class DecodeClient:
                 end = asyncio.ensure_future(anext(items))  # (the replica's generator goes on meanwhile)
                 # The call failing (the replica is gone) cuts the connection: a read never outlives its replica.
                 end.add_done_callback(functools.partial(_cut_if_failed, connection))
-                async with contextlib.aclosing(aiter(connection)) as batches:
-                    async for batch in batches:
-                        yield batch
+                if "start" in item.get("calls", ()):  # (an older replica reads no calls)
+                    self.connections[replica] = connection
+                try:
+                    async with contextlib.aclosing(aiter(connection)) as batches:
+                        async for batch in batches:
+                            yield batch
+                finally:
+                    if self.connections.get(replica) is connection:
+                        del self.connections[replica]
         finally:
             if not ended:
                 if end is not None:

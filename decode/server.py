@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,10 +25,11 @@ from core import logs, metrics
 from core.autoscaling import ACTIVE_STREAMS
 from core.config import AppConfig
 from core.protocol import PREEMPTIVE_CAP, error_body, error_payload, error_status
+from core.tasks import detached
 from decode import pacing, sse
 from decode.feed import Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
-from decode.wire import Address, Connection, Listener, direct_allowed
+from decode.wire import Address, Call, Connection, Listener, direct_allowed
 from engine.llm import Endpoint, Engine
 
 logger = logging.getLogger(__name__)
@@ -253,9 +255,10 @@ class DecodeServer:
                     logger.warning("router %s did not connect to its feed: its batches go as items", consumer)
                 else:  # (the router left: this feed's streams stop, as when its call is cancelled)
                     connection.on_lost = asyncio.current_task().cancel
+                    connection.answer_calls(functools.partial(self._direct_call, connection, consumer))
             while outbox.owner is token:
                 if (batch := await outbox.take(FEED_IDLE_S)) is None:
-                    if outbox.idle:
+                    if outbox.idle and (connection is None or not connection.calls):  # (a start may be coming)
                         idle_end = True
                         return
                     continue
@@ -277,6 +280,20 @@ class DecodeServer:
                     self._cancel_all(outbox)
                 if self.outboxes.get(consumer) is outbox and (outbox.idle or not idle_end):
                     del self.outboxes[consumer]
+
+    def _direct_call(self, connection: Connection, consumer: str, call: Call) -> None:
+        """A call of `consumer`'s over its feed's connection (decode/wire.py): `start`, for that router."""
+        detached(self._answer(connection, consumer, call))
+
+    async def _answer(self, connection: Connection, consumer: str, call: Call) -> None:
+        reply = error_body(500, "decode start was cancelled (the replica is stopping)")
+        try:
+            reply = await self.start(**{**call["kwargs"], "consumer": consumer})
+        except Exception as e:  # (as the Serve call would raise it: the request fails)
+            logger.exception("decode start over %s's feed failed", consumer)
+            reply = error_body(500, f"decode start failed: {e}")
+        finally:
+            connection.reply(call["call"], reply)
 
     async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> dict[str, Any]:
         """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a

@@ -16,7 +16,14 @@ the frontend.
       feed(consumer, replica, direct=True) ───►  Address {host, port, ticket}: the call's one item
       connect(host, port), the ticket ────────►  handed to the feed waiting for it
       ◄──── [length][Batch] ... ───────────────  every batch, then closed when the feed ends
+      [length][Call] ─────────────────────────►  a `start` of this router's (no Serve call per request)
+      ◄──── [length][Reply] ───────────────────  what `start` returned, among the batches
       the call ends: how the feed ended (normally, or its error)
+
+A request's `start` then goes over its replica's open connection too: a Serve call per request cost the router and
+the decode replica ~0.5 ms of the ~3.7 ms they spent on a 1-token answer (Serve's routing, pickling, gRPC and its
+request handling on both ends: bench/results/token_path_direct_start.md). The router places it itself, by the
+decode pool's policy (router/placement.py); with no open connection to that replica it goes through Serve.
 
 A router that cannot connect within CONNECT_S (a network policy between pods) gets the batches as the call's items,
 as before; so does one that does not ask (`decode.feed: serve`).
@@ -46,17 +53,37 @@ _ACCEPTED = b"\x01"  # the replica's answer to a ticket it was waiting for (EOF 
 # A peer gone without a word (its node lost) is noticed in ~25 s, not TCP's ~15 min of retransmits.
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 _ENCODER = msgspec.msgpack.Encoder()
+# What the router reads: a batch (an array), or a call's reply (a map: `Reply`).
 _DECODER = msgspec.msgpack.Decoder(
     tuple[dict[str, str], dict[str, dict[str, Any] | None], dict[str, tuple[list[int] | None, list[int]]]]
+    | dict[str, Any]
 )
+_CALL_DECODER = msgspec.msgpack.Decoder(dict[str, Any])  # what the replica reads: `Call`s
+CALLS = frozenset({"start"})  # the methods a router calls over its feed's connection
 
 
-class Address(TypedDict):
-    """Where a feed's batches come from: the Serve call's one item when it goes direct."""
+class Address(TypedDict, total=False):
+    """Where a feed's batches come from: the Serve call's one item when it goes direct; `calls`, the methods the
+    replica answers over the connection (a replica of an older version answers none: its router starts through
+    Serve)."""
 
     host: str
     port: int
     ticket: str
+    calls: list[str]
+
+
+class Call(TypedDict):
+    """A router's call on its feed's connection: `method` (one of CALLS) with `kwargs`, answered by a Reply."""
+
+    call: int
+    method: str
+    kwargs: dict[str, Any]
+
+
+class Reply(TypedDict):
+    call: int
+    reply: dict[str, Any]
 
 
 def is_address(item: Any) -> bool:
@@ -80,30 +107,56 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def pack(batch: Batch) -> bytearray:
-    """A batch as it goes on the wire: its length, then msgpack (encoded in place behind the header)."""
+def pack(message: Batch | Call | Reply) -> bytearray:
+    """A message as it goes on the wire: its length, then msgpack (encoded in place behind the header). Raises
+    TypeError for what msgpack cannot carry."""
     buffer = bytearray(_HEADER)
-    _ENCODER.encode_into(batch, buffer, _HEADER)
+    _ENCODER.encode_into(message, buffer, _HEADER)
     buffer[:_HEADER] = (len(buffer) - _HEADER).to_bytes(_HEADER, "big")
     return buffer
 
 
 class Connection:
-    """A router's connection, as the feed that writes to it sees it. The router sends nothing after its ticket, so
-    the end of what it sends is its end of the connection closing: `on_lost` is called then (the router left)."""
+    """A router's connection, as the feed that writes to it sees it. After its ticket the router sends only calls
+    (`on_call` takes each); the end of what it sends is its end of the connection closing: `on_lost` is called then
+    (the router left)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.on_lost: Callable[[], Any] | None = None
+        self._on_call: Callable[[Call], Any] | None = None
+        self._early: list[Call] = []  # calls read before a feed took the connection (it answers them then)
+        self.calls = 0  # calls taken and not yet answered (the feed does not end idle meanwhile)
         self.taken = False  # (a feed took it: `Listener.forget` leaves it alone)
-        self._watch = asyncio.ensure_future(self._watch_for_end(reader))
+        self._watch = asyncio.ensure_future(self._read_calls(reader))
 
-    async def _watch_for_end(self, reader: asyncio.StreamReader) -> None:
-        with contextlib.suppress(Exception):
-            while await reader.read(4096):
-                pass
+    def answer_calls(self, handler: Callable[[Call], Any]) -> None:
+        """`handler` takes every call the router sends, from now on and any that came before."""
+        self._on_call = handler
+        early, self._early = self._early, []
+        for call in early:
+            handler(call)
+
+    async def _read_calls(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(Exception):  # (a broken connection, or garbage: the router's end is lost)
+            while True:
+                header = await reader.readexactly(_HEADER)
+                call = _CALL_DECODER.decode(await reader.readexactly(int.from_bytes(header, "big")))
+                if call.get("method") not in CALLS or not isinstance(call.get("call"), int):
+                    break  # (not a call this side answers: nobody sends that)
+                self.calls += 1
+                if self._on_call is None:
+                    self._early.append(call)  # type: ignore[arg-type]
+                else:
+                    self._on_call(call)  # type: ignore[arg-type]
         if self.on_lost is not None:
             self.on_lost()
+
+    def reply(self, call: int, reply: dict[str, Any]) -> None:
+        """Answer a call (among the batches: the router's reader resolves it). Lost if the router is gone."""
+        self.calls -= 1
+        if not self.writer.is_closing():
+            self.writer.write(pack(Reply(call=call, reply=reply)))
 
     async def send(self, batch: Batch) -> None:
         """Raises ConnectionError once the router is gone (its end closed the connection)."""
@@ -135,7 +188,7 @@ class Listener:
         """A ticket for one connection, and where to bring it."""
         ticket = secrets.token_hex(_TICKET_BYTES // 2)
         self._waiting[ticket] = asyncio.get_running_loop().create_future()
-        return Address(host=self.host, port=self.port, ticket=ticket)
+        return Address(host=self.host, port=self.port, ticket=ticket, calls=sorted(CALLS))
 
     async def accept(self, ticket: str, timeout: float | None = None) -> Connection | None:
         """The connection that brought `ticket`, or None if none came within `timeout` (ACCEPT_S)."""
@@ -181,14 +234,32 @@ class Listener:
 
 
 class Feed:
-    """The router's side of one feed's connection: async-iterate its batches until the replica closes it."""
+    """The router's side of one feed's connection: async-iterate its batches until the replica closes it; `call` a
+    method of the replica over it while it is read."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next = 0
+        self.open = True  # (until its reader ends: a call after that fails at once)
 
     def abort(self) -> None:
         """Cut the connection (its call failed: the replica is gone); a read in progress ends at once."""
         self.writer.transport.abort()
+
+    def call(self, method: str, kwargs: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        """The replica's reply to `method(**kwargs)`, read among the batches; fails with ConnectionError if the
+        connection ends first (the replica may have taken the call or not: the caller treats it as a lost call).
+        Raises TypeError at once for arguments msgpack cannot carry (the caller sends them through Serve)."""
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        if not self.open or self.writer.is_closing():
+            future.set_exception(ConnectionResetError("the feed's connection closed"))
+            return future
+        message = pack(Call(call=self._next, method=method, kwargs=kwargs))
+        self._calls[self._next] = future
+        self._next += 1
+        self.writer.write(message)
+        return future
 
     async def __aiter__(self) -> AsyncGenerator[Batch, None]:
         try:
@@ -199,9 +270,20 @@ class Feed:
                     if e.partial:
                         raise
                     return  # closed between batches: the feed ended (its call says how)
-                yield _DECODER.decode(await self.reader.readexactly(int.from_bytes(header, "big")))
+                message = _DECODER.decode(await self.reader.readexactly(int.from_bytes(header, "big")))
+                if isinstance(message, dict):  # a call's reply
+                    future = self._calls.pop(message.get("call"), None)
+                    if future is not None and not future.done():
+                        future.set_result(message.get("reply") or {})
+                    continue
+                yield message
         finally:
+            self.open = False
             self.writer.close()
+            calls, self._calls = self._calls, {}
+            for future in calls.values():
+                if not future.done():
+                    future.set_exception(ConnectionResetError("the feed's connection closed before the reply"))
 
 
 async def connect(address: Address, timeout: float | None = None) -> Feed | None:

@@ -10,7 +10,8 @@ choices.
 The decode pool has a router of its own (`DecodeRouter`): a call naming a `replica` (a router's feed, a stop)
 goes to it; a new request goes to the replica it `prefer`s if it can (a continuation where its KV is cached),
 else to the replica with the fewest active streams, never to one in `avoid` (the replica an answer is being
-resumed from).
+resumed from). A router with a feed connection open to the replica it would pick places the request itself, by the
+same policy (`choose_decode`), and starts it over that connection (decode/wire.py): no Serve call per request.
 
 The speech pool's `SpeechRouter` sends a REST session's audio to the one replica that holds its turn's audio.
 
@@ -21,12 +22,17 @@ of its own.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from core.autoscaling import ACTIVE_STREAMS
 from core.placement import POOLS, owner_of, rendezvous
+
+DECODE_POOL = "decode"  # the decode deployment's name
 
 
 class _Registered(PowerOfTwoChoicesRequestRouter):
@@ -75,7 +81,7 @@ class DecodeRouter(_Registered):
         if preferred:  # (a continuation where its KV is cached)
             return [preferred, [r for r in candidates if r not in preferred]]
         if len(candidates) > 1 and all(r.routing_stats for r in candidates):
-            ranked = sorted(candidates, key=lambda r: r.routing_stats.get("active_streams", 0))
+            ranked = sorted(candidates, key=lambda r: r.routing_stats.get(ACTIVE_STREAMS, 0))
             return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
         return await super().choose_replicas(candidates, pending_request)
 
@@ -100,3 +106,25 @@ class SpeechRouter(_Registered):
         if isinstance(session_id, str) and candidate_replicas:
             return [[rendezvous(session_id, candidate_replicas)]]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[], dict[str, int]]) -> str | None:
+    """The decode replica for a new stream, chosen in this process by `DecodeRouter`'s policy, for a start that goes
+    over that replica's feed connection instead of through Serve (decode/wire.py): `prefer` if it runs and is not
+    avoided, else the one with the fewest active streams (its last routing stats, or this router's own streams on
+    it, `local()`, if more: the stats are up to a second old). None: this process has no view of the pool yet."""
+    pool = POOLS.get(DECODE_POOL)
+    replicas = [] if pool is None else list(pool.curr_replicas.values())
+    candidates = [r for r in replicas if r.replica_id.unique_id not in avoid] or replicas
+    if not candidates:
+        return None
+    ids = [r.replica_id.unique_id for r in candidates]
+    if prefer in ids or len(ids) == 1:
+        return prefer if prefer in ids else ids[0]
+    mine = local()
+    load = {
+        r.replica_id.unique_id: max((r.routing_stats or {}).get(ACTIVE_STREAMS, 0), mine.get(r.replica_id.unique_id, 0))
+        for r in candidates
+    }
+    least = min(load.values())
+    return random.choice([replica for replica, n in load.items() if n == least])

@@ -26,6 +26,7 @@ from core import metrics
 from core.protocol import PREEMPTIVE_CAP, Endpoint, error_body, error_status
 from core.tasks import detached
 from decode.client import DecodeClient, TokenIds
+from router import placement
 from router.streams import resume
 
 logger = logging.getLogger(__name__)
@@ -153,8 +154,9 @@ class DecodeStream:
 
 
 class Feeds:
-    def __init__(self, decode: DeploymentHandle, consumer: str, direct: bool = True) -> None:
+    def __init__(self, decode: DeploymentHandle, consumer: str, direct: bool = True, direct_start: bool = True) -> None:
         self.decode = DecodeClient(decode, direct)  # (`direct`: feeds over their own connection, decode/wire.py)
+        self.direct_start = direct_start  # starts over an open feed connection (`decode.start: direct`)
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
@@ -233,10 +235,16 @@ class Feeds:
             await self.decode.confirm(stream_id=stream_id, request_id=stream_id, replica=replica)
 
     async def _start(self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
-        """`start` on a replica Serve picks, none of those the stream failed on; if that one turns out dead (or
-        its engine does), the request again, elsewhere, without its KV."""
-        for attempt in range(START_ATTEMPTS):
+        """`start` on a replica chosen here by the pool's policy (over its feed's connection, if one is open) or by
+        Serve, none of those the stream failed on; if that one turns out dead (or its engine does), the request
+        again, elsewhere, without its KV."""
+        lost = 0  # starts whose feed connection closed before their reply
+        attempt = 0
+        while True:
             self.streams[stream.stream_id] = stream  # before start: its first frames may come before it returns
+            via = None
+            if self.direct_start and self.decode.connections:  # (none open: no need to choose, Serve places it)
+                via = placement.choose_decode(stream.failed, stream.prefer, self._local_streams)
             call = asyncio.ensure_future(
                 self.decode.start(
                     consumer=self.consumer,
@@ -246,6 +254,7 @@ class Feeds:
                     ids=stream.ids,
                     avoid=list(stream.failed),
                     prefer=stream.prefer,
+                    via=via,
                 )
             )
             try:
@@ -254,6 +263,15 @@ class Feeds:
                 self.streams.pop(stream.stream_id, None)
                 call.add_done_callback(lambda done: self._stop_started(stream, done))
                 raise
+            except ConnectionError as e:  # (its feed's connection ended: an idle feed closing, or its replica gone)
+                self.streams.pop(stream.stream_id, None)
+                lost += 1
+                if lost > START_ATTEMPTS:
+                    raise RayActorError(error_msg=f"decode start of {stream.stream_id} lost: {e}") from e
+                # The replica may have taken it: its frames must not reach this stream. Again at once: through
+                # Serve if the connection is gone, which fails fast with the replica if that is gone too.
+                stream.stream_id = uuid.uuid4().hex
+                continue
             except RayActorError as e:
                 self.streams.pop(stream.stream_id, None)
                 if attempt + 1 == START_ATTEMPTS:
@@ -274,7 +292,15 @@ class Feeds:
                 logger.warning("decode replica %s failed to start %s: trying another", failed_on, stream.stream_id)
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             await asyncio.sleep(START_RETRY_S * 2**attempt)
-        raise AssertionError("unreachable")
+            attempt += 1
+
+    def _local_streams(self) -> dict[str, int]:
+        """This router's streams on each decode replica."""
+        counts: dict[str, int] = {}
+        for stream in self.streams.values():
+            if stream.replica is not None:
+                counts[stream.replica] = counts.get(stream.replica, 0) + 1
+        return counts
 
     async def resume(self, stream: DecodeStream, error: dict[str, Any]) -> bool:
         """Go on with `stream` on another replica after its own failed with `error`; False: it cannot."""

@@ -273,3 +273,232 @@ def test_a_feed_closed_before_its_router_connects_forgets_its_ticket() -> None:
         return server.listener._waiting
 
     assert asyncio.run(run()) == {}
+
+
+class _Pool:
+    """The decode pool as the router's Serve request router sees it (core/placement.py POOLS)."""
+
+    def __init__(self, stats: dict[str, int]) -> None:
+        from types import SimpleNamespace
+
+        self.curr_replicas = {
+            rid: SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats={"active_streams": n})
+            for rid, n in stats.items()
+        }
+
+
+class StartingHandle(ServerHandle):
+    """ServerHandle whose Serve `start` is counted (the direct path must not use it) and answered by the server."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(server)
+        self.serve_starts: list[dict[str, Any]] = []
+        self.start = Method(self._start)
+
+    def _start(self, **kwargs: Any) -> Any:
+        self.serve_starts.append(kwargs)
+        return asyncio.ensure_future(self.server.start(**kwargs))
+
+
+def _starting_server(started: list[dict[str, Any]], gate: asyncio.Event | None = None) -> Any:
+    """A decode server whose `start` records its arguments and starts a stream that runs until cancelled."""
+    server = _server_with_listener()
+
+    async def start(**kwargs: Any) -> dict[str, Any]:
+        started.append(kwargs)
+        if gate is not None:
+            await gate.wait()
+        outbox = server.outboxes.setdefault(kwargs["consumer"], Outbox())
+        outbox.tasks[kwargs["stream_id"]] = asyncio.ensure_future(asyncio.sleep(60))
+        server.routes[kwargs["stream_id"]] = outbox
+        return {"replica": "d1"}
+
+    server.start = start
+    return server
+
+
+def test_a_start_goes_over_its_replicas_open_feed_connection_not_through_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a feed's connection is open, the router places a new stream itself and starts it over that connection:
+    the replica takes it as the feed's router's (whatever `consumer` says) and replies among the batches."""
+    from core import placement
+
+    monkeypatch.setitem(placement.POOLS, "decode", _Pool({"d1": 0}))
+
+    async def run() -> tuple[list[str], list[dict[str, Any]], int]:
+        started: list[dict[str, Any]] = []
+        server = _starting_server(started)
+        await server.listener.start()
+        handle = StartingHandle(server)
+        feeds = Feeds(handle, "r")  # type: ignore[arg-type]
+        first = await feeds.open("chat", {"stream": True})  # (no connection yet: through Serve, which opens the feed)
+        assert isinstance(first, DecodeStream)
+        for _ in range(100):
+            if "d1" in feeds.decode.connections:
+                break
+            await asyncio.sleep(0.01)
+        second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
+        assert isinstance(second, DecodeStream) and second.replica == "d1"
+        server.outboxes["r"].put(second.stream_id, "data: 2\n\n")
+        text = await asyncio.wait_for(second.__anext__(), 2)
+        server.listener.close()
+        for task in server.outboxes["r"].tasks.values():
+            task.cancel()
+        feeds.readers["d1"].cancel()
+        return [text], started, len(handle.serve_starts)
+
+    texts, started, serve_starts = asyncio.run(run())
+    assert texts == ["data: 2\n\n"]
+    assert serve_starts == 1  # only the first: the second went over the connection
+    assert [s["consumer"] for s in started] == ["r", "r"]
+    assert started[1]["body"] == {"stream": True, "return_token_ids": True}
+
+
+def test_a_start_whose_connection_closes_before_its_reply_goes_again_under_a_new_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica's end of the connection closed with a start in flight (the replica is gone, or its feed ended):
+    the router cannot know whether it started, so it starts the request again under a new stream id (frames of
+    the old one never reach it), through Serve as no connection is open."""
+    from core import placement
+
+    monkeypatch.setitem(placement.POOLS, "decode", _Pool({"d1": 0}))
+
+    async def run() -> tuple[str, str, int, int]:
+        started: list[dict[str, Any]] = []
+        gate = asyncio.Event()
+        server = _starting_server(started, gate)
+        await server.listener.start()
+        handle = StartingHandle(server)
+        feeds = Feeds(handle, "r")  # type: ignore[arg-type]
+        gate.set()
+        first = await feeds.open("chat", {"stream": True})
+        assert isinstance(first, DecodeStream)
+        for _ in range(100):
+            if "d1" in feeds.decode.connections:
+                break
+            await asyncio.sleep(0.01)
+        gate.clear()
+        stream = DecodeStream(feeds, "s-old", "chat", {"stream": True})
+        starting = asyncio.ensure_future(feeds._start(stream, "chat", stream.body))
+        for _ in range(100):
+            if len(started) == 2:
+                break
+            await asyncio.sleep(0.01)
+        feeds.decode.connections["d1"].abort()  # (the connection is cut with the start unanswered)
+        gate.set()
+        reply = await asyncio.wait_for(starting, 2)
+        server.listener.close()
+        for outbox in server.outboxes.values():
+            for task in outbox.tasks.values():
+                task.cancel()
+        for reader in feeds.readers.values():
+            reader.cancel()
+        return reply["replica"], stream.stream_id, len(started), len(handle.serve_starts)
+
+    replica, stream_id, starts, serve_starts = asyncio.run(run())
+    assert replica == "d1"
+    assert stream_id != "s-old"  # (a new id: the old one may run on the replica)
+    assert starts == 3 and serve_starts == 2  # the first open, the lost start, then again through Serve
+
+
+def test_a_feed_with_a_start_in_flight_does_not_end_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle feed ends after FEED_IDLE_S, but not while a start it took is unanswered: the reply would be lost,
+    and the stream with it."""
+    import decode.server
+
+    monkeypatch.setattr(decode.server, "FEED_IDLE_S", 0.05)
+
+    async def run() -> dict[str, Any]:
+        started: list[dict[str, Any]] = []
+        gate = asyncio.Event()
+        server = _starting_server(started, gate)
+        await server.listener.start()
+        feed = server.feed(consumer="r", replica="d1", direct=True)
+        address = await feed.__anext__()
+        rest = asyncio.ensure_future(feed.__anext__())
+        connection = await wire.connect(address)
+        assert connection is not None
+        batches = asyncio.ensure_future(anext(aiter(connection)))  # (reads replies, as the router's reader does)
+        reply = connection.call("start", {"stream_id": "s1", "endpoint": "chat", "body": {}})
+        await asyncio.sleep(0.3)  # six idle periods with the start in flight
+        assert not rest.done()
+        gate.set()
+        got = await asyncio.wait_for(reply, 2)
+        server.outboxes["r"].tasks["s1"].cancel()
+        server.listener.close()
+        rest.cancel()
+        batches.cancel()
+        return got
+
+    assert asyncio.run(run()) == {"replica": "d1"}
+
+
+def test_what_msgpack_cannot_carry_starts_through_serve() -> None:
+    async def run() -> tuple[bool, int]:
+        server = _starting_server([])
+        await server.listener.start()
+        handle = StartingHandle(server)
+        from decode.client import DecodeClient
+
+        client = DecodeClient(handle)  # type: ignore[arg-type]
+        feed = client.feed(consumer="r", replica="d1")
+        reading = asyncio.ensure_future(anext(feed))
+        for _ in range(100):
+            if "d1" in client.connections:
+                break
+            await asyncio.sleep(0.01)
+        body = {"stream": True, "odd": object()}
+        reply = await client.start(consumer="r", stream_id="s1", endpoint="chat", body=body, ids=None, via="d1")
+        for outbox in server.outboxes.values():
+            for task in outbox.tasks.values():
+                task.cancel()
+        reading.cancel()
+        server.listener.close()
+        return reply == {"replica": "d1"}, len(handle.serve_starts)
+
+    assert asyncio.run(run()) == (True, 1)
+
+
+def test_the_router_places_a_start_by_the_decode_pools_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from core import placement
+    from router.placement import choose_decode
+
+    monkeypatch.setitem(placement.POOLS, "decode", _Pool({"d1": 5, "d2": 2, "d3": 2}))
+    assert choose_decode([], None, lambda: {"d2": 4}) == "d3"  # (its own 4 streams on d2: the stats are older)
+    assert choose_decode(["d3"], None, dict) == "d2"  # (never the replica a stream is resumed from)
+    assert choose_decode([], "d1", dict) == "d1"  # (a continuation where its KV is cached)
+    assert choose_decode(["d1", "d2", "d3"], None, dict) in {"d2", "d3"}  # (all avoided: any, by load)
+    monkeypatch.setitem(placement.POOLS, "decode", _Pool({}))
+    assert choose_decode([], None, dict) is None  # (no view of the pool: Serve places it)
+
+
+def test_a_replica_that_answers_no_calls_gets_its_starts_through_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode replica of an older version (a rolling upgrade) reads nothing on its connection: its address names
+    no calls, and the router never sends it one (it would wait for a reply that never comes)."""
+    from core import placement
+
+    monkeypatch.setitem(placement.POOLS, "decode", _Pool({"d1": 0}))
+    expect = wire.Listener.expect
+
+    def older(self: wire.Listener) -> wire.Address:
+        address = expect(self)
+        del address["calls"]
+        return address
+
+    monkeypatch.setattr(wire.Listener, "expect", older)
+
+    async def run() -> tuple[bool, int]:
+        server = _starting_server([])
+        await server.listener.start()
+        handle = StartingHandle(server)
+        feeds = Feeds(handle, "r")  # type: ignore[arg-type]
+        await feeds.open("chat", {"stream": True})
+        await asyncio.sleep(0.3)  # (the feed's connection is open by now)
+        second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
+        server.listener.close()
+        for task in server.outboxes["r"].tasks.values():
+            task.cancel()
+        feeds.readers["d1"].cancel()
+        return isinstance(second, DecodeStream), len(handle.serve_starts)
+
+    assert asyncio.run(run()) == (True, 2)
