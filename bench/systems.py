@@ -217,6 +217,7 @@ def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[Syste
             "prefill_replica": f"ServeReplica:{APP_NAME}:prefill",
             "decode_replica": f"ServeReplica:{APP_NAME}:decode",
             "speech_replica": f"ServeReplica:{APP_NAME}:speech",
+            "tts_replica": f"ServeReplica:{APP_NAME}:tts",
             "engines": ENGINES,
             "ray": RAY_OWN,
         }

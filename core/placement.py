@@ -42,6 +42,17 @@ def rendezvous(key: str, replicas: list[RunningReplica]) -> RunningReplica:
     return max(replicas, key=weight)
 
 
+def register_pool(deployment: str, router: PowerOfTwoChoicesRequestRouter) -> None:
+    """A request router of this process registers its pool. (A function, not the dict, is what router/placement.py's
+    classes name: Serve pickles their module by value, and would take the live routers in POOLS with it.)"""
+    POOLS[deployment] = router
+
+
+def pool(deployment: str) -> PowerOfTwoChoicesRequestRouter | None:
+    """The request router of `deployment` in this process (None: this process has not called it yet)."""
+    return POOLS.get(deployment)
+
+
 def pool_replicas(deployment: str) -> list[str]:
     """The ids of the running replicas of `deployment` (none: no router for it in this process)."""
     router = POOLS.get(deployment)

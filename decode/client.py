@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from ray.serve.handle import DeploymentHandle
 
@@ -83,9 +83,9 @@ class DecodeClient:
             "hold_tokens": hold_tokens,
             "preemptive": preemptive,
         }
-        if via is not None and (connection := self.connections.get(via)) is not None:
+        if via is not None and (connection := self.connections.get(via)) is not None and connection.usable:
             with contextlib.suppress(TypeError):  # (what msgpack cannot carry goes through Serve)
-                return connection.call("start", kwargs)
+                return cast(Awaitable[Started], connection.call("start", kwargs))
         return self._method("start").remote(consumer=consumer, **kwargs)
 
     def release(self, *, request_id: str, kv_transfer_params: dict[str, Any]) -> Awaitable[dict[str, Any]]:

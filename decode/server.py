@@ -293,7 +293,10 @@ class DecodeServer:
             logger.exception("decode start over %s's feed failed", consumer)
             reply = error_body(500, f"decode start failed: {e}")
         finally:
-            connection.reply(call["call"], reply)
+            delivered = connection.reply(call["call"], reply)
+        if not delivered and "replica" in reply and "error" not in reply:
+            # Nobody learns it started (the router starts it again elsewhere, under a new id): it stops here.
+            await self.stop(consumer=consumer, stream_id=call["kwargs"]["stream_id"])
 
     async def stop(self, *, consumer: str, stream_id: str, replica: str | None = None) -> dict[str, Any]:
         """The client left (or a preemptive answer was given up): abort its request. `{"tokens": n}`: what a

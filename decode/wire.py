@@ -38,7 +38,7 @@ import os
 import secrets
 import socket
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import msgspec
 
@@ -62,7 +62,7 @@ _CALL_DECODER = msgspec.msgpack.Decoder(dict[str, Any])  # what the replica read
 CALLS = frozenset({"start"})  # the methods a router calls over its feed's connection
 
 
-class Address(TypedDict, total=False):
+class Address(TypedDict):
     """Where a feed's batches come from: the Serve call's one item when it goes direct; `calls`, the methods the
     replica answers over the connection (a replica of an older version answers none: its router starts through
     Serve)."""
@@ -70,7 +70,7 @@ class Address(TypedDict, total=False):
     host: str
     port: int
     ticket: str
-    calls: list[str]
+    calls: NotRequired[list[str]]
 
 
 class Call(TypedDict):
@@ -82,8 +82,13 @@ class Call(TypedDict):
 
 
 class Reply(TypedDict):
+    """The replica's answer to the router's Call numbered `call`: what the method returned."""
+
     call: int
     reply: dict[str, Any]
+
+
+_UNENCODABLE = (TypeError, OverflowError, msgspec.EncodeError)  # (an object, or an int past 64 bits)
 
 
 def is_address(item: Any) -> bool:
@@ -118,8 +123,8 @@ def pack(message: Batch | Call | Reply) -> bytearray:
 
 class Connection:
     """A router's connection, as the feed that writes to it sees it. After its ticket the router sends only calls
-    (`on_call` takes each); the end of what it sends is its end of the connection closing: `on_lost` is called then
-    (the router left)."""
+    (`answer_calls` takes each); the end of what it sends is its end of the connection closing: `on_lost` is called
+    then (the router left)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
@@ -152,11 +157,19 @@ class Connection:
         if self.on_lost is not None:
             self.on_lost()
 
-    def reply(self, call: int, reply: dict[str, Any]) -> None:
-        """Answer a call (among the batches: the router's reader resolves it). Lost if the router is gone."""
+    def reply(self, call: int, reply: dict[str, Any]) -> bool:
+        """Answer a call (among the batches: the router's reader resolves it). False: the router is gone, and with
+        it the answer."""
         self.calls -= 1
-        if not self.writer.is_closing():
-            self.writer.write(pack(Reply(call=call, reply=reply)))
+        if self.writer.is_closing():
+            return False
+        try:
+            message = pack(Reply(call=call, reply=reply))
+        except _UNENCODABLE as e:  # (the router must not wait for an answer that never comes)
+            logger.error("a reply msgpack cannot carry (%s): answering with an error", e)
+            message = pack(Reply(call=call, reply={"error": {"message": f"unencodable reply: {e}", "code": 500}}))
+        self.writer.write(message)
+        return True
 
     async def send(self, batch: Batch) -> None:
         """Raises ConnectionError once the router is gone (its end closed the connection)."""
@@ -247,15 +260,23 @@ class Feed:
         """Cut the connection (its call failed: the replica is gone); a read in progress ends at once."""
         self.writer.transport.abort()
 
+    @property
+    def usable(self) -> bool:
+        """Still read and not closing (a cut connection stays registered until its reader notices)."""
+        return self.open and not self.writer.is_closing()
+
     def call(self, method: str, kwargs: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         """The replica's reply to `method(**kwargs)`, read among the batches; fails with ConnectionError if the
         connection ends first (the replica may have taken the call or not: the caller treats it as a lost call).
         Raises TypeError at once for arguments msgpack cannot carry (the caller sends them through Serve)."""
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        if not self.open or self.writer.is_closing():
+        if not self.usable:
             future.set_exception(ConnectionResetError("the feed's connection closed"))
             return future
-        message = pack(Call(call=self._next, method=method, kwargs=kwargs))
+        try:
+            message = pack(Call(call=self._next, method=method, kwargs=kwargs))
+        except _UNENCODABLE as e:
+            raise TypeError(f"msgpack cannot carry the call's arguments: {e}") from e
         self._calls[self._next] = future
         self._next += 1
         self.writer.write(message)

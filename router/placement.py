@@ -30,7 +30,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from core.autoscaling import ACTIVE_STREAMS
-from core.placement import POOLS, owner_of, rendezvous
+from core.placement import owner_of, pool, register_pool, rendezvous
 
 DECODE_POOL = "decode"  # the decode deployment's name
 
@@ -38,7 +38,7 @@ DECODE_POOL = "decode"  # the decode deployment's name
 class _Registered(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
-        POOLS[self._deployment_id.name] = self
+        register_pool(self._deployment_id.name, self)
 
 
 class SessionAffinityRouter(_Registered):
@@ -113,8 +113,8 @@ def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[]
     over that replica's feed connection instead of through Serve (decode/wire.py): `prefer` if it runs and is not
     avoided, else the one with the fewest active streams (its last routing stats, or this router's own streams on
     it, `local()`, if more: the stats are up to a second old). None: this process has no view of the pool yet."""
-    pool = POOLS.get(DECODE_POOL)
-    replicas = [] if pool is None else list(pool.curr_replicas.values())
+    decode = pool(DECODE_POOL)
+    replicas = [] if decode is None else list(decode.curr_replicas.values())
     candidates = [r for r in replicas if r.replica_id.unique_id not in avoid] or replicas
     if not candidates:
         return None

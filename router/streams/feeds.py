@@ -157,6 +157,7 @@ class Feeds:
     def __init__(self, decode: DeploymentHandle, consumer: str, direct: bool = True, direct_start: bool = True) -> None:
         self.decode = DecodeClient(decode, direct)  # (`direct`: feeds over their own connection, decode/wire.py)
         self.direct_start = direct_start  # starts over an open feed connection (`decode.start: direct`)
+        self._starting: dict[str, int] = {}  # replica -> starts this router placed there, not yet answered
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
@@ -245,32 +246,19 @@ class Feeds:
             via = None
             if self.direct_start and self.decode.connections:  # (none open: no need to choose, Serve places it)
                 via = placement.choose_decode(stream.failed, stream.prefer, self._local_streams)
-            call = asyncio.ensure_future(
-                self.decode.start(
-                    consumer=self.consumer,
-                    stream_id=stream.stream_id,
-                    endpoint=endpoint,
-                    body=body,
-                    ids=stream.ids,
-                    avoid=list(stream.failed),
-                    prefer=stream.prefer,
-                    via=via,
-                )
-            )
             try:
-                started = await asyncio.shield(call)
-            except asyncio.CancelledError:  # the client left: once it has started, stop it
-                self.streams.pop(stream.stream_id, None)
-                call.add_done_callback(lambda done: self._stop_started(stream, done))
-                raise
+                started = await self._start_once(stream, endpoint, body, via)
             except ConnectionError as e:  # (its feed's connection ended: an idle feed closing, or its replica gone)
                 self.streams.pop(stream.stream_id, None)
                 lost += 1
                 if lost > START_ATTEMPTS:
                     raise RayActorError(error_msg=f"decode start of {stream.stream_id} lost: {e}") from e
-                # The replica may have taken it: its frames must not reach this stream. Again at once: through
-                # Serve if the connection is gone, which fails fast with the replica if that is gone too.
+                # The replica may have taken it (and read its KV): it is stopped there if it did, and its frames
+                # never reach this stream. Again at once, without the KV: through Serve if the connection is gone,
+                # which fails fast with the replica if that is gone too.
+                detached(self._stop(stream.stream_id, via))
                 stream.stream_id = uuid.uuid4().hex
+                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
                 continue
             except RayActorError as e:
                 self.streams.pop(stream.stream_id, None)
@@ -294,9 +282,42 @@ class Feeds:
             await asyncio.sleep(START_RETRY_S * 2**attempt)
             attempt += 1
 
+    async def _start_once(
+        self, stream: DecodeStream, endpoint: Endpoint, body: dict[str, Any], via: str | None
+    ) -> dict[str, Any]:
+        """One `start` (`via`: on that replica, over its feed's connection if open); a client that leaves meanwhile
+        stops the stream once it has started."""
+        if via is not None:
+            self._starting[via] = self._starting.get(via, 0) + 1  # (a burst's starts count each other)
+        try:
+            call = asyncio.ensure_future(
+                self.decode.start(
+                    consumer=self.consumer,
+                    stream_id=stream.stream_id,
+                    endpoint=endpoint,
+                    body=body,
+                    ids=stream.ids,
+                    avoid=list(stream.failed),
+                    prefer=stream.prefer,
+                    via=via,
+                )
+            )
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:  # the client left: once it has started, stop it
+                self.streams.pop(stream.stream_id, None)
+                call.add_done_callback(lambda done: self._stop_started(stream, done))
+                raise
+        finally:
+            if via is not None:
+                if (left := self._starting[via] - 1) > 0:
+                    self._starting[via] = left
+                else:
+                    del self._starting[via]
+
     def _local_streams(self) -> dict[str, int]:
-        """This router's streams on each decode replica."""
-        counts: dict[str, int] = {}
+        """This router's streams on each decode replica, and its starts placed there still in flight."""
+        counts = dict(self._starting)
         for stream in self.streams.values():
             if stream.replica is not None:
                 counts[stream.replica] = counts.get(stream.replica, 0) + 1

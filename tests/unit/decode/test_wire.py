@@ -293,11 +293,25 @@ class StartingHandle(ServerHandle):
     def __init__(self, server: Any) -> None:
         super().__init__(server)
         self.serve_starts: list[dict[str, Any]] = []
+        self.stops: list[dict[str, Any]] = []
         self.start = Method(self._start)
+        self.stop = Method(self._stop)
 
     def _start(self, **kwargs: Any) -> Any:
         self.serve_starts.append(kwargs)
         return asyncio.ensure_future(self.server.start(**kwargs))
+
+    def _stop(self, **kwargs: Any) -> Any:
+        self.stops.append(kwargs)
+        return asyncio.ensure_future(asyncio.sleep(0, {"tokens": 0}))
+
+
+async def _connected(feeds: Feeds) -> None:
+    for _ in range(200):
+        if "d1" in feeds.decode.connections:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the feed's connection never opened")
 
 
 def _starting_server(started: list[dict[str, Any]], gate: asyncio.Event | None = None) -> Any:
@@ -332,10 +346,7 @@ def test_a_start_goes_over_its_replicas_open_feed_connection_not_through_serve(m
         feeds = Feeds(handle, "r")  # type: ignore[arg-type]
         first = await feeds.open("chat", {"stream": True})  # (no connection yet: through Serve, which opens the feed)
         assert isinstance(first, DecodeStream)
-        for _ in range(100):
-            if "d1" in feeds.decode.connections:
-                break
-            await asyncio.sleep(0.01)
+        await _connected(feeds)
         second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
         assert isinstance(second, DecodeStream) and second.replica == "d1"
         server.outboxes["r"].put(second.stream_id, "data: 2\n\n")
@@ -373,12 +384,9 @@ def test_a_start_whose_connection_closes_before_its_reply_goes_again_under_a_new
         gate.set()
         first = await feeds.open("chat", {"stream": True})
         assert isinstance(first, DecodeStream)
-        for _ in range(100):
-            if "d1" in feeds.decode.connections:
-                break
-            await asyncio.sleep(0.01)
+        await _connected(feeds)
         gate.clear()
-        stream = DecodeStream(feeds, "s-old", "chat", {"stream": True})
+        stream = DecodeStream(feeds, "s-old", "chat", {"stream": True, "kv_transfer_params": {"remote_host": "p"}})
         starting = asyncio.ensure_future(feeds._start(stream, "chat", stream.body))
         for _ in range(100):
             if len(started) == 2:
@@ -393,6 +401,10 @@ def test_a_start_whose_connection_closes_before_its_reply_goes_again_under_a_new
                 task.cancel()
         for reader in feeds.readers.values():
             reader.cancel()
+        await asyncio.sleep(0.05)  # (the old id's stop is detached)
+        assert "kv_transfer_params" in started[1]["body"]
+        assert "kv_transfer_params" not in started[2]["body"]  # (the lost start may have read the KV already)
+        assert {"stream_id": "s-old", "replica": "d1"}.items() <= handle.stops[0].items()  # (it may run there)
         return reply["replica"], stream.stream_id, len(started), len(handle.serve_starts)
 
     replica, stream_id, starts, serve_starts = asyncio.run(run())
@@ -433,7 +445,8 @@ def test_a_feed_with_a_start_in_flight_does_not_end_idle(monkeypatch: pytest.Mon
     assert asyncio.run(run()) == {"replica": "d1"}
 
 
-def test_what_msgpack_cannot_carry_starts_through_serve() -> None:
+@pytest.mark.parametrize("odd", [object(), 2**70], ids=["an object", "an int past 64 bits"])
+def test_what_msgpack_cannot_carry_starts_through_serve(odd: Any) -> None:
     async def run() -> tuple[bool, int]:
         server = _starting_server([])
         await server.listener.start()
@@ -447,7 +460,7 @@ def test_what_msgpack_cannot_carry_starts_through_serve() -> None:
             if "d1" in client.connections:
                 break
             await asyncio.sleep(0.01)
-        body = {"stream": True, "odd": object()}
+        body = {"stream": True, "odd": odd}
         reply = await client.start(consumer="r", stream_id="s1", endpoint="chat", body=body, ids=None, via="d1")
         for outbox in server.outboxes.values():
             for task in outbox.tasks.values():
@@ -457,19 +470,6 @@ def test_what_msgpack_cannot_carry_starts_through_serve() -> None:
         return reply == {"replica": "d1"}, len(handle.serve_starts)
 
     assert asyncio.run(run()) == (True, 1)
-
-
-def test_the_router_places_a_start_by_the_decode_pools_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from core import placement
-    from router.placement import choose_decode
-
-    monkeypatch.setitem(placement.POOLS, "decode", _Pool({"d1": 5, "d2": 2, "d3": 2}))
-    assert choose_decode([], None, lambda: {"d2": 4}) == "d3"  # (its own 4 streams on d2: the stats are older)
-    assert choose_decode(["d3"], None, dict) == "d2"  # (never the replica a stream is resumed from)
-    assert choose_decode([], "d1", dict) == "d1"  # (a continuation where its KV is cached)
-    assert choose_decode(["d1", "d2", "d3"], None, dict) in {"d2", "d3"}  # (all avoided: any, by load)
-    monkeypatch.setitem(placement.POOLS, "decode", _Pool({}))
-    assert choose_decode([], None, dict) is None  # (no view of the pool: Serve places it)
 
 
 def test_a_replica_that_answers_no_calls_gets_its_starts_through_serve(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -493,7 +493,12 @@ def test_a_replica_that_answers_no_calls_gets_its_starts_through_serve(monkeypat
         handle = StartingHandle(server)
         feeds = Feeds(handle, "r")  # type: ignore[arg-type]
         await feeds.open("chat", {"stream": True})
-        await asyncio.sleep(0.3)  # (the feed's connection is open by now)
+        for _ in range(200):  # (until the replica took the feed's connection)
+            if handle.calls and not server.listener._waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert not server.listener._waiting and not feeds.decode.unreachable
+        await asyncio.sleep(0.05)
         second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
         server.listener.close()
         for task in server.outboxes["r"].tasks.values():
