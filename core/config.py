@@ -354,6 +354,12 @@ class AdmissionConfig(_Strict):
     admitted keep their latency. Calls on an admitted session are never refused here."""
 
     enabled: bool = True  # off: nothing is refused here (the replicas keep their own hard limits)
+    # The pools' routing stats in these rules (sessions full, KV low, prefill queues as the adaptive limit's early
+    # signal, saturation). Off: as every release so far ran, unknowingly (Serve's by-value copy of the request
+    # routers kept their stats from the ingress until 2026-11-29): the replicas' own hard limits and the adaptive
+    # limit on first-token latency. On, two things are left to fix first (test_overload): stats up to a second old
+    # refuse a session that fits right after one ends here, and a 40-session load under capacity saw refusals.
+    pool_stats: bool = False
     # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
     # (Little's law over its kind's recent holds: router/admission/queue.py) is longer is refused at once, with
     # that wait as Retry-After; a waiter still waiting after it is refused then. 0: refuse at once, never queue.

@@ -1,7 +1,8 @@
 """Overload admission: past the pools' capacity, new work waits in the router's queue (router/admission/queue.py)
 while it can be served in time, and is refused beyond, so that admitted work keeps its latency.
 
-The input is what every replica last pushed in its routing stats (once a second; core/placement.py `pool_stats`):
+The input is what every replica last pushed in its routing stats (once a second; core/placement.py `pool_stats`;
+only with `router.admission.pool_stats` on, off by default until the two faults its comment names are fixed):
 a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`, `kv_blocks_total` and
 `queue_waiting`; a decode replica `active_streams` (and `stream_capacity` if it knows it). The rules
 (`router.admission` in the config):
@@ -175,12 +176,14 @@ class Admission:
         self,
         config: AdmissionConfig,
         decode_capacity: int | None = None,
-        stats: Callable[[str], list[Stats] | None] = pool_stats,
+        stats: Callable[[str], list[Stats] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_hold_s: float = 3600.0,
     ) -> None:
         self.config = config
         self.decode_capacity = config.max_streams_per_decode or decode_capacity
+        if stats is None:  # (the pools' stats only when the config says so: `router.admission.pool_stats`)
+            stats = pool_stats if config.pool_stats else _no_stats
         self.stats = stats
         self.limiter = LatencyLimit(config, clock)
         self.clock = clock
@@ -430,6 +433,11 @@ class Admission:
             else:
                 blocked.add(waiter.kind)
         metrics.set_gauge(metrics.ADMISSION_WAITING, len(self.queue), "new work waiting for admission", **self._tag)
+
+
+def _no_stats(deployment: str) -> None:
+    """No view of the pools: every stats-based rule admits (unknown state)."""
+    return None
 
 
 def _replica_id() -> str:
