@@ -143,8 +143,9 @@ class DecodeConfig(RoleConfig):
     feed: Literal["direct", "serve"] = "direct"
     # How a router starts a request on a decode replica whose feed connection it has open: "direct", over that
     # connection, placed by the router itself with the decode pool's policy (router/placement.py `choose_decode`);
-    # "serve", a Serve call per request, placed by Serve's request router (~0.5 ms more CPU per request across the
-    # router and the replica). No open connection (the first request, `feed: serve`): always "serve".
+    # "serve", a Serve call per request, placed by Serve's request router (0.3-2.4 ms more CPU per 1-token request
+    # across the router and the replica, docs/benchmarks.md). No open connection (the first request, `feed: serve`):
+    # always "serve".
     start: Literal["direct", "serve"] = "direct"
 
 

@@ -20,10 +20,11 @@ the frontend.
       ◄──── [length][Reply] ───────────────────  what `start` returned, among the batches
       the call ends: how the feed ended (normally, or its error)
 
-A request's `start` then goes over its replica's open connection too: a Serve call per request cost the router and
-the decode replica ~0.5 ms of the ~3.7 ms they spent on a 1-token answer (Serve's routing, pickling, gRPC and its
-request handling on both ends: bench/results/token_path_direct_start.md). The router places it itself, by the
-decode pool's policy (router/placement.py); with no open connection to that replica it goes through Serve.
+A request's `start` then goes over its replica's open connection too: a Serve call per request (Serve's routing,
+pickling, gRPC and its request handling on both ends) cost the router and the decode replica 0.3-2.4 ms more per
+1-token answer in three A/B runs, 3.5-4.8 ms against 2.5-3.8 (bench/results/token_path_direct_start*.md). The
+router places it itself, by the decode pool's policy (router/placement.py); with no open connection to that
+replica it goes through Serve.
 
 A router that cannot connect within CONNECT_S (a network policy between pods) gets the batches as the call's items,
 as before; so does one that does not ask (`decode.feed: serve`).
