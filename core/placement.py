@@ -55,13 +55,13 @@ def pool(deployment: str) -> PowerOfTwoChoicesRequestRouter | None:
 
 def pool_replicas(deployment: str) -> list[str]:
     """The ids of the running replicas of `deployment` (none: no router for it in this process)."""
-    router = POOLS.get(deployment)
+    router = pool(deployment)
     return [] if router is None else [r.replica_id.unique_id for r in router.curr_replicas.values()]
 
 
 def pool_stats(deployment: str) -> list[dict[str, Any]] | None:
     """The routing stats of every running replica of `deployment` (None: no router for it in this process)."""
-    router = POOLS.get(deployment)
+    router = pool(deployment)
     if router is None:
         return None
     return [dict(r.routing_stats or {}) for r in router.curr_replicas.values()]

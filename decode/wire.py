@@ -43,6 +43,7 @@ from typing import Any, NotRequired, TypedDict
 
 import msgspec
 
+from core.protocol import error_body
 from decode.feed import Batch
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class Connection:
             message = pack(Reply(call=call, reply=reply))
         except _UNENCODABLE as e:  # (the router must not wait for an answer that never comes)
             logger.error("a reply msgpack cannot carry (%s): answering with an error", e)
-            message = pack(Reply(call=call, reply={"error": {"message": f"unencodable reply: {e}", "code": 500}}))
+            message = pack(Reply(call=call, reply=error_body(500, f"unencodable reply: {e}")))
         self.writer.write(message)
         return True
 

@@ -232,9 +232,9 @@ class Failover:
     def _adopters(self, session_ids: list[str]) -> dict[str | None, list[str]]:
         """Each session's adopter: the replica its id hashes to among the others (as routers will route it);
         None (any replica) if this process has no view of the pool."""
-        from core.placement import POOLS, rendezvous
+        from core.placement import pool, rendezvous
 
-        router = POOLS.get(self.deployment)
+        router = pool(self.deployment)
         replicas = router.curr_replicas.values() if router is not None else []
         others = [r for r in replicas if r.replica_id.unique_id != self.replica]
         groups: dict[str | None, list[str]] = {}

@@ -231,8 +231,8 @@ class Router:
         self.prefill = PrefillClient(prefill)
         self.decode = decode.options(_by_reference=False)
         replica_id = serve.get_replica_context().replica_id
-        direct = self.config.decode.feed == "direct", self.config.decode.start == "direct"
-        self.feeds = Feeds(self.decode, replica_id.unique_id, direct=direct[0], direct_start=direct[1])
+        feed, start = self.config.decode.feed, self.config.decode.start
+        self.feeds = Feeds(self.decode, replica_id.unique_id, direct=feed == "direct", direct_start=start == "direct")
         # This replica's Ray actor name: the sessions whose client connection it holds (realtime, NDJSON) are
         # closed by their owners if it dies (prefill/session.py `orphaned`).
         self.replica_name = replica_id.to_full_id_str()

@@ -119,8 +119,10 @@ def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[]
     if not candidates:
         return None
     ids = [r.replica_id.unique_id for r in candidates]
-    if prefer in ids or len(ids) == 1:
-        return prefer if prefer in ids else ids[0]
+    if prefer in ids:  # (a continuation where its KV is cached)
+        return prefer
+    if len(ids) == 1:
+        return ids[0]
     mine = local()
     load = {
         r.replica_id.unique_id: max((r.routing_stats or {}).get(ACTIVE_STREAMS, 0), mine.get(r.replica_id.unique_id, 0))

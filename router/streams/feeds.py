@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -157,7 +158,7 @@ class Feeds:
     def __init__(self, decode: DeploymentHandle, consumer: str, direct: bool = True, direct_start: bool = True) -> None:
         self.decode = DecodeClient(decode, direct)  # (`direct`: feeds over their own connection, decode/wire.py)
         self.direct_start = direct_start  # starts over an open feed connection (`decode.start: direct`)
-        self._starting: dict[str, int] = {}  # replica -> starts this router placed there, not yet answered
+        self._starting: Counter[str] = Counter()  # replica -> starts this router placed there, not yet answered
         self.consumer = consumer
         self.streams: dict[str, DecodeStream] = {}
         self.readers: dict[str, asyncio.Task[None]] = {}
@@ -288,7 +289,7 @@ class Feeds:
         """One `start` (`via`: on that replica, over its feed's connection if open); a client that leaves meanwhile
         stops the stream once it has started."""
         if via is not None:
-            self._starting[via] = self._starting.get(via, 0) + 1  # (a burst's starts count each other)
+            self._starting[via] += 1  # (a burst's starts count each other)
         try:
             call = asyncio.ensure_future(
                 self.decode.start(
@@ -310,17 +311,14 @@ class Feeds:
                 raise
         finally:
             if via is not None:
-                if (left := self._starting[via] - 1) > 0:
-                    self._starting[via] = left
-                else:
+                self._starting[via] -= 1
+                if not self._starting[via]:
                     del self._starting[via]
 
     def _local_streams(self) -> dict[str, int]:
         """This router's streams on each decode replica, and its starts placed there still in flight."""
-        counts = dict(self._starting)
-        for stream in self.streams.values():
-            if stream.replica is not None:
-                counts[stream.replica] = counts.get(stream.replica, 0) + 1
+        counts = self._starting.copy()
+        counts.update(stream.replica for stream in self.streams.values() if stream.replica is not None)
         return counts
 
     async def resume(self, stream: DecodeStream, error: dict[str, Any]) -> bool:

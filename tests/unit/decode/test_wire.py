@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from decode import wire
+from decode.client import DecodeClient
 from decode.feed import Outbox
 from router.streams.feeds import DecodeStream, Feeds
 from tests.unit.router.test_feeds import FakeStreamingCall, Method, _decode_server
@@ -127,8 +128,7 @@ def test_a_router_that_cannot_connect_gets_the_batches_as_the_calls_items(monkey
         text = await asyncio.wait_for(stream.__anext__(), 5)
         server.listener.port = port
         server.listener.close()
-        for task in server.outboxes["r"].tasks.values():
-            task.cancel()
+        _cancel_streams(server)
         feeds.readers["d1"].cancel()
         return text, feeds.decode.unreachable
 
@@ -158,11 +158,7 @@ def test_a_router_that_drops_its_connection_ends_its_streams_on_decode() -> None
     async def run() -> bool:
         server = _server_with_listener()
         await server.listener.start()
-        feed = server.feed(consumer="r", replica="d1", direct=True)
-        address = await feed.__anext__()
-        rest = asyncio.ensure_future(feed.__anext__())
-        connection = await wire.connect(address)
-        assert connection is not None
+        rest, connection = await _direct_feed(server)
         batches = aiter(connection)
         outbox = server.outboxes["r"]
         task = outbox.tasks["s1"] = asyncio.ensure_future(asyncio.sleep(60))
@@ -306,12 +302,30 @@ class StartingHandle(ServerHandle):
         return asyncio.ensure_future(asyncio.sleep(0, {"tokens": 0}))
 
 
-async def _connected(feeds: Feeds) -> None:
+async def _connected(client: DecodeClient) -> None:
+    """Until the router's feed connection to d1 takes calls."""
     for _ in range(200):
-        if "d1" in feeds.decode.connections:
+        if "d1" in client.connections:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the feed's connection never opened")
+
+
+async def _direct_feed(server: Any) -> tuple[asyncio.Future[Any], wire.Feed]:
+    """The replica's feed for router r, opened direct, and the router's connection to it: the feed's next step
+    (pending while it serves the connection) and the connection."""
+    feed = server.feed(consumer="r", replica="d1", direct=True)
+    address = await feed.__anext__()
+    rest = asyncio.ensure_future(feed.__anext__())
+    connection = await wire.connect(address)
+    assert connection is not None
+    return rest, connection
+
+
+def _cancel_streams(server: Any) -> None:
+    for outbox in server.outboxes.values():
+        for task in outbox.tasks.values():
+            task.cancel()
 
 
 def _starting_server(started: list[dict[str, Any]], gate: asyncio.Event | None = None) -> Any:
@@ -346,14 +360,13 @@ def test_a_start_goes_over_its_replicas_open_feed_connection_not_through_serve(m
         feeds = Feeds(handle, "r")  # type: ignore[arg-type]
         first = await feeds.open("chat", {"stream": True})  # (no connection yet: through Serve, which opens the feed)
         assert isinstance(first, DecodeStream)
-        await _connected(feeds)
+        await _connected(feeds.decode)
         second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
         assert isinstance(second, DecodeStream) and second.replica == "d1"
         server.outboxes["r"].put(second.stream_id, "data: 2\n\n")
         text = await asyncio.wait_for(second.__anext__(), 2)
         server.listener.close()
-        for task in server.outboxes["r"].tasks.values():
-            task.cancel()
+        _cancel_streams(server)
         feeds.readers["d1"].cancel()
         return [text], started, len(handle.serve_starts)
 
@@ -384,7 +397,7 @@ def test_a_start_whose_connection_closes_before_its_reply_goes_again_under_a_new
         gate.set()
         first = await feeds.open("chat", {"stream": True})
         assert isinstance(first, DecodeStream)
-        await _connected(feeds)
+        await _connected(feeds.decode)
         gate.clear()
         stream = DecodeStream(feeds, "s-old", "chat", {"stream": True, "kv_transfer_params": {"remote_host": "p"}})
         starting = asyncio.ensure_future(feeds._start(stream, "chat", stream.body))
@@ -396,9 +409,7 @@ def test_a_start_whose_connection_closes_before_its_reply_goes_again_under_a_new
         gate.set()
         reply = await asyncio.wait_for(starting, 2)
         server.listener.close()
-        for outbox in server.outboxes.values():
-            for task in outbox.tasks.values():
-                task.cancel()
+        _cancel_streams(server)
         for reader in feeds.readers.values():
             reader.cancel()
         await asyncio.sleep(0.05)  # (the old id's stop is detached)
@@ -425,11 +436,7 @@ def test_a_feed_with_a_start_in_flight_does_not_end_idle(monkeypatch: pytest.Mon
         gate = asyncio.Event()
         server = _starting_server(started, gate)
         await server.listener.start()
-        feed = server.feed(consumer="r", replica="d1", direct=True)
-        address = await feed.__anext__()
-        rest = asyncio.ensure_future(feed.__anext__())
-        connection = await wire.connect(address)
-        assert connection is not None
+        rest, connection = await _direct_feed(server)
         batches = asyncio.ensure_future(anext(aiter(connection)))  # (reads replies, as the router's reader does)
         reply = connection.call("start", {"stream_id": "s1", "endpoint": "chat", "body": {}})
         await asyncio.sleep(0.3)  # six idle periods with the start in flight
@@ -451,20 +458,13 @@ def test_what_msgpack_cannot_carry_starts_through_serve(odd: Any) -> None:
         server = _starting_server([])
         await server.listener.start()
         handle = StartingHandle(server)
-        from decode.client import DecodeClient
-
         client = DecodeClient(handle)  # type: ignore[arg-type]
         feed = client.feed(consumer="r", replica="d1")
         reading = asyncio.ensure_future(anext(feed))
-        for _ in range(100):
-            if "d1" in client.connections:
-                break
-            await asyncio.sleep(0.01)
+        await _connected(client)
         body = {"stream": True, "odd": odd}
         reply = await client.start(consumer="r", stream_id="s1", endpoint="chat", body=body, ids=None, via="d1")
-        for outbox in server.outboxes.values():
-            for task in outbox.tasks.values():
-                task.cancel()
+        _cancel_streams(server)
         reading.cancel()
         server.listener.close()
         return reply == {"replica": "d1"}, len(handle.serve_starts)
@@ -501,8 +501,7 @@ def test_a_replica_that_answers_no_calls_gets_its_starts_through_serve(monkeypat
         await asyncio.sleep(0.05)
         second = await asyncio.wait_for(feeds.open("chat", {"stream": True}), 2)
         server.listener.close()
-        for task in server.outboxes["r"].tasks.values():
-            task.cancel()
+        _cancel_streams(server)
         feeds.readers["d1"].cancel()
         return isinstance(second, DecodeStream), len(handle.serve_starts)
 

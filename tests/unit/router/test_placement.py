@@ -67,6 +67,6 @@ def test_a_burst_of_starts_spreads_over_the_pool(monkeypatch: pytest.MonkeyPatch
     for _ in range(4):
         replica = router.placement.choose_decode([], None, feeds._local_streams)
         assert replica is not None
-        feeds._starting[replica] = feeds._starting.get(replica, 0) + 1  # (as `_start_once` counts it)
+        feeds._starting[replica] += 1  # (as `_start_once` counts it)
         chosen.append(replica)
     assert sorted(chosen) == ["d1", "d1", "d2", "d2"]
