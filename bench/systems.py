@@ -53,6 +53,7 @@ RAY_OWN = (
     "runtime_env",
     "ServeController",
     "ProxyActor",
+    "HAProxyManager",  # (the actor that runs and reloads HAProxy; HAProxy itself is the `proxy` role)
 )
 RAYLLM_MODEL = "tiny-llama"  # Ray Serve LLM reads a model id with a colon as a LoRA adapter id
 # Importing ray.serve.llm (the peer) sets the root logger to INFO: httpx would then print a line per request over
