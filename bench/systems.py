@@ -140,19 +140,25 @@ def ray_serve(port: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _ingress(haproxy: bool | None) -> Iterator[None]:
-    """HAProxy on (True) or off (False) for the Ray instance started meanwhile; None: the default
-    (serve_app/serve_env.py)."""
-    key, before = "RAY_SERVE_ENABLE_HA_PROXY", os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
-    if haproxy is not None:
-        os.environ[key] = "1" if haproxy else "0"
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """This process's environment with `values` (None: left as it is) for the Ray instance started meanwhile, whose
+    processes inherit it; as it was afterwards."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: value for key, value in values.items() if value is not None})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _ingress(haproxy: bool | None) -> contextlib.AbstractContextManager[None]:
+    """HAProxy on (True) or off (False) for the Ray instance started meanwhile; None: the default
+    (serve_app/serve_env.py)."""
+    return environ({"RAY_SERVE_ENABLE_HA_PROXY": None if haproxy is None else "1" if haproxy else "0"})
 
 
 def _proxy_role() -> str:
@@ -225,6 +231,13 @@ def app(app_args: dict[str, Any], haproxy: bool | None = None) -> Iterator[Syste
         config = AppConfig.model_validate(app_args)
         name = "app_serve_proxy" if haproxy is False else "app"
         yield System(name, base, config.model_name, roles, resolve_model(config.model))
+
+
+@contextlib.contextmanager
+def app_with_env(app_args: dict[str, Any], env: dict[str, str | None]) -> Iterator[System]:
+    """This app on a Ray instance started with `env` in its processes' environment (e.g. an engine switch)."""
+    with environ(env), app(app_args) as system:
+        yield system
 
 
 def _engine_env(config: AppConfig, role: str) -> dict[str, str]:

@@ -36,6 +36,7 @@ import vllm_cli
 import yaml
 
 from core.config import AppConfig
+from engine.ipc_wait import NOTIFY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -57,6 +58,8 @@ SYSTEMS = {
     "app_serve_feed": lambda app_args: systems.app(systems.serve_feed(app_args)),
     # The app with each request's decode start a Serve call (decode.start: serve), not over the feed's connection.
     "app_serve_start": lambda app_args: systems.app(systems.serve_start(app_args)),
+    # The app with vLLM's wake-up byte on every message between its engine processes (engine/ipc_wait.py).
+    "app_ipc_notify": lambda app_args: systems.app_with_env(app_args, {NOTIFY_ENV: "every"}),
     # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }

@@ -19,7 +19,8 @@ _ALIVE: list[object] = []
 
 
 @pytest.fixture
-def bounded() -> Iterator[None]:
+def bounded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(ipc_wait.NOTIFY_ENV, raising=False)
     assert ipc_wait.install(300)
     yield
     ipc_wait.uninstall()
@@ -145,3 +146,117 @@ def test_every_message_is_read_across_spin_and_sleep(bounded: None) -> None:
     thread.join(10)
     assert [i for i, _ in got] == list(range(6))
     assert max(at - sent[i] for i, at in got) < 0.05
+
+
+class Notified:
+    """Counts the wake-up bytes vLLM's writer really sends (engine/ipc_wait.py `_quiet_notify`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@pytest.fixture
+def notified(bounded: None) -> Iterator[Notified]:
+    counter, send = Notified(), ipc_wait._original["notify"]
+
+    def counted(condition: shm_broadcast.SpinCondition) -> None:
+        counter.count += 1
+        send(condition)
+
+    ipc_wait._original["notify"] = counted
+    yield counter
+    ipc_wait._original["notify"] = send
+
+
+def _queue_and_reader(window_s: float | None = None) -> tuple[shm_broadcast.MessageQueue, list, threading.Event]:
+    """A writer's queue, and a reader thread that appends (message, when read) until told to stop."""
+    queue = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
+    _ALIVE.append(queue)
+    handle, got, started = queue.export_handle(), [], threading.Event()
+
+    def read() -> None:
+        other = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+        _ALIVE.append(other)
+        if window_s is not None:  # (vLLM's window is 1 s: shorter, so that the test's reader sleeps on the socket)
+            other._spin_condition.busy_loop_s = window_s
+        started.set()
+        while (message := other.dequeue(timeout=10)) is not None:
+            got.append((message, time.perf_counter()))
+
+    threading.Thread(target=read, daemon=True).start()
+    queue.wait_until_ready()
+    started.wait(10)
+    return queue, got, started
+
+
+def _read(got: list, n: int, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while len(got) < n and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert len(got) >= n, f"{len(got)} of {n} messages read"
+
+
+def test_no_wake_up_byte_while_the_reader_keeps_up(notified: Notified) -> None:
+    """Messages one after another, each read before the next: only the first is notified (the reader was never
+    inside its window before it), and every one is read, in order."""
+    queue, got, _ = _queue_and_reader()
+    for i in range(40):
+        queue.enqueue(i)
+        _read(got, i + 1)
+    queue.enqueue(None)
+    assert [m for m, _ in got] == list(range(40))
+    assert notified.count == 1
+
+
+def test_a_message_the_reader_has_not_read_yet_still_notifies(notified: Notified) -> None:
+    queue = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
+    _ALIVE.append(queue)
+    handle = queue.export_handle()
+    other_ready = threading.Event()
+    holder: list = []
+
+    def attach() -> None:
+        holder.append(shm_broadcast.MessageQueue.create_from_handle(handle, 0))
+        other_ready.set()
+
+    threading.Thread(target=attach, daemon=True).start()
+    queue.wait_until_ready()
+    other_ready.wait(10)
+    _ALIVE.extend(holder)
+    queue.enqueue(0)
+    queue.enqueue(1)  # (0 not read yet: its reader may be asleep)
+    assert notified.count == 2
+    assert [holder[0].dequeue(timeout=5), holder[0].dequeue(timeout=5)] == [0, 1]
+
+
+def test_a_reader_asleep_past_its_window_is_woken_at_once(notified: Notified) -> None:
+    """A reader that read nothing for its window sleeps on the socket: a message after a quiet spell (longer than
+    `QUIET_S`) sends the byte, and the reader has it within milliseconds, not at vLLM's 5 s re-check."""
+    queue, got, _ = _queue_and_reader(window_s=0.02)
+    queue.enqueue(0)
+    _read(got, 1)
+    time.sleep(ipc_wait.QUIET_S + 0.1)  # the reader is asleep on the socket, and the writer's last message is old
+    sent = time.perf_counter()
+    queue.enqueue(1)
+    _read(got, 2)
+    queue.enqueue(None)
+    assert notified.count >= 2
+    assert got[1][1] - sent < 0.5
+
+
+def test_every_switches_the_quiet_wake_up_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_enqueue, vllm_notify = shm_broadcast.MessageQueue.enqueue, shm_broadcast.SpinCondition.notify
+    monkeypatch.setenv(ipc_wait.NOTIFY_ENV, "every")
+    try:
+        assert ipc_wait.install(300)
+        assert shm_broadcast.MessageQueue.enqueue is vllm_enqueue
+    finally:
+        ipc_wait.uninstall()
+    monkeypatch.delenv(ipc_wait.NOTIFY_ENV)
+    try:
+        assert ipc_wait.install(300) and ipc_wait.install(200)
+        assert shm_broadcast.MessageQueue.enqueue is not vllm_enqueue
+        assert ipc_wait._original["notify"] is vllm_notify  # (installed twice: still vLLM's underneath)
+    finally:
+        ipc_wait.uninstall()
+    assert (shm_broadcast.MessageQueue.enqueue, shm_broadcast.SpinCondition.notify) == (vllm_enqueue, vllm_notify)
