@@ -60,7 +60,8 @@ SYSTEMS = {
     "app_serve_start": lambda app_args: systems.app(systems.serve_start(app_args)),
     # The app with vLLM's wake-up byte on every message between its engine processes (engine/ipc_wait.py).
     "app_ipc_notify": lambda app_args: systems.app_with_env(app_args, {NOTIFY_ENV: "every"}),
-    # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null).
+    # The app with vLLM's own 1 s spin between its engine processes (engine.ipc_spin_us: null; and so vLLM's byte on
+    # every message too: engine/ipc_wait.py installs both or neither).
     "app_vllm_spin": lambda app_args: systems.app(systems.vllm_spin(app_args)),
 }
 

@@ -18,9 +18,11 @@ reader sleeping on it: a syscall and a wake of ZMQ's I/O thread in both processe
 directions (py-spy: ~9% of a worker's samples at one stream). A reader only sleeps on the socket once it has read
 nothing for vLLM's window (1 s); so when every reader has read the writer's last message and that message was
 written less than `QUIET_S` ago, each is still inside its window, checking the queue itself, and the byte is not
-sent. (A reader past its window re-reads the queue every 5 s anyway: vLLM's own re-check, for a lost byte.)
+sent. That holds while a reader stalls less than the window's other 0.75 s between its last look at the queue and
+its wait; a longer stall (a starved process) costs at most vLLM's own re-check of the queue, every 5 s.
 One engine alone at one stream (`python` in-process, 512-token answers, two alternations): 1,207 / 846 tokens/s
-against 1,118 / 769 with a byte every message. `RTPD_IPC_NOTIFY=every` keeps vLLM's.
+against 1,118 / 769 with a byte every message; the app at 1 / 32 / 128 streams 1.15 / 1.03 / 1.26x the tokens/s
+(bench/token_path.py, `app_ipc_notify`: docs/benchmarks.md). `RTPD_IPC_NOTIFY=every` keeps vLLM's.
 
 Installed in the engine processes vLLM's multiprocessing executor starts (`engine.llm`'s process entry
 points; not Ray-actor workers) from the environment variable `IPC_SPIN_US_ENV`, which `Engine.start` and
@@ -110,8 +112,14 @@ def _quiet_notify(shm_broadcast: Any) -> None:
     """A writer wakes its readers through the socket only when one may be sleeping on it (`QUIET_S`)."""
     queue_cls, cond_cls = shm_broadcast.MessageQueue, shm_broadcast.SpinCondition
     window = inspect.signature(cond_cls.__init__).parameters.get("busy_loop_s")
-    if window is None or not isinstance(window.default, (int, float)) or window.default < 4 * QUIET_S:
-        logger.warning("vLLM's readers spin for %s s, not 1: every message wakes them (%s)", window, NOTIFY_ENV)
+    window_s = window.default if window is not None else None
+    # The readers' window less QUIET_S is the margin a reader's stall between its last check and its wait must stay
+    # under; vLLM's 5 s re-check bounds the cost of a stall past it (without the re-check, a wait could be forever).
+    if not isinstance(window_s, (int, float)) or window_s < 4 * QUIET_S:
+        logger.warning("vLLM's readers wait %s s before sleeping: every message wakes them", window_s)
+        return
+    if not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        logger.warning("vLLM's sleeping readers never re-check the queue: every message wakes them")
         return
     _original.setdefault("enqueue", queue_cls.enqueue)
     _original.setdefault("notify", cond_cls.notify)
@@ -122,21 +130,24 @@ def _quiet_notify(shm_broadcast: Any) -> None:
             fence()
             return bool(metadata[0]) and sum(metadata[1:]) == queue.buffer.n_reader
 
-    def enqueue(self: Any, obj: Any, timeout: float | None = None) -> None:
+    def enqueue(self: Any, *args: Any, **kwargs: Any) -> None:
         condition, last = getattr(self, "_spin_condition", None), getattr(self, "rtpd_last_write", None)
-        if condition is not None and last is not None:
-            # Every reader read the last message, written less than QUIET_S ago: each is inside its window.
-            condition.rtpd_quiet = time.monotonic() - last[1] < QUIET_S and all_read(self, last[0])
-        index = self.current_idx  # (the chunk this message goes to)
+        if condition is not None:
+            # Every reader read the last message (its flags only go 0 -> 1 until this write): since then each read
+            # at or after `last[1]`, which is stamped before that message was visible (so a reader's window is
+            # measured from no earlier than this). `notify`, after this message is visible, checks the time.
+            condition.rtpd_since = last[1] if last is not None and all_read(self, last[0]) else None
+        index, stamped = self.current_idx, time.monotonic()  # (the chunk this message goes to; before it is visible)
         try:
-            _original["enqueue"](self, obj, timeout)
+            _original["enqueue"](self, *args, **kwargs)
         finally:
             if condition is not None:
-                condition.rtpd_quiet = False
-        self.rtpd_last_write = (index, time.monotonic())
+                condition.rtpd_since = None
+        self.rtpd_last_write = (index, stamped)
 
     def notify(self: Any) -> None:
-        if not getattr(self, "rtpd_quiet", False):
+        since = getattr(self, "rtpd_since", None)
+        if since is None or time.monotonic() - since >= QUIET_S:
             _original["notify"](self)
 
     queue_cls.enqueue, cond_cls.notify = enqueue, notify

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -168,80 +169,99 @@ def notified(bounded: None) -> Iterator[Notified]:
     ipc_wait._original["notify"] = send
 
 
-def _queue_and_reader(window_s: float | None = None) -> tuple[shm_broadcast.MessageQueue, list, threading.Event]:
-    """A writer's queue, and a reader thread that appends (message, when read) until told to stop."""
-    queue = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
+Read = list[tuple[Any, float]]  # (message, when read)
+
+
+def _writer() -> tuple[shm_broadcast.MessageQueue, Any]:
+    queue = shm_broadcast.MessageQueue(n_reader=2, n_local_reader=2, max_chunk_bytes=1 << 16, max_chunks=4)
     _ALIVE.append(queue)
-    handle, got, started = queue.export_handle(), [], threading.Event()
+    return queue, queue.export_handle()
+
+
+def _reader(handle: Any, rank: int, got: Read, window_s: float | None = None) -> threading.Event:
+    """A reader thread that appends what it reads until it reads None; set once it is attached."""
+    attached = threading.Event()
 
     def read() -> None:
-        other = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+        other = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
         _ALIVE.append(other)
         if window_s is not None:  # (vLLM's window is 1 s: shorter, so that the test's reader sleeps on the socket)
             other._spin_condition.busy_loop_s = window_s
-        started.set()
+        attached.set()
         while (message := other.dequeue(timeout=10)) is not None:
             got.append((message, time.perf_counter()))
 
     threading.Thread(target=read, daemon=True).start()
+    return attached
+
+
+def _two_readers(window_s: float | None = None) -> tuple[shm_broadcast.MessageQueue, Read, Read]:
+    queue, handle = _writer()
+    first, second = [], []
+    attached = [_reader(handle, 0, first, window_s), _reader(handle, 1, second, window_s)]
     queue.wait_until_ready()
-    started.wait(10)
-    return queue, got, started
+    assert all(event.wait(10) for event in attached)
+    return queue, first, second
 
 
-def _read(got: list, n: int, within_s: float = 5.0) -> None:
+def _read(got: Read, n: int, within_s: float = 5.0) -> None:
     deadline = time.monotonic() + within_s
     while len(got) < n and time.monotonic() < deadline:
         time.sleep(0.0005)
     assert len(got) >= n, f"{len(got)} of {n} messages read"
 
 
-def test_no_wake_up_byte_while_the_reader_keeps_up(notified: Notified) -> None:
-    """Messages one after another, each read before the next: only the first is notified (the reader was never
-    inside its window before it), and every one is read, in order."""
-    queue, got, _ = _queue_and_reader()
+def test_no_wake_up_byte_while_the_readers_keep_up(notified: Notified, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages one after another, each read by both readers before the next: only the first is notified (before
+    it, no reader had read anything), and every one is read, in order."""
+    monkeypatch.setattr(ipc_wait, "QUIET_S", 0.9)  # (a gap on a busy machine must not make a byte: still < 1 s)
+    queue, first, second = _two_readers()
     for i in range(40):
         queue.enqueue(i)
-        _read(got, i + 1)
-    queue.enqueue(None)
-    assert [m for m, _ in got] == list(range(40))
+        _read(first, i + 1)
+        _read(second, i + 1)
     assert notified.count == 1
+    queue.enqueue(None)
+    assert [m for m, _ in first] == [m for m, _ in second] == list(range(40))
 
 
-def test_a_message_the_reader_has_not_read_yet_still_notifies(notified: Notified) -> None:
-    queue = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
-    _ALIVE.append(queue)
-    handle = queue.export_handle()
-    other_ready = threading.Event()
-    holder: list = []
-
-    def attach() -> None:
-        holder.append(shm_broadcast.MessageQueue.create_from_handle(handle, 0))
-        other_ready.set()
-
-    threading.Thread(target=attach, daemon=True).start()
+def test_a_message_one_reader_has_not_read_yet_still_notifies(notified: Notified) -> None:
+    """Two readers: the second has not read message 0 (it may be asleep), so message 1 sends the byte."""
+    queue, handle = _writer()
+    first: Read = []
+    attached = _reader(handle, 0, first)
+    holder: list[shm_broadcast.MessageQueue] = []
+    slow = threading.Thread(target=lambda: holder.append(shm_broadcast.MessageQueue.create_from_handle(handle, 1)))
+    slow.start()
     queue.wait_until_ready()
-    other_ready.wait(10)
+    slow.join(10)
+    assert attached.wait(10) and holder
     _ALIVE.extend(holder)
     queue.enqueue(0)
-    queue.enqueue(1)  # (0 not read yet: its reader may be asleep)
+    _read(first, 1)
+    queue.enqueue(1)  # (the first reader read 0, the second did not)
     assert notified.count == 2
     assert [holder[0].dequeue(timeout=5), holder[0].dequeue(timeout=5)] == [0, 1]
+    queue.enqueue(None)
+    _read(first, 2)
 
 
-def test_a_reader_asleep_past_its_window_is_woken_at_once(notified: Notified) -> None:
-    """A reader that read nothing for its window sleeps on the socket: a message after a quiet spell (longer than
-    `QUIET_S`) sends the byte, and the reader has it within milliseconds, not at vLLM's 5 s re-check."""
-    queue, got, _ = _queue_and_reader(window_s=0.02)
+def test_readers_asleep_past_their_window_are_woken_at_once(notified: Notified) -> None:
+    """Readers that read nothing for their window sleep on the socket: a message after a quiet spell (longer than
+    `QUIET_S`) sends the byte, and they have it within milliseconds, not at vLLM's 5 s re-check."""
+    queue, first, second = _two_readers(window_s=0.02)
     queue.enqueue(0)
-    _read(got, 1)
-    time.sleep(ipc_wait.QUIET_S + 0.1)  # the reader is asleep on the socket, and the writer's last message is old
+    _read(first, 1)
+    _read(second, 1)
+    time.sleep(ipc_wait.QUIET_S + 0.1)  # the readers are asleep on the socket, and the writer's last message is old
     sent = time.perf_counter()
     queue.enqueue(1)
-    _read(got, 2)
+    _read(first, 2)
+    _read(second, 2)
+    assert notified.count == 2
+    assert max(first[1][1], second[1][1]) - sent < 0.5
+    time.sleep(ipc_wait.QUIET_S + 0.1)
     queue.enqueue(None)
-    assert notified.count >= 2
-    assert got[1][1] - sent < 0.5
 
 
 def test_every_switches_the_quiet_wake_up_off(monkeypatch: pytest.MonkeyPatch) -> None:
