@@ -358,8 +358,10 @@ class AdmissionConfig(_Strict):
     # The pools' routing stats in these rules (sessions full, KV low, prefill queues as the adaptive limit's early
     # signal, saturation). Off: as every release so far ran, unknowingly (Serve's by-value copy of the request
     # routers kept their stats from the ingress until 2026-11-29): the replicas' own hard limits and the adaptive
-    # limit on first-token latency. On, two things are left to fix first (test_overload): stats up to a second old
-    # refuse a session that fits right after one ends here, and a 40-session load under capacity saw refusals.
+    # limit on first-token latency. On, test_overload's replacement at capacity fails: stats up to a second old let
+    # sessions in up to the replica's own capacity (96), and once one ends, 95 are still over `max_session_fill`
+    # (91.2), so the newcomer waits out `max_wait_s` and is refused where the replica had room (counting this
+    # router's own sessions since the last stats did not change that: the fill ratio does).
     pool_stats: bool = False
     # The longest new work waits to be admitted (its share of a first-token bound): work whose expected wait
     # (Little's law over its kind's recent holds: router/admission/queue.py) is longer is refused at once, with

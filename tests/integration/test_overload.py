@@ -64,7 +64,8 @@ def test_past_capacity_new_sessions_are_refused_and_admitted_ones_go_on(server: 
             # queue (a session ended lately: a wait can be promised) and is admitted when another one ends.
             await admitted.pop(0).close()
             filler = await websockets.connect(ws_url(server), open_timeout=60)
-            assert json.loads(await filler.recv())["type"] == "session.created"
+            event = json.loads(await filler.recv())
+            assert event["type"] == "session.created", event
             admitted.append(filler)
             await asyncio.sleep(2.5)  # (the stats count it)
 
