@@ -75,11 +75,9 @@ class DecodeRouter(_Registered):
                     return [[candidate]]
             # Gone: any replica answers that it is not the one (and the caller learns it).
             return [candidate_replicas[:1]]
-        avoid = set(kwargs.get("avoid") or ())
-        candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
-        preferred = [r for r in candidates if r.replica_id.unique_id == kwargs.get("prefer")]
-        if preferred:  # (a continuation where its KV is cached)
-            return [preferred, [r for r in candidates if r not in preferred]]
+        preferred, candidates = decode_candidates(candidate_replicas, kwargs.get("avoid") or (), kwargs.get("prefer"))
+        if preferred:
+            return [preferred, candidates]
         if len(candidates) > 1 and all(r.routing_stats for r in candidates):
             ranked = sorted(candidates, key=lambda r: r.routing_stats.get(ACTIVE_STREAMS, 0))
             return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
@@ -108,6 +106,17 @@ class SpeechRouter(_Registered):
         return await super().choose_replicas(candidate_replicas, pending_request)
 
 
+def decode_candidates(
+    replicas: list[RunningReplica], avoid: Collection[str], prefer: str | None
+) -> tuple[list[RunningReplica], list[RunningReplica]]:
+    """The decode pool's first rule, for Serve's routing (`DecodeRouter`) and the router's own (`choose_decode`): the
+    replicas not avoided (all of them if every one is), split into `prefer` (a continuation where its KV is cached,
+    if it runs) and the others."""
+    candidates = [r for r in replicas if r.replica_id.unique_id not in avoid] or replicas
+    preferred = [r for r in candidates if r.replica_id.unique_id == prefer]
+    return preferred, [r for r in candidates if r not in preferred]
+
+
 def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[], dict[str, int]]) -> str | None:
     """The decode replica for a new stream, chosen in this process by `DecodeRouter`'s policy, for a start that goes
     over that replica's feed connection instead of through Serve (decode/wire.py): `prefer` if it runs and is not
@@ -115,14 +124,11 @@ def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[]
     it, `local()`, if more: the stats are up to a second old). None: this process has no view of the pool yet."""
     decode = pool(DECODE_POOL)
     replicas = [] if decode is None else list(decode.curr_replicas.values())
-    candidates = [r for r in replicas if r.replica_id.unique_id not in avoid] or replicas
-    if not candidates:
-        return None
-    ids = [r.replica_id.unique_id for r in candidates]
-    if prefer in ids:  # (a continuation where its KV is cached)
-        return prefer
-    if len(ids) == 1:
-        return ids[0]
+    preferred, candidates = decode_candidates(replicas, avoid, prefer)
+    if preferred:
+        return preferred[0].replica_id.unique_id
+    if len(candidates) <= 1:
+        return candidates[0].replica_id.unique_id if candidates else None
     mine = local()
     load = {
         r.replica_id.unique_id: max((r.routing_stats or {}).get(ACTIVE_STREAMS, 0), mine.get(r.replica_id.unique_id, 0))

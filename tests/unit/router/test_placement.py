@@ -70,3 +70,21 @@ def test_a_burst_of_starts_spreads_over_the_pool(monkeypatch: pytest.MonkeyPatch
         feeds._starting[replica] += 1  # (as `_start_once` counts it)
         chosen.append(replica)
     assert sorted(chosen) == ["d1", "d1", "d2", "d2"]
+
+
+def test_serve_and_the_router_place_by_the_same_first_rule() -> None:
+    """`DecodeRouter` (Serve's routing) and `choose_decode` (the router's own) share `decode_candidates`: never an
+    avoided replica unless all are, a preferred one first, then the fewest streams."""
+    from types import SimpleNamespace
+
+    replicas = list(_Pool({"d1": 5, "d2": 2, "d3": 1}).curr_replicas.values())
+
+    def serve(**kwargs: object) -> list[list[str]]:
+        pending = SimpleNamespace(kwargs=kwargs)
+        groups = asyncio.run(router.placement.DecodeRouter.choose_replicas(None, replicas, pending))  # type: ignore[arg-type]
+        return [[r.replica_id.unique_id for r in group] for group in groups]
+
+    assert serve(prefer="d1") == [["d1"], ["d2", "d3"]]
+    assert serve(prefer="d1", avoid=["d1"]) == [["d3", "d2"]]
+    assert serve(avoid=["d1", "d2", "d3"]) == [["d3", "d2"], ["d1"]]
+    assert serve(prefer="gone") == [["d3", "d2"], ["d1"]]
