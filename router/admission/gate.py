@@ -2,7 +2,7 @@
 while it can be served in time, and is refused beyond, so that admitted work keeps its latency.
 
 The input is what every replica last pushed in its routing stats (once a second; core/placement.py `pool_stats`;
-only with `router.admission.pool_stats` on, off by default until the two faults its comment names are fixed):
+only with `router.admission.pool_stats` on, off by default until the fault its comment names is fixed):
 a prefill replica reports `open_sessions`, `session_capacity`, `kv_blocks_free`, `kv_blocks_total` and
 `queue_waiting`; a decode replica `active_streams` (and `stream_capacity` if it knows it). The rules
 (`router.admission` in the config):
