@@ -18,3 +18,20 @@ def test_a_machines_cluster_sets_haproxys_threads_unless_the_environment_does(mo
     monkeypatch.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "3")
     assert serve_env.local_env()["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
     assert "RAY_SERVE_HAPROXY_NBTHREAD" not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
+
+
+@pytest.mark.parametrize(("cpus", "interval"), [(1, 0.5), (2, 0.5), (7, 0.5), (8, None), (64, None)])
+def test_small_machines_run_serves_control_loop_every_half_second(cpus: int, interval: float | None) -> None:
+    assert serve_env.control_loop_interval_s(cpus) == interval
+
+
+def test_a_machines_cluster_sets_the_control_loop_unless_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    monkeypatch.delenv(key, raising=False)
+    expected = serve_env.control_loop_interval_s()
+    for haproxy in ("1", "0"):  # (with Serve's own proxy too)
+        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
+        assert serve_env.settings().get(key) == (None if expected is None else str(expected))
+    monkeypatch.setenv(key, "0.2")
+    assert serve_env.settings()[key] == "0.2"
+    assert key not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
