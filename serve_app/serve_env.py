@@ -69,8 +69,9 @@ SERVE_ENV = {
 def control_loop_interval_s(cpus: int | None = None) -> float | None:
     """How often Serve's controller runs its control loop on a machine whose cluster is all here: every 0.5 s below
     eight cores, Ray's 0.1 s (None: not set) above. Each round asks GCS for every node's resources and reconciles
-    every deployment, busy or idle: on two cores that was Serve's controller at 7-8% of a core and GCS at 3%, idle
-    and serving alike, against 2.8% and 1.1% at 0.5 s (/proc, a minute after `make run` is ready; docs/benchmarks.md).
+    every deployment, busy or idle: on two cores that was Serve's controller at 6.8-8.0% of a core and GCS at 3%,
+    idle and serving alike, against 2.6-2.9% and 1.1% at 0.5 s (/proc, idle after `make run` is ready;
+    docs/benchmarks.md, seventh pass).
     The price: the controller acts on a replica's change of state (started, dead, healthy again) up to 0.4 s later;
     a router steers around a dead replica on its own at once."""
     if cpus is None:
