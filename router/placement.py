@@ -121,7 +121,7 @@ def choose_decode(avoid: Collection[str], prefer: str | None, local: Callable[[]
     """The decode replica for a new stream, chosen in this process by `DecodeRouter`'s policy, for a start that goes
     over that replica's feed connection instead of through Serve (decode/wire.py): `prefer` if it runs and is not
     avoided, else the one with the fewest active streams (its last routing stats, or this router's own streams on
-    it, `local()`, if more: the stats are up to a second old). None: this process has no view of the pool yet."""
+    it, `local()`, if more: the stats are a second or two old). None: this process has no view of the pool yet."""
     decode = pool(DECODE_POOL)
     replicas = [] if decode is None else list(decode.curr_replicas.values())
     preferred, candidates = decode_candidates(replicas, avoid, prefer)

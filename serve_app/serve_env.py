@@ -72,8 +72,9 @@ def control_loop_interval_s(cpus: int | None = None) -> float | None:
     every deployment, busy or idle: on two cores that was Serve's controller at 6.8-8.0% of a core and GCS at 3%,
     idle and serving alike, against 2.6-2.9% and 1.1% at 0.5 s (/proc, idle after `make run` is ready;
     docs/benchmarks.md, seventh pass).
-    The price: the controller acts on a replica's change of state (started, dead, healthy again) up to 0.4 s later;
-    a router steers around a dead replica on its own at once."""
+    The price: each round of the controller's reaction to a replica's change of state (started, ready, dead) comes
+    up to 0.4 s later, and replicas' routing stats reach the routers up to ~0.5 s staler; a router steers around a
+    dead replica on its own at once."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 0.5 if cpus < 8 else None

@@ -28,10 +28,11 @@ def test_small_machines_run_serves_control_loop_every_half_second(cpus: int, int
 def test_a_machines_cluster_sets_the_control_loop_unless_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
     key = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
     monkeypatch.delenv(key, raising=False)
-    expected = serve_env.control_loop_interval_s()
-    for haproxy in ("1", "0"):  # (with Serve's own proxy too)
-        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
-        assert serve_env.settings().get(key) == (None if expected is None else str(expected))
+    for cpus, expected in ((2, "0.5"), (16, None)):  # (whatever cores this machine has)
+        monkeypatch.setattr(serve_env.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)), raising=False)
+        for haproxy in ("1", "0"):  # (with Serve's own proxy too)
+            monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
+            assert serve_env.settings().get(key) == expected
     monkeypatch.setenv(key, "0.2")
     assert serve_env.settings()[key] == "0.2"
     assert key not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
