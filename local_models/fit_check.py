@@ -58,10 +58,18 @@ def _tail(done: subprocess.CompletedProcess[str], lines: int = 3) -> list[str]:
     return (done.stdout.strip().splitlines() + done.stderr.strip().splitlines())[-lines:] or ["no output"]
 
 
+# A kernel of the dispatched path runs before the capability is printed: under a hypervisor that hides AVX-512 from
+# the OS (no avx512 flags in /proc/cpuinfo) while CPUID still names it, torch reports AVX512 when asked for it and
+# then dies of SIGILL in its first vectorized kernel, so a path counts only once its kernels ran.
+_KERNEL = "torch.softmax(torch.randn(64, 64), -1).sum().item()"
+_PROBE = f"import torch; {_KERNEL}; print(torch.backends.cpu.get_cpu_capability())"
+
+
 def capability_under(path: str) -> str:
-    """The capability torch runs when `path` is asked for: the path itself, or what torch fell back to."""
-    done = _python(["-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"], path, 120)
-    return done.stdout.strip().lower()
+    """The capability torch runs when `path` is asked for: the path itself, or what torch fell back to; "" when
+    its kernels cannot run here."""
+    done = _python(["-c", _PROBE], path, 120)
+    return done.stdout.strip().lower() if done.returncode == 0 else ""
 
 
 def available_paths() -> list[str]:

@@ -18,3 +18,16 @@ def test_every_fitted_model_fits_under_every_kernel_path(tmp_path: Path) -> None
     for result in results:
         assert result["ok"], result
         assert result["capability"].endswith(f"CPU capability {result['path'].upper()}"), result
+
+
+def test_a_path_whose_kernels_die_is_not_available(monkeypatch) -> None:
+    """A hypervisor can hide AVX-512 from the OS while CPUID names it: torch then reports AVX512 when asked for it
+    and dies of SIGILL in its first kernel (seen on an AVX2 EPYC). Such a path is not one this machine can run."""
+    import subprocess
+
+    def python(args: list[str], path: str | None, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, -4 if path == "avx512" else 0, f"{path}\n", "")
+
+    monkeypatch.setattr(fit_check, "_python", python)
+    assert fit_check.capability_under("avx512") == ""
+    assert fit_check.available_paths() == ["default", "avx2"]
