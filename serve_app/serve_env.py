@@ -40,12 +40,16 @@ from core.ports import free_ports
 MAX_SESSION_S = int(LimitsConfig().max_session_s)  # the default session limit
 
 
+def _cpus() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def haproxy_threads(cpus: int | None = None) -> int:
     """HAProxy's threads: one per four cores, 1 to 4 (Ray's default is 4 whatever the machine). On two cores its
     four threads cost it twice the CPU per token and per request of one (bench/token_path.py A/B,
     docs/benchmarks.md): they wake and contend for work one thread does alone."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = _cpus() if cpus is None else cpus
     return max(1, min(4, cpus // 4))
 
 
@@ -75,8 +79,7 @@ def control_loop_interval_s(cpus: int | None = None) -> float | None:
     The price: each round of the controller's reaction to a replica's change of state (started, ready, dead) comes
     up to 0.4 s later, and replicas' routing stats reach the routers up to ~0.5 s staler; a router steers around a
     dead replica on its own at once."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = _cpus() if cpus is None else cpus
     return 0.5 if cpus < 8 else None
 
 
