@@ -7,10 +7,11 @@ model; users name a real one (e.g. openai/whisper-small) in the config instead.
 
 Nothing downloadable can recognize speech here, so the decoder is fitted, from seeded weights, until greedy decoding
 transcribes every clip in speech/samples/ exactly, with a logit margin, also as the serving side cuts them: with
-0-400 ms of silence (or faint noise) before, 0-700 ms after, a little of an edge cut off. Silence or faint noise
-alone transcribes to "" (the decoder ends at once). Other speech gives one of the sentences, or garbage. Asked for
-the language (vLLM detects it when a request names none), it answers `<|en|>`. The encoder is a fixed random
-feature map without position embeddings (`_init_encoder`, `_fit`): where a clip sits in the window does not matter.
+0-400 ms of silence (or faint noise) before, 0-700 ms after, a little of an edge cut off, sent at 16 kHz or at
+24 kHz (resampled twice on its way, `served`). Silence or faint noise alone transcribes to "" (the decoder ends at
+once). Other speech gives one of the sentences, or garbage. Asked for the language (vLLM detects it when a request
+names none), it answers `<|en|>`. The encoder is a fixed random feature map without position embeddings
+(`_init_encoder`, `_fit`): where a clip sits in the window does not matter.
 
 Transcripts follow Whisper's convention: a leading space (" What is the weather in Paris?"); callers `.strip()`.
 The decoder prompt is vLLM's: `<|startoftranscript|><|en|><|transcribe|><|notimestamps|>` (`DECODER_PROMPT`).
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "speech" / "samples"  # (the speech role's demo clips)
 SENTENCES: dict[str, str] = json.loads((SAMPLES_DIR / "sentences.json").read_text())
 DEFAULT_DIR = MODELS_DIR / "tiny-whisper"
-VERSION = 5  # bump when the recipe changes, so stale copies are rebuilt
+VERSION = 6  # bump when the recipe changes, so stale copies are rebuilt
 RATE = 16_000  # Hz: Whisper's, and the sample clips'
 DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 SEED = 1234
@@ -162,14 +163,34 @@ class Cut:
     trim_start_ms: int = 0  # speech cut off the start
     trim_end_ms: int = 0  # speech cut off the end
     noise: float = 0.0  # standard deviation of faint Gaussian noise over the whole segment
+    rate: int = RATE  # the client's: other than 16 kHz, the audio reaches the model resampled twice (`served`)
 
     def apply(self, clip: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         ms = RATE // 1000
         speech = clip[self.trim_start_ms * ms : len(clip) - self.trim_end_ms * ms]
-        audio = np.concatenate([np.zeros(self.pre_ms * ms), speech, np.zeros(self.post_ms * ms)])
+        audio = np.concatenate([np.zeros(self.pre_ms * ms), speech, np.zeros(self.post_ms * ms)]).astype(np.float32)
+        if self.rate != RATE:
+            audio = served(audio, self.rate)
         if self.noise:
             audio = audio + self.noise * rng.standard_normal(len(audio))
         return audio.astype(np.float32)
+
+
+def served(audio: np.ndarray, rate: int) -> np.ndarray:
+    """16 kHz `audio` as a client at `rate` sends it (PCM16, 100 ms appends) and the serving side hands it to the
+    model: resampled to 16 kHz by the router's streaming resampler (speech/utterance.py `resample_stream`), as PCM16.
+    Not the clip the recording made: the two resamplings move a near-tied transcript to another sentence (the moon
+    clip sent at 24 kHz came out as the news one on a model fitted without them)."""
+    import soxr
+
+    from core.pcm import from_pcm16, pcm16
+    from speech.utterance import resample_stream
+
+    sent = from_pcm16(pcm16(soxr.resample(audio, RATE, rate)))
+    stream, step = resample_stream(rate), rate // 10
+    parts = [stream.resample_chunk(sent[i : i + step]) for i in range(0, len(sent), step)]
+    parts.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
+    return from_pcm16(pcm16(np.concatenate(parts)))
 
 
 def random_cuts(rng: np.random.Generator, n: int) -> list[Cut]:
@@ -185,6 +206,7 @@ def random_cuts(rng: np.random.Generator, n: int) -> list[Cut]:
             trim_start_ms=maybe(0.4, int(rng.integers(5, 41))),
             trim_end_ms=maybe(0.4, int(rng.integers(5, 81))),
             noise=float(rng.choice([0.0, 0.0, 1e-4, 5e-4])),
+            rate=int(rng.choice([RATE, 24_000])),  # (OpenAI's clients send 24 kHz)
         )
         for _ in range(n)
     ]

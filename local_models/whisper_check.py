@@ -25,15 +25,17 @@ CHECK_SEED = 99  # (the fit draws its cuts with SEED and SEED + 1)
 
 
 def cases(extra_cuts: int) -> list[tuple[str, str, np.ndarray]]:
-    """(slug, description, audio): each clip plain, with 300 ms before / 600 ms after, `extra_cuts` random cuts;
+    """(slug, description, audio): each clip plain, with 300 ms before / 600 ms after, sent at 24 kHz (`Cut.rate`),
+    `extra_cuts` random cuts;
     then silences, whose transcript is ""."""
     rng = np.random.default_rng(CHECK_SEED)
     out = []
     for slug in SENTENCES:
         clip = load_sample(slug)
-        for cut in [Cut(), Cut(pre_ms=300, post_ms=600), *random_cuts(rng, extra_cuts)]:
+        fixed = [Cut(), Cut(pre_ms=300, post_ms=600), Cut(pre_ms=100, post_ms=100, rate=24_000)]
+        for cut in [*fixed, *random_cuts(rng, extra_cuts)]:
             kind = f"{cut.pre_ms}/{cut.post_ms} ms, -{cut.trim_start_ms}/-{cut.trim_end_ms} ms, noise {cut.noise:g}"
-            out.append((slug, kind, cut.apply(clip, rng)))
+            out.append((slug, f"{kind}, {cut.rate // 1000} kHz", cut.apply(clip, rng)))
     out.append(("silence", "zeros 1 s", np.zeros(RATE, np.float32)))
     for level in (3e-5, 1e-4, 1e-3):
         out.append(

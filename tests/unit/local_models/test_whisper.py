@@ -65,6 +65,35 @@ def test_every_sample_transcribes_exactly(built: tuple[object, object], before_s
         assert sm.transcribe(model, processor, _pad(sm.load_sample(slug), before_s, after_s)) == " " + text
 
 
+def served_at_24k(audio: np.ndarray) -> np.ndarray:
+    """`audio` as a realtime client sends it (PCM16 at 24 kHz, in 100 ms appends) and the router's resampler hands
+    it to the speech role (16 kHz: router/voice/audio.py), quantized to PCM16 as an utterance sends it."""
+    import soxr
+
+    from core.pcm import from_pcm16, pcm16
+    from router.voice.audio import PCM24K, Resampler
+
+    sent = pcm16(soxr.resample(audio, 16_000, 24_000))
+    resampler = Resampler(PCM24K)
+    parts = [resampler(sent[i : i + 4800]) for i in range(0, len(sent), 4800)] + [resampler.flush()]
+    return from_pcm16(pcm16(np.concatenate(parts)))
+
+
+@pytest.mark.parametrize(
+    ("before_s", "after_s", "cut_before_s", "cut_after_s"), [(0.3, 0.6, 0, 0), (0.3, 1.2, 0.22, 1.1)]
+)
+def test_every_sample_sent_at_24k_transcribes_exactly(
+    built: tuple[object, object], before_s: float, after_s: float, cut_before_s: float, cut_after_s: float
+) -> None:
+    """As the voice tests and OpenAI's clients send it: resampled twice, the clip is not the one the fit saw. The
+    second case is the server VAD's cut (its prefix padding before the speech, ~100 ms of silence after)."""
+    model, processor = built
+    for slug, text in sm.SENTENCES.items():
+        audio = served_at_24k(_pad(sm.load_sample(slug), before_s, after_s))
+        audio = audio[int(cut_before_s * 16_000) : len(audio) - int(cut_after_s * 16_000)]
+        assert sm.transcribe(model, processor, audio) == " " + text, slug
+
+
 def test_silence_transcribes_to_nothing(built: tuple[object, object]) -> None:
     model, processor = built
     noise = (1e-4 * np.random.default_rng(7).standard_normal(24_000)).astype(np.float32)
