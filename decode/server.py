@@ -365,6 +365,8 @@ class DecodeServer:
         stats = await self.engine.compute_stats(request_id_prefix)
         if request_id_prefix is None:  # (a process-wide count: not one request's)
             stats["held_tokens_fed_again"] = tokens_fed_again()
+        else:  # what its preemptive answers' streams have taken from the engine (behind the engine's own count)
+            stats["parked_tokens_made"] = sum(p.made for sid, p in self.parked.items() if request_id_prefix in sid)
         return {**stats, "replica": self.replica}
 
     def pid(self, replica: str | None = None) -> dict[str, Any]:

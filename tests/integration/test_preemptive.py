@@ -92,14 +92,13 @@ def test_an_unchanged_turn_gets_its_preemptive_answer(server):
     wait_idle("decode")
 
 
-def held(sid: str) -> bool:
+def held(sid: str, cap: int = OPTIONS["max_tokens"]) -> bool:
     """Decode holds the session's preemptive answer at its cap: its one request has computed its input (its KV is
-    in), and runs no more."""
-    stats = engine_stats("decode")
-    return engine_stats("decode", sid)["prompt_tokens_computed"] > 0 and (
-        stats["num_requests"],
-        stats["num_running"],
-    ) == (1, 0)
+    in), runs no more, and its stream has taken all `cap` tokens from the engine (the engine's figures run ahead of
+    its serving layer's on a loaded machine)."""
+    stats, mine = engine_stats("decode"), engine_stats("decode", sid)
+    engine = (stats["num_requests"], stats["num_running"])
+    return mine["prompt_tokens_computed"] > 0 and mine["parked_tokens_made"] == cap and engine == (1, 0)
 
 
 def test_a_held_preemptive_answer_is_given_up_when_input_comes(server):
