@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 from local_models.tools_fit import PARIS, TOOLS
 from local_models.whisper import SENTENCES, load_sample
 from speech.engine import wav_bytes
-from tests.integration.conftest import TOOLS_APP, engine_stats
+from tests.integration.conftest import TOOLS_APP, engine_stats, wait_app
 
 pytestmark = pytest.mark.integration
 
@@ -534,3 +534,4 @@ def test_a_speech_replica_killed_mid_turn_fails_the_turn_clearly_and_the_session
         # The answer to the heard question and "Say hello." together is whatever the fitted tools model makes of
         # them (CI saw no text): only the typed turn after a failed one has a known answer.
         assert ended.transcript == SENTENCES["timer"]
+    wait_app(tools_app, TOOLS_APP)  # (Serve's replacement up: the app whole again for the tests after this one)

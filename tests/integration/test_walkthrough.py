@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import APP_START_S, TOOLS_APP
+from tests.integration.conftest import APP_START_S, TOOLS_APP, wait_app
 from tests.unit.docs.blocks import ROOT, Block, live_blocks
 
 pytestmark = pytest.mark.integration
@@ -47,6 +47,9 @@ def _tools_app_down_after() -> Iterator[None]:
 @pytest.mark.parametrize("block", live_blocks(), ids=lambda b: b.name)
 def test_example_runs_against_the_stack(block: Block, tools_app: str, monkeypatch: pytest.MonkeyPatch) -> None:
     code = for_app(block.code, tools_app)
+    # The app whole first: a test before may have killed a replica (test_voice.py's last kills the speech one),
+    # and an example's spoken turn sent while Serve replaces it is not heard, after a 30 s wait.
+    wait_app(tools_app, TOOLS_APP)
     monkeypatch.chdir(ROOT)  # examples name files of the repository (speech/samples/...)
     if block.lang == "python":
         out = io.StringIO()
