@@ -365,8 +365,9 @@ class DecodeServer:
         stats = await self.engine.compute_stats(request_id_prefix)
         if request_id_prefix is None:  # (a process-wide count: not one request's)
             stats["held_tokens_fed_again"] = tokens_fed_again()
-        else:  # what its preemptive answers' streams have taken from the engine (behind the engine's own count)
-            stats["parked_tokens_made"] = sum(p.made for sid, p in self.parked.items() if request_id_prefix in sid)
+        else:  # what its preemptive answers' streams passed on (ids with their text: behind the engine's own count)
+            mine = [p.made for stream_id, p in self.parked.items() if request_id_prefix in stream_id]
+            stats["parked_tokens_made"] = sum(mine)
         return {**stats, "replica": self.replica}
 
     def pid(self, replica: str | None = None) -> dict[str, Any]:

@@ -139,7 +139,7 @@ def decode_whisper(out: Path) -> list[str]:
     rng = __import__("numpy").random.default_rng(0)
     failures = []
     for slug, text in SENTENCES.items():
-        for cut in (Cut(), Cut(pre_ms=300, post_ms=600)):
+        for cut in (Cut(), Cut(pre_ms=300, post_ms=600), Cut(pre_ms=300, post_ms=600, rate=24_000)):
             got = transcribe(model, processor, cut.apply(load_sample(slug), rng)).strip()
             if got != text:
                 failures.append(f"{slug} {cut}: got {got!r}")

@@ -26,8 +26,7 @@ CHECK_SEED = 99  # (the fit draws its cuts with SEED and SEED + 1)
 
 def cases(extra_cuts: int) -> list[tuple[str, str, np.ndarray]]:
     """(slug, description, audio): each clip plain, with 300 ms before / 600 ms after, sent at 24 kHz (`Cut.rate`),
-    `extra_cuts` random cuts;
-    then silences, whose transcript is ""."""
+    and `extra_cuts` random cuts; then silences, whose transcript is ""."""
     rng = np.random.default_rng(CHECK_SEED)
     out = []
     for slug in SENTENCES:
@@ -47,7 +46,7 @@ def cases(extra_cuts: int) -> list[tuple[str, str, np.ndarray]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: build/reuse models/tiny-whisper)")
-    parser.add_argument("--cuts", type=int, default=0, help="random VAD-like cuts per clip, besides the two fixed")
+    parser.add_argument("--cuts", type=int, default=0, help="random VAD-like cuts per clip, besides the three fixed")
     args = parser.parse_args()
     model = args.model or str(make_speech_model())
     # One KV-cache GiB and no core pinning: a check beside whatever else runs on the machine.

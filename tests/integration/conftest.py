@@ -167,6 +167,14 @@ def tools_app(server: str) -> Iterator[str]:
     serve.delete(TOOLS_APP, _blocking=False)
 
 
+@pytest.fixture
+def replaced_after(tools_app: str) -> Iterator[None]:
+    """For a test that kills one of the tools app's replicas: after it, passed or not, until Serve's replacement is
+    up (`/health` asks every role), so that the tests after it find the app whole."""
+    yield
+    wait_app(tools_app, TOOLS_APP)
+
+
 @pytest.fixture(scope="session")
 def model_name(server: str) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]

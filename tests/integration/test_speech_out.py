@@ -22,7 +22,7 @@ import websockets
 from openai import AsyncOpenAI, OpenAI
 
 from local_models.whisper import SENTENCES
-from tests.integration.conftest import TOOLS_APP, wait_app
+from tests.integration.conftest import TOOLS_APP
 from tests.integration.test_voice import SESSION, TIMEOUT_S, chunks, pcm24k, typed_answer, until
 
 pytestmark = pytest.mark.integration
@@ -277,6 +277,7 @@ def test_bad_audio_output_settings_are_refused_and_the_session_goes_on(tools_app
     assert events[0].type == "error" and "audio" in (events[0].error.code or "") and text
 
 
+@pytest.mark.usefixtures("replaced_after")
 def test_a_tts_replica_killed_mid_answer_reports_it_and_the_text_answer_goes_on(tools_app: str) -> None:
     from ray import serve
 
@@ -314,7 +315,6 @@ def test_a_tts_replica_killed_mid_answer_reports_it_and_the_text_answer_goes_on(
     audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     if not errors:
         assert len(audio) / 2 / RATE > 0.15 * len(transcript.split())
-    wait_app(tools_app, TOOLS_APP)  # (Serve's replacement up: the app whole again for the tests after this one)
 
 
 async def text_answer(base: str, text: str, session: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 from local_models.tools_fit import PARIS, TOOLS
 from local_models.whisper import SENTENCES, load_sample
 from speech.engine import wav_bytes
-from tests.integration.conftest import TOOLS_APP, engine_stats, wait_app
+from tests.integration.conftest import TOOLS_APP, engine_stats
 
 pytestmark = pytest.mark.integration
 
@@ -484,6 +484,7 @@ def test_an_audio_rest_session_and_an_ndjson_body_are_transcribed_into_the_turn(
     assert ndjson.json()["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
 
 
+@pytest.mark.usefixtures("replaced_after")
 def test_a_speech_replica_killed_mid_turn_fails_the_turn_clearly_and_the_session_goes_on(tools_app: str) -> None:
     """The realtime router holds the turn's audio and asks another replica; with none alive it reports the
     transcription `failed` (naming why), and the conversation goes on in text."""
@@ -534,4 +535,3 @@ def test_a_speech_replica_killed_mid_turn_fails_the_turn_clearly_and_the_session
         # The answer to the heard question and "Say hello." together is whatever the fitted tools model makes of
         # them (CI saw no text): only the typed turn after a failed one has a known answer.
         assert ended.transcript == SENTENCES["timer"]
-    wait_app(tools_app, TOOLS_APP)  # (Serve's replacement up: the app whole again for the tests after this one)
