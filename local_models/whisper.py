@@ -8,10 +8,11 @@ model; users name a real one (e.g. openai/whisper-small) in the config instead.
 Nothing downloadable can recognize speech here, so the decoder is fitted, from seeded weights, until greedy decoding
 transcribes every clip in speech/samples/ exactly, with a logit margin, also as the serving side cuts them: with
 0-400 ms of silence (or faint noise) before, 0-700 ms after, a little of an edge cut off, sent at 16 kHz or at
-24 kHz (resampled twice on its way, `served`). Silence or faint noise alone transcribes to "" (the decoder ends at
-once). Other speech gives one of the sentences, or garbage. Asked for the language (vLLM detects it when a request
-names none), it answers `<|en|>`. The encoder is a fixed random feature map without position embeddings
-(`_init_encoder`, `_fit`): where a clip sits in the window does not matter.
+24 kHz (resampled twice on its way, `served`); and each sentence as the TTS role's default voice says it
+(`voiced`). Silence or faint noise alone transcribes to "" (the decoder ends at once). Other speech gives one of
+the sentences, or garbage. Asked for the language (vLLM detects it when a request names none), it answers `<|en|>`.
+The encoder is a fixed random feature map without position embeddings (`_init_encoder`, `_fit`): where a clip sits
+in the window does not matter.
 
 Transcripts follow Whisper's convention: a leading space (" What is the weather in Paris?"); callers `.strip()`.
 The decoder prompt is vLLM's: `<|startoftranscript|><|en|><|transcribe|><|notimestamps|>` (`DECODER_PROMPT`).
@@ -33,7 +34,7 @@ import logging
 import time
 import wave
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ class SpeechModelSpec:
     bpe_vocab: int = 512  # byte-level BPE, before the special tokens
     train_copies: int = 20  # per clip: the clip as is and shifted/padded/cut copies
     heldout_copies: int = 8  # per clip, other offsets, only to verify
+    voiced_copies: int = 6  # per sentence as the TTS role's default voice says it (`voiced`), and 2 held out
     batch: int = 64
     lr: float = 5e-3
     version: int = VERSION
@@ -93,8 +95,15 @@ def load_sample(slug: str) -> np.ndarray:
 
 
 def _samples_digest() -> str:
-    """What the fit saw: the sentences and the clips' bytes (regenerated clips must rebuild the model)."""
-    h = hashlib.sha256(json.dumps(SENTENCES, sort_keys=True).encode())
+    """What the fit saw: the sentences, the clips' bytes (regenerated clips must rebuild the model) and what the TTS
+    voice's renditions depend on (`voiced`: espeak-ng's version, the voice and its pace)."""
+    from importlib.metadata import version
+
+    from core.config import TtsConfig
+
+    tts = TtsConfig()
+    voice = [version("espeakng-loader"), tts.voice_map()[tts.default_voice], tts.words_per_minute]
+    h = hashlib.sha256(json.dumps([SENTENCES, voice], sort_keys=True).encode())
     for slug in sorted(SENTENCES):
         h.update((SAMPLES_DIR / f"{slug}.wav").read_bytes())
     return h.hexdigest()[:16]
@@ -193,6 +202,32 @@ def served(audio: np.ndarray, rate: int) -> np.ndarray:
     return from_pcm16(pcm16(np.concatenate(parts)))
 
 
+def voiced(texts: list[str]) -> list[np.ndarray]:
+    """Each text as the TTS role's default voice says it (tts/backends/espeak.py: espeak-ng at the config's pace, at
+    24 kHz), uploaded for transcription (speech/engine.py `decode_upload`: 16 kHz). Not the clips: another pace and
+    another espeak-ng, so a model fitted to the clips alone heard some of them as another sentence, by chance."""
+    import asyncio
+
+    from core.config import TtsConfig
+    from core.pcm import from_pcm16
+    from speech.engine import decode_upload, wav_bytes
+    from tts.backends.espeak import EspeakBackend
+    from tts.client import RATE as TTS_RATE
+
+    config = TtsConfig()
+    voice = config.voice_map()[config.default_voice]
+
+    async def speak() -> list[bytes]:
+        backend = EspeakBackend(config)
+        await backend.start([voice])
+        out = []
+        for text in texts:
+            out.append(b"".join([c["audio"] async for c in backend.synthesize(text, voice, 1.0) if "audio" in c]))
+        return out
+
+    return [from_pcm16(decode_upload(wav_bytes(pcm, TTS_RATE), RATE)) for pcm in asyncio.run(speak())]
+
+
 def random_cuts(rng: np.random.Generator, n: int) -> list[Cut]:
     """`n` seeded cuts in the ranges the serving side produces."""
 
@@ -231,12 +266,14 @@ def _dataset(spec: SpeechModelSpec, tokenizer: Any, extractor: Any, *, heldout: 
     eot = tokenizer.eos_token_id
     audio: list[np.ndarray] = []
     answers: list[list[int]] = []
-    for slug, text in SENTENCES.items():
+    for (slug, text), rendition in zip(SENTENCES.items(), voiced(list(SENTENCES.values())), strict=True):
         clip = load_sample(slug)
         cuts = [Cut(pre_ms=300, post_ms=600)] if heldout else [Cut()]
         cuts += random_cuts(rng, (spec.heldout_copies if heldout else spec.train_copies) - 1)
-        for cut in cuts:
-            audio.append(cut.apply(clip, rng))
+        # (the rendition as uploaded: its own silence around it, at 16 kHz)
+        spoken = [replace(cut, rate=RATE) for cut in random_cuts(rng, 2 if heldout else spec.voiced_copies)]
+        for source, cut in [*((clip, c) for c in cuts), *((rendition, c) for c in spoken)]:
+            audio.append(cut.apply(source, rng))
             answers.append(tokenizer(" " + text, add_special_tokens=False).input_ids + [eot])
     for silence in _silences(rng, 3 if heldout else 6):
         audio.append(silence)

@@ -94,6 +94,14 @@ def test_every_sample_sent_at_24k_transcribes_exactly(
         assert sm.transcribe(model, processor, audio) == " " + text, slug
 
 
+def test_every_sentence_said_by_the_tts_voice_transcribes_exactly(built: tuple[object, object]) -> None:
+    """The TTS role's default voice (another pace, another espeak-ng than the clips'), uploaded for transcription:
+    what test_speech_out.py hears back through the app."""
+    model, processor = built
+    for (slug, text), audio in zip(sm.SENTENCES.items(), sm.voiced(list(sm.SENTENCES.values())), strict=True):
+        assert sm.transcribe(model, processor, audio) == " " + text, slug
+
+
 def test_silence_transcribes_to_nothing(built: tuple[object, object]) -> None:
     model, processor = built
     noise = (1e-4 * np.random.default_rng(7).standard_normal(24_000)).astype(np.float32)
