@@ -53,10 +53,10 @@ from clients import pct_ms
 from tqdm import tqdm
 
 from core.config import PreemptiveOptions, SpeechConfig, TtsConfig
+from core.pcm import wav_bytes
 from core.sentences import SentenceSplitter
 from local_models.whisper import SENTENCES, load_sample
 from router.voice.vad import SpeechDetector, VadSettings
-from speech.engine import wav_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

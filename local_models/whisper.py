@@ -187,16 +187,15 @@ class Cut:
 
 def served(audio: np.ndarray, rate: int) -> np.ndarray:
     """16 kHz `audio` as a client at `rate` sends it (PCM16, 100 ms appends) and the serving side hands it to the
-    model: resampled to 16 kHz by the router's streaming resampler (speech/utterance.py `resample_stream`), as PCM16.
+    model: resampled to 16 kHz by the router's streaming resampler (core/pcm.py `resample_stream`), as PCM16.
     Not the clip the recording made: the two resamplings move a near-tied transcript to another sentence (the moon
     clip sent at 24 kHz came out as the news one on a model fitted without them)."""
     import soxr
 
-    from core.pcm import from_pcm16, pcm16
-    from speech.utterance import resample_stream
+    from core.pcm import from_pcm16, pcm16, resample_stream
 
     sent = from_pcm16(pcm16(soxr.resample(audio, RATE, rate)))
-    stream, step = resample_stream(rate), rate // 10
+    stream, step = resample_stream(rate, RATE), rate // 10
     parts = [stream.resample_chunk(sent[i : i + step]) for i in range(0, len(sent), step)]
     parts.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
     return from_pcm16(pcm16(np.concatenate(parts)))
@@ -204,13 +203,12 @@ def served(audio: np.ndarray, rate: int) -> np.ndarray:
 
 def voiced(texts: list[str]) -> list[np.ndarray]:
     """Each text as the TTS role's default voice says it (tts/backends/espeak.py: espeak-ng at the config's pace, at
-    24 kHz), uploaded for transcription (speech/engine.py `decode_upload`: 16 kHz). Not the clips: another pace and
+    24 kHz), uploaded for transcription (core/pcm.py `decode_upload`: 16 kHz). Not the clips: another pace and
     another espeak-ng, so a model fitted to the clips alone heard some of them as another sentence, by chance."""
     import asyncio
 
     from core.config import TtsConfig
-    from core.pcm import from_pcm16
-    from speech.engine import decode_upload, wav_bytes
+    from core.pcm import decode_upload, from_pcm16, wav_bytes
     from tts.backends.espeak import EspeakBackend
     from tts.client import RATE as TTS_RATE
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import io
 import logging
 import os
-import wave
 from typing import Any
 
 from core.config import AppConfig, EngineConfig
-from core.pcm import pcm16
 from engine import ipc_wait
 from engine.llm import install_fate_sharing
 from engine.stats import EngineTotals, NoPrometheusStatLogger, TotalsStatLogger
@@ -30,33 +28,6 @@ def resolve_speech_model(model: str) -> str:
     if model in SPEECH_MODELS:
         return str(SPEECH_MODELS[model]())
     return model
-
-
-def wav_bytes(pcm16: bytes, rate: int) -> bytes:
-    """Mono 16-bit PCM as a WAV file (what vLLM's transcription layer decodes)."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm16)
-    return out.getvalue()
-
-
-def decode_upload(data: bytes, rate: int) -> bytes:
-    """An uploaded audio file (WAV, FLAC, OGG, MP3: what libsndfile reads) as mono 16-bit PCM at `rate`
-    (ValueError if it cannot be read)."""
-    import soundfile
-    import soxr
-
-    try:
-        samples, native = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # libsndfile's own errors say little; the client gets one clear message
-        raise ValueError(f"the file is not audio this server can read (WAV, FLAC, OGG, MP3): {e}") from None
-    mono = samples.mean(axis=1)
-    if native != rate:
-        mono = soxr.resample(mono, native, rate)
-    return pcm16(mono)
 
 
 def build_args(app: AppConfig) -> Any:

@@ -20,8 +20,9 @@ from ray import serve
 from core import logs, metrics
 from core.autoscaling import ACTIVE_STREAMS
 from core.config import AppConfig
+from core.pcm import decode_upload, wav_bytes
 from core.protocol import error_body, error_payload, error_status
-from speech.engine import SpeechEngine, decode_upload, wav_bytes
+from speech.engine import SpeechEngine
 from speech.sessions import AudioSessions
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from core import metrics
-from core.pcm import pcm16
+from core import metrics, pcm
 
 logger = logging.getLogger(__name__)
 MODEL_RATE = 16000  # the speech model's rate (Whisper's): what an utterance's samples are
@@ -195,13 +194,13 @@ class Utterance:
         return await self._speech(start, end)
 
     async def _speech(self, start: int, end: int) -> str:
-        pcm = pcm16(self.audio(start, end))
+        data = pcm.pcm16(self.audio(start, end))
         asked = time.perf_counter()
         last: Any = None
         for attempt in range(RETRIES + 1):
             try:
                 result = await asyncio.wait_for(
-                    self.speech.transcribe(pcm, language=self.language, prompt=self.prompt),
+                    self.speech.transcribe(data, language=self.language, prompt=self.prompt),
                     TRANSCRIBE_TIMEOUT_S,
                 )
             except asyncio.CancelledError:
@@ -225,11 +224,5 @@ class Utterance:
 
 
 def resample_stream(rate: int, quality: str = "LQ") -> Any:
-    """libsoxr's streaming resampler from `rate` to the model's (its filter state kept between chunks: no seams
-    where one chunk ends and the next begins). Low quality (LQ: a 16-bit passband to 0.9 of Nyquist, plenty for
-    speech) for what is transcribed: its filter holds back ~6 ms of audio against HQ's 21 ms (24 -> 16 kHz; its
-    output comes in bursts, up to a 20 ms append late). Quick (QQ: cubic interpolation) holds back a sample: what
-    the VAD hears, so that it hears the end of speech at once."""
-    import soxr
-
-    return soxr.ResampleStream(rate, MODEL_RATE, 1, dtype="float32", quality=quality)
+    """A streaming resampler from `rate` to the model's (core/pcm.py `resample_stream`)."""
+    return pcm.resample_stream(rate, MODEL_RATE, quality)

@@ -22,9 +22,9 @@ import pytest
 import websockets
 from openai import AsyncOpenAI
 
+from core.pcm import wav_bytes
 from local_models.tools_fit import PARIS, TOOLS
 from local_models.whisper import SENTENCES, load_sample
-from speech.engine import wav_bytes
 from tests.integration.conftest import TOOLS_APP, engine_stats
 
 pytestmark = pytest.mark.integration
