@@ -99,10 +99,8 @@ def _samples_digest() -> str:
     voice's renditions depend on (`voiced`: espeak-ng's version, the voice and its pace)."""
     from importlib.metadata import version
 
-    from core.config import TtsConfig
-
-    tts = TtsConfig()
-    voice = [version("espeakng-loader"), tts.voice_map()[tts.default_voice], tts.words_per_minute]
+    tts, name = _tts_voice()
+    voice = [version("espeakng-loader"), name, tts.words_per_minute]
     h = hashlib.sha256(json.dumps([SENTENCES, voice], sort_keys=True).encode())
     for slug in sorted(SENTENCES):
         h.update((SAMPLES_DIR / f"{slug}.wav").read_bytes())
@@ -201,19 +199,25 @@ def served(audio: np.ndarray, rate: int) -> np.ndarray:
     return from_pcm16(pcm16(np.concatenate(parts)))
 
 
+def _tts_voice() -> tuple[Any, str]:
+    """The TTS role's default config (core/config.py `TtsConfig`) and its default voice's espeak-ng name."""
+    from core.config import TtsConfig
+
+    config = TtsConfig()
+    return config, config.voice_map()[config.default_voice]
+
+
 def voiced(texts: list[str]) -> list[np.ndarray]:
     """Each text as the TTS role's default voice says it (tts/backends/espeak.py: espeak-ng at the config's pace, at
     24 kHz), uploaded for transcription (core/pcm.py `decode_upload`: 16 kHz). Not the clips: another pace and
     another espeak-ng, so a model fitted to the clips alone heard some of them as another sentence, by chance."""
     import asyncio
 
-    from core.config import TtsConfig
     from core.pcm import decode_upload, from_pcm16, wav_bytes
     from tts.backends.espeak import EspeakBackend
     from tts.client import RATE as TTS_RATE
 
-    config = TtsConfig()
-    voice = config.voice_map()[config.default_voice]
+    config, voice = _tts_voice()
 
     async def speak() -> list[bytes]:
         backend = EspeakBackend(config)
@@ -264,6 +268,8 @@ def _dataset(spec: SpeechModelSpec, tokenizer: Any, extractor: Any, *, heldout: 
     eot = tokenizer.eos_token_id
     audio: list[np.ndarray] = []
     answers: list[list[int]] = []
+    # (Synthesized again for each set: in one process espeak-ng's renditions differ by a few samples from one call
+    # to the next, so the held-out set hears other renditions than the training set. Sharing one would change them.)
     for (slug, text), rendition in zip(SENTENCES.items(), voiced(list(SENTENCES.values())), strict=True):
         clip = load_sample(slug)
         cuts = [Cut(pre_ms=300, post_ms=600)] if heldout else [Cut()]
