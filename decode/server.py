@@ -375,9 +375,14 @@ class DecodeServer:
         return {"replica": self.replica, "pid": os.getpid()}
 
     async def _export_stats(self) -> None:
-        """The engine scheduler's KV load failures as Prometheus counters (deltas since the last export)."""
+        """The engine scheduler's KV load failures as Prometheus counters (deltas since the last export); not read
+        again while the engine is idle (`Engine.activity`: a read wakes the engine core)."""
+        read_at: tuple[int, int, int] | None = None
         while True:
             await asyncio.sleep(STATS_EXPORT_S)
+            if (activity := self.engine.activity()) == read_at:
+                continue
+            read_at = activity
             try:
                 stats = await self.engine.compute_stats()
             except Exception as e:

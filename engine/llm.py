@@ -33,6 +33,7 @@ SCHEDULER_CLS = {
     "decode": "engine.scheduler.AccountingScheduler",
 }
 WORKER_EXTENSION_CLS = "engine.worker_ext.WorkerExtension"  # NIXL tuning, see engine/worker_ext.py
+READS = frozenset({"rtpd_compute_stats"})  # utility methods that change nothing (`Engine.activity`)
 
 
 def _node_ip() -> str:
@@ -205,6 +206,7 @@ class Engine:
         self._chat: Any = None
         self._completion: Any = None
         self.side_channel: tuple[str, int] | None = None
+        self._calls = 0  # utility calls that may change the engine's state (not reads of its figures)
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -257,6 +259,8 @@ class Engine:
 
     async def utility(self, method: str, *args: Any) -> Any:
         """Call one of the engine core's utility methods (vLLM's own, or the `rtpd_*` ones we add)."""
+        if method not in READS:
+            self._calls += 1
         return await self.client.engine_core.call_utility_async(method, *args)
 
     @property
@@ -290,6 +294,12 @@ class Engine:
             return await serving.create_completion(request, raw_request=None)
         except Exception as e:  # vLLM raises ValueError / VLLMClientError / ValidationError for bad input
             return serving.create_error_response(e)
+
+    def activity(self) -> tuple[int, int, int]:
+        """Changes whenever the engine's figures may have: a step, a request added or ended, a utility call that
+        is not a read. The same value twice means an idle engine: its figures need not be read again (a read
+        is a round trip that wakes the engine core)."""
+        return self.totals.steps, self.client.output_processor.get_num_unfinished_requests(), self._calls
 
     async def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.utility("rtpd_compute_stats", request_id_prefix)

@@ -27,6 +27,7 @@ class EngineTotals:
     kv_cache_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
+    steps: int = 0  # engine outputs handled (a step each): an idle engine's stay the same
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +59,7 @@ class TotalsStatLogger(StatLoggerBase):
         engine_idx: int = 0,
     ) -> None:
         t = self.totals
+        t.steps += 1
         if scheduler_stats is not None:
             t.kv_cache_usage = scheduler_stats.kv_cache_usage
             t.num_running = scheduler_stats.num_running_reqs

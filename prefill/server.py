@@ -107,6 +107,7 @@ class PrefillServer:
         self.app_name, self.deployment = context.app_name, context.deployment
         self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
+        self._stats_read_at: tuple[int, int, int] | None = None  # the engine's activity when they were read
         self._wire()
         self._sweeper = asyncio.create_task(self.sweeper.run())
 
@@ -192,6 +193,12 @@ class PrefillServer:
         return applied
 
     async def _export_scheduler_stats(self) -> None:
+        """Read the engine scheduler's figures and export them, unless the engine did nothing since the last read:
+        an idle replica then does not wake its engine core every second (`Engine.activity`)."""
+        activity = self.engine.activity()
+        if activity == self._stats_read_at:
+            return
+        self._stats_read_at = activity  # (read before: whatever happens during the read is read next time)
         try:
             stats = (await self.engine.compute_stats())["scheduler"]
         except Exception:

@@ -30,15 +30,18 @@ class Sweeper:
         """Expire idle sessions, sessions whose chunk gap never filled and answers whose reader vanished;
         forget closed sessions; export the scheduler's figures."""
         ticks = 0
+        shown: dict[SessionState, int] = {}  # the session gauges' values as last set
         while True:
             await asyncio.sleep(0.5)
             ticks += 1
             if ticks % 2 == 0:
                 await self.export_stats()
             now = time.monotonic()
-            for state in SessionState:
-                count = sum(s.state == state for s in self.sessions.values())
-                metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
+            counts = {state: sum(s.state == state for s in self.sessions.values()) for state in SessionState}
+            if counts != shown:  # (a Ray metrics call each: only when one changed)
+                shown = counts
+                for state, count in counts.items():
+                    metrics.set_gauge(metrics.SESSIONS_OPEN, count, "sessions by state", state=state.value)
             await self.table.promote_buffered()
             alive = self.table.connections_alive() if ticks % 10 == 0 else None  # (every 5 s: a GCS lookup each)
             for session in list(self.sessions.values()):

@@ -36,3 +36,16 @@ def test_a_machines_cluster_sets_the_control_loop_unless_the_environment_does(mo
     monkeypatch.setenv(key, "0.2")
     assert serve_env.settings()[key] == "0.2"
     assert key not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
+
+
+def test_a_machines_cluster_turns_rays_event_stats_off_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = "RAY_event_stats"
+    monkeypatch.delenv(key, raising=False)
+    for haproxy in ("1", "0"):
+        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
+        assert serve_env.settings()[key] == "0"
+    monkeypatch.setenv(key, "1")
+    assert serve_env.settings()[key] == "1"
+    assert key not in serve_env.SERVE_ENV  # (the manifests' pods keep Ray's default)
