@@ -69,3 +69,29 @@ def test_an_engine_that_just_answered_does_not_spin(server: str, model_name: str
         if max(used.values()) < 0.5 * 0.3:
             return
     raise AssertionError(f"CPU seconds in the 0.5 s after an answer: {used}")
+
+
+def _wakes(pid: int) -> int:
+    """Context switches of all of a process's threads so far (/proc's per-process figure is its main thread's)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            status = open(f"/proc/{pid}/task/{tid}/status").read()  # noqa: SIM115  (a /proc read)
+            total += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+    return total
+
+
+def test_an_idle_engine_core_is_left_asleep(server: str) -> None:
+    """Nothing asked of the app: its replicas do not read their engines' figures again (`Engine.activity`). Each
+    read is a utility call that wakes the engine core's threads (its input, scheduler and output threads, ZMQ's):
+    prefill's sweep read them every second, ~5 wakes a second; idle, the engine core wakes about once a second."""
+    cores = {role: engine_processes(role)[0] for role in ("prefill", "decode")}
+    window_s = 6.0
+    rates: list[dict[str, float]] = []
+    for _ in range(3):  # (a window a test's leftover session closes in is tried again)
+        before = {role: _wakes(p.pid) for role, p in cores.items()}
+        time.sleep(window_s)
+        rates.append({role: (_wakes(p.pid) - before[role]) / window_s for role, p in cores.items()})
+        if max(rates[-1].values()) < 3.0:
+            return
+    raise AssertionError(f"idle engine cores' wakes a second: {rates}")

@@ -5,6 +5,7 @@ core, while it stays the same."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -85,10 +86,8 @@ def test_decodes_export_reads_the_engine_only_after_a_change(monkeypatch) -> Non
 
     monkeypatch.setattr(decode_server.asyncio, "sleep", sleep)
     server = SimpleNamespace(engine=eng, replica="d1", _stats={})
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         asyncio.run(DecodeServer.func_or_class._export_stats(server))
-    except asyncio.CancelledError:
-        pass
     assert core.calls.count("rtpd_compute_stats") == 2  # the first round's, and the one after the change
 
 
@@ -115,10 +114,8 @@ def test_the_sweepers_session_gauges_are_set_only_when_a_count_changes(monkeypat
     monkeypatch.setattr(sweep.asyncio, "sleep", sleep)
     monkeypatch.setattr(sweep.metrics, "set_gauge", lambda name, value, *a, state: set_gauge.append((state, value)))
     table = SimpleNamespace(sessions=sessions, promote_buffered=nothing, connections_alive=dict)
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         asyncio.run(sweep.Sweeper(table, SimpleNamespace(), nothing).run())  # type: ignore[arg-type]
-    except asyncio.CancelledError:
-        pass
     states = len(SessionState)
     assert len(set_gauge) == 2 * states  # the first tick's, and the tick after the session came
     assert set_gauge[states:] == [(s.value, int(s == SessionState.CLOSED)) for s in SessionState]
