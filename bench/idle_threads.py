@@ -39,8 +39,13 @@ class Sample:
 
 
 def threads(pid: int) -> dict[int, Sample]:
+    """tid -> its sample; empty once the process is gone."""
     out: dict[int, Sample] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
@@ -53,23 +58,56 @@ def threads(pid: int) -> dict[int, Sample]:
     return out
 
 
-def processes(app: str) -> dict[str, int]:
-    """label -> pid of the app's processes (replicas by role, engines by their replica's role)."""
-    found: dict[str, int] = {}
+def _table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process on this machine."""
+    table: dict[int, tuple[int, str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        pid = int(entry)
-        prefix = f"ray::ServeReplica:{app}:"
-        if title.startswith(prefix):
-            found[f"replica {title[len(prefix) :].split()[0].split('.')[0]}"] = pid
-        elif title.startswith(("VLLM::EngineCore", "VLLM::Worker")):
-            found[f"{title.split()[0].removeprefix('VLLM::')} {pid}"] = pid
-        elif title and os.path.basename(title.split()[0]) == "haproxy":
+        table[int(entry)] = (int(stat[stat.rfind(")") + 2 :].split()[1]), line)
+    return table
+
+
+def _ancestors(pid: int, table: dict[int, tuple[int, str]]) -> list[str]:
+    """The command lines of `pid`'s parent, its parent's, ... (at most 8)."""
+    lines: list[str] = []
+    while (pid := table.get(pid, (0, ""))[0]) in table and len(lines) < 8:
+        lines.append(table[pid][1])
+    return lines
+
+
+def processes(app: str) -> dict[str, int]:
+    """label -> pid of the app's processes: its replicas by role, the engine cores and workers they started (by
+    parentage: another cluster's or a plain vLLM server's engines are not counted), and HAProxy (Serve's HAProxy
+    manager's). Two replicas of one role are told apart by their pids."""
+    table = _table()
+    prefix = f"ray::ServeReplica:{app}:"
+    replicas = {
+        pid: line[len(prefix) :].split()[0].split(".")[0] for pid, (_, line) in table.items() if line.startswith(prefix)
+    }
+    cores = {
+        pid: replicas[parent]
+        for pid, (parent, line) in table.items()
+        if line.startswith("VLLM::EngineCore") and parent in replicas
+    }
+    workers = {
+        pid: cores[parent]
+        for pid, (parent, line) in table.items()
+        if line.startswith("VLLM::Worker") and parent in cores
+    }
+    found: dict[str, int] = {}
+    for kind_, members in (("replica", replicas), ("engine core", cores), ("engine worker", workers)):
+        for pid, role in sorted(members.items()):
+            many = sum(r == role for r in members.values()) > 1
+            found[f"{kind_} {role}" + (f" {pid}" if many else "")] = pid
+    for pid, (_, line) in table.items():
+        ours = line and os.path.basename(line.split()[0]) == "haproxy"
+        if ours and any(a.startswith("ray::HAProxyManager") for a in _ancestors(pid, table)):
             found[f"haproxy {pid}"] = pid
     return found
 
@@ -103,7 +141,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for label, pid in procs.items():
         # A Ray replica's asyncio loop runs in a thread Ray names after the actor's idle state (`ray::IDLE`).
-        loops = {tid for tid, s in after[label].items() if s.name in ("ray::IDLE",) or s.name.startswith("AsyncIO")}
+        loops = {
+            tid
+            for snapshot in (before[label], after[label])
+            for tid, s in snapshot.items()
+            if s.name == "ray::IDLE" or s.name.startswith("AsyncIO")
+        }
         by_kind: dict[str, list[float]] = {}
         for tid, end in after[label].items():
             start = before[label].get(tid)

@@ -382,14 +382,14 @@ class DecodeServer:
             await asyncio.sleep(STATS_EXPORT_S)
             if (activity := self.engine.activity()) == read_at:
                 continue
-            read_at = activity
             try:
                 stats = await self.engine.compute_stats()
             except Exception as e:
                 if type(e).__name__ == "EngineDeadError":  # shutting down (or dead: check_health says so)
                     return
                 logger.exception("reading engine stats failed")
-                continue
+                continue  # (read again next round)
+            read_at = activity  # (from before the read: whatever happened during it is read next round)
             previous, self._stats = self._stats, stats
             metrics.export_kv_load_failures(stats, previous, self.replica)
 

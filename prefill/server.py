@@ -198,12 +198,13 @@ class PrefillServer:
         activity = self.engine.activity()
         if activity == self._stats_read_at:
             return
-        self._stats_read_at = activity  # (read before: whatever happens during the read is read next time)
         try:
             stats = (await self.engine.compute_stats())["scheduler"]
         except Exception:
             logger.exception("reading scheduler stats failed")
-            return
+            return  # (read again next time: stale figures would hold admission, `prefill`'s queue check, as they are)
+        # The activity from before the read: whatever happened during it is read next time.
+        self._stats_read_at = activity
         previous, self._scheduler_stats = self._scheduler_stats, stats
         metrics.export_scheduler(stats, previous, self.replica)
 

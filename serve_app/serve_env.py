@@ -138,8 +138,8 @@ def _local_ray() -> dict[str, str]:
     `ray_operation_*` metrics), for a cluster all on this machine (not the manifests': a cluster's operators may
     want them). They are timed on every timer and RPC of every Ray process, and each Serve replica's main thread
     wakes 100 times a second when idle (Ray's signal check, every 10 ms, hard-coded): on two cores, idle after
-    `make run`, 1.05% -> 0.80% of a core per replica, 8.6% -> 7.7% for the five (docs/benchmarks.md). A value in
-    the environment is kept."""
+    `make run`, the router replica's main thread 1.05% -> 0.80% of a core, 8.6% -> 7.7% for the five replicas
+    (docs/benchmarks.md, eighth pass). A value in the environment is kept."""
     key = "RAY_event_stats"  # (Ray's config names are lower case)
     return {key: os.environ.get(key, "0")}
 

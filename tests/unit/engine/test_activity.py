@@ -9,6 +9,7 @@ import contextlib
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from vllm.v1.metrics.stats import SchedulerStats
 
 from core.config import AppConfig
@@ -70,13 +71,37 @@ def test_prefills_export_reads_the_engine_once_per_change() -> None:
     assert server._scheduler_stats == {"queue_waiting": 0}
 
 
-def test_decodes_export_reads_the_engine_only_after_a_change(monkeypatch) -> None:
+def test_a_failed_read_is_tried_again_though_the_engine_stayed_idle() -> None:
+    """Stale figures must not stay: prefill refuses new work on its last `queue_waiting` without asking the engine,
+    so a read that failed once, with the engine then idle, would refuse work for good."""
+    eng, core, _ = engine()
+    failures = 1
+
+    async def flaky(method: str, *args: Any) -> Any:
+        nonlocal failures
+        core.calls.append(method)
+        if failures:
+            failures -= 1
+            raise TimeoutError("the engine core did not answer")
+        return {"scheduler": {"queue_waiting": 0}}
+
+    core.call_utility_async = flaky  # type: ignore[method-assign]
+    server = SimpleNamespace(engine=eng, replica="r1", _scheduler_stats={"queue_waiting": 99}, _stats_read_at=None)
+    export = PrefillServer.func_or_class._export_scheduler_stats
+    asyncio.run(export(server))  # fails: the old figures stay for now
+    assert server._scheduler_stats == {"queue_waiting": 99}
+    asyncio.run(export(server))  # nothing happened since, but the last read failed: read again
+    assert server._scheduler_stats == {"queue_waiting": 0}
+    assert core.calls.count("rtpd_compute_stats") == 2
+
+
+def test_decodes_export_reads_the_engine_only_after_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
     import decode.server as decode_server
 
     eng, core, processor = engine()
     ticks = 0
 
-    async def sleep(_s: float) -> None:  # one export round per tick; a step before the fourth
+    async def sleep(_s: float) -> None:  # one export round per tick; a request comes before the fourth
         nonlocal ticks
         ticks += 1
         if ticks == 4:
@@ -91,7 +116,7 @@ def test_decodes_export_reads_the_engine_only_after_a_change(monkeypatch) -> Non
     assert core.calls.count("rtpd_compute_stats") == 2  # the first round's, and the one after the change
 
 
-def test_the_sweepers_session_gauges_are_set_only_when_a_count_changes(monkeypatch) -> None:
+def test_the_sweepers_session_gauges_are_set_only_when_a_count_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill replica's sweep, every half second: one Ray metrics call per state only when the counts moved."""
     import prefill.sweep as sweep
     from prefill.session import SessionState
