@@ -30,7 +30,7 @@ from decode import pacing, sse
 from decode.feed import Outbox, ShownIds
 from decode.hold import Hold, install, starting, tokens_fed_again
 from decode.wire import Address, Call, Connection, Listener, direct_allowed
-from engine.llm import Endpoint, Engine
+from engine.llm import Activity, Endpoint, Engine
 
 logger = logging.getLogger(__name__)
 UNCLAIMED_OUTBOX_S = 30.0  # a router that started requests but never opened its feed (it died) loses them
@@ -377,19 +377,19 @@ class DecodeServer:
     async def _export_stats(self) -> None:
         """The engine scheduler's KV load failures as Prometheus counters (deltas since the last export); not read
         again while the engine is idle (`Engine.activity`: a read wakes the engine core)."""
-        read_at: tuple[int, int, int] | None = None
+        read_at: Activity | None = None
         while True:
             await asyncio.sleep(STATS_EXPORT_S)
-            if (activity := self.engine.activity()) == read_at:
-                continue
             try:
-                stats = await self.engine.compute_stats()
+                read = await self.engine.stats_since(read_at)
             except Exception as e:
                 if type(e).__name__ == "EngineDeadError":  # shutting down (or dead: check_health says so)
                     return
                 logger.exception("reading engine stats failed")
                 continue  # (read again next round)
-            read_at = activity  # (from before the read: whatever happened during it is read next round)
+            if read is None:
+                continue
+            read_at, stats = read
             previous, self._stats = self._stats, stats
             metrics.export_kv_load_failures(stats, previous, self.replica)
 

@@ -34,6 +34,7 @@ SCHEDULER_CLS = {
 }
 WORKER_EXTENSION_CLS = "engine.worker_ext.WorkerExtension"  # NIXL tuning, see engine/worker_ext.py
 READS = frozenset({"rtpd_compute_stats"})  # utility methods that change nothing (`Engine.activity`)
+Activity = tuple[int, int, int]  # `Engine.activity`: steps, unfinished requests, utility calls that change state
 
 
 def _node_ip() -> str:
@@ -295,11 +296,21 @@ class Engine:
         except Exception as e:  # vLLM raises ValueError / VLLMClientError / ValidationError for bad input
             return serving.create_error_response(e)
 
-    def activity(self) -> tuple[int, int, int]:
+    def activity(self) -> Activity:
         """Changes whenever the engine's figures may have: a step, a request added or ended, a utility call that
         is not a read. The same value twice means an idle engine: its figures need not be read again (a read
         is a round trip that wakes the engine core)."""
         return self.totals.steps, self.client.output_processor.get_num_unfinished_requests(), self._calls
+
+    async def stats_since(self, read_at: Activity | None) -> tuple[Activity, dict[str, Any]] | None:
+        """`compute_stats` and the activity it was read at, or None when the engine did nothing since `read_at` (what
+        an earlier call returned): then no round trip wakes the engine core. The activity is taken before the read,
+        so whatever happens during it is read next time; a read that raises leaves the caller's `read_at` as it was,
+        so the next call reads again (a replica's periodic exports: prefill/server.py, decode/server.py)."""
+        activity = self.activity()
+        if activity == read_at:
+            return None
+        return activity, await self.compute_stats()
 
     async def compute_stats(self, request_id_prefix: str | None = None) -> dict[str, Any]:
         stats = await self.utility("rtpd_compute_stats", request_id_prefix)

@@ -28,7 +28,7 @@ from core.config import AppConfig
 from core.protocol import Endpoint, error_payload, validate_openai_body
 from core.scheduler_config import SchedulerSettings
 from decode.client import DecodeClient
-from engine.llm import Engine
+from engine.llm import Activity, Engine
 from prefill.errors import overloaded, serialized, session_api
 from prefill.failover import Failover
 from prefill.handoff import HandOffs
@@ -107,7 +107,7 @@ class PrefillServer:
         self.app_name, self.deployment = context.app_name, context.deployment
         self.store = make_store(self.config.prefill.session_store)  # sessions outlive this replica there
         self._scheduler_stats: dict[str, Any] = {}  # the engine scheduler's last figures (the sweeper reads them)
-        self._stats_read_at: tuple[int, int, int] | None = None  # the engine's activity when they were read
+        self._stats_read_at: Activity | None = None  # the engine's activity when they were read
         self._wire()
         self._sweeper = asyncio.create_task(self.sweeper.run())
 
@@ -195,16 +195,14 @@ class PrefillServer:
     async def _export_scheduler_stats(self) -> None:
         """Read the engine scheduler's figures and export them, unless the engine did nothing since the last read:
         an idle replica then does not wake its engine core every second (`Engine.activity`)."""
-        activity = self.engine.activity()
-        if activity == self._stats_read_at:
-            return
         try:
-            stats = (await self.engine.compute_stats())["scheduler"]
+            read = await self.engine.stats_since(self._stats_read_at)
         except Exception:
             logger.exception("reading scheduler stats failed")
             return  # (read again next time: stale figures would hold admission, `prefill`'s queue check, as they are)
-        # The activity from before the read: whatever happened during it is read next time.
-        self._stats_read_at = activity
+        if read is None:
+            return
+        self._stats_read_at, stats = read[0], read[1]["scheduler"]
         previous, self._scheduler_stats = self._scheduler_stats, stats
         metrics.export_scheduler(stats, previous, self.replica)
 

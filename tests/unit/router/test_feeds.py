@@ -421,10 +421,7 @@ async def test_the_stats_export_ends_quietly_when_the_engine_is_dead(monkeypatch
         pass
 
     class DeadEngine:
-        def activity(self) -> tuple[int, int, int]:
-            return 0, 0, 0
-
-        async def compute_stats(self) -> dict[str, Any]:
+        async def stats_since(self, read_at: Any) -> Any:
             raise EngineDeadError("EngineCore encountered an issue")
 
     monkeypatch.setattr(decode.server, "STATS_EXPORT_S", 0.001)
